@@ -1,0 +1,207 @@
+"""The one module that knows Hugging Face model internals.
+
+Everything else in layerskip asks this module where a model's decoder layers are, which
+submodule of a layer is its attention and which its MLP, how many layers use a sliding
+window, and how to bypass a sublayer. Supporting a new architecture means adding one entry
+to ``ARCHITECTURES`` (and a tiny-config test), nothing else.
+
+Bypassing a sublayer means its contribution to the residual stream is zero: the module's
+forward is replaced by one that returns zeros of the input's shape without touching the
+weights or the KV cache, so a draft's cost falls with what it skips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from layerskip.errors import LayerskipError
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """Where one model family keeps its decoder layers and their sublayers."""
+
+    layers_path: str  # dotted path from the *ForCausalLM module to the nn.ModuleList of layers
+    attention: str  # attribute of a layer holding self-attention; its forward returns (output, weights)
+    mlp: str  # attribute of a layer holding the feed-forward block; its forward returns a tensor
+    base_model_path: str  # dotted path to the decoder stack (embeddings + layers + final norm)
+
+
+_LLAMA_LIKE = ArchitectureSpec("model.layers", "self_attn", "mlp", "model")
+
+# Keyed by ``config.model_type``. In transformers 5.x every attention here returns
+# ``(attn_output, attn_weights)`` and every MLP returns one tensor of the input's shape.
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "gemma": _LLAMA_LIKE,
+    "gemma2": _LLAMA_LIKE,
+    "gemma3_text": _LLAMA_LIKE,
+    "phi3": _LLAMA_LIKE,
+    "gpt_neox": ArchitectureSpec("gpt_neox.layers", "attention", "mlp", "gpt_neox"),
+    "gpt2": ArchitectureSpec("transformer.h", "attn", "mlp", "transformer"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def architecture_of(model: nn.Module) -> str:
+    return str(getattr(model.config, "model_type", type(model).__name__))
+
+
+def spec_for(model: nn.Module) -> ArchitectureSpec:
+    arch = architecture_of(model)
+    spec = ARCHITECTURES.get(arch)
+    if spec is None:
+        raise LayerskipError(
+            f"unsupported architecture '{arch}'; layerskip supports {', '.join(supported_architectures())} "
+            "(add an entry to layerskip/adapters.py ARCHITECTURES to support another)"
+        )
+    return spec
+
+
+def _resolve(root: nn.Module, dotted: str) -> nn.Module:
+    module = root
+    for name in dotted.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return _resolve(model, spec_for(model).layers_path)
+
+
+def num_layers(model: nn.Module) -> int:
+    return len(decoder_layers(model))
+
+
+def attention_module(model: nn.Module, index: int) -> nn.Module:
+    return getattr(decoder_layers(model)[index], spec_for(model).attention)
+
+
+def mlp_module(model: nn.Module, index: int) -> nn.Module:
+    return getattr(decoder_layers(model)[index], spec_for(model).mlp)
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack without the LM head: returns hidden states, accepts past_key_values."""
+    return _resolve(model, spec_for(model).base_model_path)
+
+
+def lm_head(model: nn.Module) -> nn.Linear:
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise LayerskipError(f"the LM head of '{architecture_of(model)}' is not a linear layer; it cannot be truncated")
+    return head
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """Gemma 2/3 squash logits with ``cap * tanh(logits / cap)``; others return None."""
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits from final hidden states ``[..., hidden]`` -> ``[..., V]`` (or ``[..., len(rows)]``).
+
+    ``rows`` selects a subset of the vocabulary (the truncated draft head): only those rows of
+    the output embedding are multiplied, which is where the draft's savings come from.
+    """
+    head = lm_head(model)
+    weight = head.weight if rows is None else head.weight.index_select(0, rows)
+    bias = head.bias if rows is None or head.bias is None else head.bias.index_select(0, rows)
+    logits = nn.functional.linear(hidden, weight, bias)
+    cap = final_logit_softcap(model)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def sliding_windows(model: nn.Module) -> list[int | None]:
+    """Per decoder layer: its sliding-window size, or None for full attention."""
+    config = model.config.get_text_config(decoder=True)
+    count = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if kind == "sliding_attention" else None for kind in layer_types[:count]]
+    # Without ``layer_types`` (Mistral, Phi3) a configured window applies to every layer.
+    return [window] * count
+
+
+def sublayer_parameter_counts(model: nn.Module) -> tuple[list[int], list[int], int]:
+    """(attention params per layer, MLP params per layer, all params): for 'fraction bypassed'."""
+    attn = [sum(p.numel() for p in attention_module(model, i).parameters()) for i in range(num_layers(model))]
+    mlp = [sum(p.numel() for p in mlp_module(model, i).parameters()) for i in range(num_layers(model))]
+    total = sum(p.numel() for p in model.parameters())
+    return attn, mlp, total
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """A short hash of parameter names and shapes: tells models apart without hashing weights."""
+    digest = hashlib.sha256(architecture_of(model).encode())
+    for name, param in model.state_dict().items():
+        digest.update(f"{name}:{tuple(param.shape)};".encode())
+    return digest.hexdigest()[:16]
+
+
+def _zero_attention(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, None]:
+    # The residual stream passes unchanged; no K/V is computed or written to the cache.
+    return torch.zeros_like(hidden_states), None
+
+
+def _zero_mlp(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return torch.zeros_like(hidden_states)
+
+
+@contextlib.contextmanager
+def bypass(model: nn.Module, attention: Iterable[int] = (), mlp: Iterable[int] = ()) -> Iterator[None]:
+    """Bypass the given attention / MLP sublayers inside the ``with`` block; always restored.
+
+    The replacement is an instance attribute shadowing the class's ``forward``; deleting it
+    restores the original, so nothing of the model is left changed, even on an exception.
+    """
+    patched: list[nn.Module] = []
+    try:
+        for index in attention:
+            module = attention_module(model, index)
+            module.forward = _zero_attention
+            patched.append(module)
+        for index in mlp:
+            module = mlp_module(model, index)
+            module.forward = _zero_mlp
+            patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            if "forward" in module.__dict__:
+                del module.forward
+
+
+def is_bypassed(model: nn.Module) -> bool:
+    """True if any sublayer is currently bypassed (tests use it to check restoration)."""
+    for i in range(num_layers(model)):
+        for module in (attention_module(model, i), mlp_module(model, i)):
+            if "forward" in module.__dict__:
+                return True
+    return False
+
+
+def check_indices(model: nn.Module, attention: Sequence[int], mlp: Sequence[int]) -> None:
+    count = num_layers(model)
+    for kind, indices in (("attention", attention), ("mlp", mlp)):
+        bad = [i for i in indices if not 0 <= i < count]
+        if bad:
+            raise LayerskipError(
+                f"policy skips {kind} layer(s) {bad} but the model has {count} layers (valid 0..{count - 1}); "
+                "fix the indices in the policy file"
+            )

@@ -1,0 +1,139 @@
+"""One KV cache shared by draft and verify, rolled back per layer without copying.
+
+While drafting, bypassed attention sublayers write no K/V, so layers' lengths diverge. Before
+verifying, every layer is rolled back to the committed length; verification runs all layers
+over the block; afterwards everything is rolled back to the accepted length. Rolling back is
+O(1): each layer keeps its K/V in a preallocated buffer (grown geometrically, like a vector)
+and a length; cropping only moves the length.
+
+Sliding-window layers keep their full history too and rely on the sliding attention mask, so
+a rollback past the window is always possible and the attention is exactly what a windowed
+cache would give.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+_MIN_CAPACITY = 256
+
+
+class RollbackLayer(DynamicLayer):
+    """K/V of one layer in a buffer ``[batch, kv_heads, capacity, head_dim]`` plus a length."""
+
+    _layer_type = None  # never register in transformers' layer-type mapping
+
+    def __init__(self, sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.is_sliding = sliding_window is not None
+        self.sliding_window = sliding_window
+        self.length = 0
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._allocate(key_states, value_states, max(_MIN_CAPACITY, 2 * key_states.shape[-2]))
+        self.is_initialized = True
+
+    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
+        def grow(old: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+            shape = (*like.shape[:-2], capacity, like.shape[-1])
+            new = like.new_empty(shape)
+            if old is not None and self.length:
+                new[..., : self.length, :] = old[..., : self.length, :]
+            return new
+
+        self._key_buffer = grow(self._key_buffer, key_states)
+        self._value_buffer = grow(self._value_buffer, value_states)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new_length = self.length + key_states.shape[-2]
+        if new_length > self._key_buffer.shape[-2]:
+            self._allocate(key_states, value_states, 2 * new_length)
+        self._key_buffer[..., self.length : new_length, :] = key_states
+        self._value_buffer[..., self.length : new_length, :] = value_states
+        self.length = new_length
+        self._refresh_views()
+        return self.keys, self.values
+
+    def _refresh_views(self) -> None:
+        # Views, not copies: attention reads ``[..., :length, :]`` of the buffer.
+        self.keys = self._key_buffer[..., : self.length, :]
+        self.values = self._value_buffer[..., : self.length, :]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def truncate(self, length: int) -> None:
+        if length > self.length:
+            raise RuntimeError(f"cannot roll a layer of length {self.length} forward to {length}")
+        if self.is_initialized:
+            self.length = length
+            self._refresh_views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # transformers 5.x convention: a negative count removes that many tokens.
+        if tokens_to_remove > 0:
+            self.truncate(tokens_to_remove)
+        else:
+            self.truncate(self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._refresh_views()
+
+
+class RollbackCache(DynamicCache):
+    """A DynamicCache whose layers can each be rolled back to a length in O(1).
+
+    Every length the model asks for (past length, mask sizes, query offset) is the *longest*
+    layer's: during drafting the layers that are not bypassed all share that length, while
+    bypassed ones lag and are never read. This keeps masks and positions right even when
+    layer 0's attention is bypassed.
+    """
+
+    def __init__(self, sliding_windows: list[int | None]) -> None:
+        super().__init__()
+        self.layers = [RollbackLayer(window) for window in sliding_windows]
+        self.layer_class_to_replicate = None
+
+    @property
+    def length(self) -> int:
+        return max((layer.length for layer in self.layers), default=0)
+
+    def layer_lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def rollback(self, length: int) -> None:
+        """Cut every layer to ``length`` tokens. Layers shorter than that are a bug upstream."""
+        for layer in self.layers:
+            if layer.length > length:
+                layer.truncate(length)
+            elif layer.length < length and layer.is_initialized:
+                raise RuntimeError(f"layer holds {layer.length} tokens, fewer than the {length} committed")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        target = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
+        self.rollback(target)

@@ -1,0 +1,228 @@
+"""The decode loops: plain autoregressive and self-speculative, greedy and sampling, batch size 1.
+
+Self-speculative step (cache holds every token but ``pending``, the last one chosen):
+
+    draft:   bypassed model proposes d1..dk, feeding pending, d1, .. (writes K/V only in
+             layers it does not bypass)
+    rollback every layer to ``committed`` (= tokens in the cache before drafting)
+    verify:  full model over [pending, d1..dk] -> logits [k+1, V]
+    accept:  the longest prefix d1..dn the full model agrees with, plus its own token at n
+    rollback every layer to committed + 1 + n; the new pending is the full model's token
+
+Greedy output is the full model's argmax chain; sampling uses rejection sampling, so the
+output distribution is the full model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from layerskip import adapters
+from layerskip.cache import RollbackCache
+from layerskip.drafters import DraftRequest, make_drafter
+from layerskip.errors import LayerskipError
+from layerskip.forward import full_logits
+from layerskip.policy import SkipPolicy
+from layerskip.sampling import Sampling, sample, verify_sampled
+from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
+
+TokenCallback = Callable[[list[int]], None]
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    max_new_tokens: int = 128
+    sampling: Sampling | None = None  # None = greedy
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise LayerskipError(f"max_new_tokens must be > 0 (got {self.max_new_tokens})")
+
+
+class _Output:
+    """Collects accepted tokens; applies EOS, stop strings and the token budget; streams."""
+
+    def __init__(
+        self, prompt: list[int], settings: DecodeSettings, tokenizer: object | None, on_tokens: TokenCallback | None
+    ) -> None:
+        self.history = list(prompt)
+        self.prompt_length = len(prompt)
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.on_tokens = on_tokens
+        self.done = False
+        if settings.stop_strings and tokenizer is None:
+            raise LayerskipError("stop strings need a tokenizer to decode text; pass tokenizer=")
+
+    @property
+    def generated(self) -> list[int]:
+        return self.history[self.prompt_length :]
+
+    @property
+    def remaining(self) -> int:
+        return self.settings.max_new_tokens - len(self.generated)
+
+    def emit(self, tokens: list[int]) -> bool:
+        """Append accepted tokens, cut at the first stop condition; returns True when finished."""
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            self.history.append(token)
+            if token in self.settings.eos_token_ids or self.remaining <= 0 or self._hit_stop_string():
+                self.done = True
+                break
+        if kept and self.on_tokens is not None:
+            self.on_tokens(kept)
+        return self.done
+
+    def _hit_stop_string(self) -> bool:
+        if not self.settings.stop_strings:
+            return False
+        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        return any(stop in text for stop in self.settings.stop_strings)
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _choose(logits: torch.Tensor, sampling: Sampling | None, generator: torch.Generator | None) -> int:
+    """One token from ``[V]`` logits."""
+    if sampling is None:
+        return int(logits.argmax())
+    return int(sample(sampling.probs(logits), generator))
+
+
+def _as_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
+    if not ids:
+        raise LayerskipError("the prompt is empty; pass some text to continue")
+    return ids
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def decode_autoregressive(
+    model: nn.Module,
+    input_ids: Sequence[int] | torch.Tensor,
+    settings: DecodeSettings,
+    *,
+    tokenizer: object | None = None,
+    on_tokens: TokenCallback | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """Plain decoding: one full forward per token. Returns (new tokens, stats)."""
+    settings.validate()
+    prompt = _as_ids(input_ids)
+    device = _model_device(model)
+    clock, stats = DeviceClock(device), GenerationStats()
+    output = _Output(prompt, settings, tokenizer, on_tokens)
+    generator = _generator(settings.seed, device)
+    cache = RollbackCache(adapters.sliding_windows(model))
+
+    start = clock.now()
+    ids = torch.tensor([prompt], device=device)  # [1, prompt_len]
+    position = 0
+    while True:
+        logits = full_logits(model, ids, cache, position, keep=1)  # [1, V]
+        token = _choose(logits[-1], settings.sampling, generator)
+        stats.record_step(0, 0)
+        if stats.steps == 1:
+            stats.prefill_seconds = clock.now() - start
+        if output.emit([token]):
+            break
+        position += ids.shape[1]
+        ids = torch.tensor([[token]], device=device)
+    stats.total_seconds = clock.now() - start
+    stats.verify_seconds = stats.total_seconds - stats.prefill_seconds
+    stats.new_tokens = len(output.generated)
+    return output.generated, stats
+
+
+@torch.inference_mode()
+def decode_speculative(
+    model: nn.Module,
+    input_ids: Sequence[int] | torch.Tensor,
+    policy: SkipPolicy,
+    settings: DecodeSettings,
+    *,
+    tokenizer: object | None = None,
+    on_tokens: TokenCallback | None = None,
+    vocab_rows: torch.Tensor | None = None,
+    cache_observer: Callable[[RollbackCache, int], None] | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """Self-speculative decoding with ``policy``. Returns (new tokens, stats).
+
+    ``vocab_rows`` are the token ids a truncated draft head scores (None = full head);
+    ``cache_observer(cache, committed)`` is called after every step (tests check lengths).
+    """
+    settings.validate()
+    policy.validate_for(model)
+    prompt = _as_ids(input_ids)
+    device = _model_device(model)
+    clock, stats = DeviceClock(device), GenerationStats()
+    output = _Output(prompt, settings, tokenizer, on_tokens)
+    generator = _generator(settings.seed, device)
+    cache = RollbackCache(adapters.sliding_windows(model))
+    drafter = make_drafter(model, policy, settings.sampling, generator, vocab_rows)
+    sampling = settings.sampling
+
+    start = clock.now()
+    logits = full_logits(model, torch.tensor([prompt], device=device), cache, 0, keep=1)
+    first = _choose(logits[-1], sampling, generator)
+    stats.record_step(0, 0)
+    stats.prefill_seconds = clock.now() - start
+    done = output.emit([first])
+    committed = len(prompt)  # tokens in the cache; the history's last token is pending
+    if cache_observer is not None:
+        cache_observer(cache, committed)
+
+    while not done:
+        # The verify always adds one token of its own, so draft at most remaining - 1.
+        budget = output.remaining - 1
+        t0 = clock.now()
+        draft = drafter.propose(DraftRequest(output.history, cache, budget)) if budget > 0 else None
+        drafted = draft.tokens if draft is not None else []
+        t1 = clock.now()
+
+        cache.rollback(committed)
+        block = torch.tensor([[output.history[-1], *drafted]], device=device)  # [1, k+1]
+        logits = full_logits(model, block, cache, committed, keep=block.shape[1])  # [k+1, V]
+        if sampling is None:
+            targets = logits.argmax(dim=-1).tolist()  # the full model's token after each block position
+            accepted = 0
+            while accepted < len(drafted) and drafted[accepted] == targets[accepted]:
+                accepted += 1
+            next_token = targets[accepted]
+        else:
+            accepted, next_token = verify_sampled(drafted, sampling.probs(logits), draft.q, generator)
+        committed += 1 + accepted
+        cache.rollback(committed)
+        t2 = clock.now()
+
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.record_step(len(drafted), accepted)
+        if draft is not None and draft.from_lookup:
+            stats.lookup_steps += 1
+        drafter.update(len(drafted), accepted)
+        done = output.emit([*drafted[:accepted], next_token])
+        if cache_observer is not None:
+            cache_observer(cache, committed)
+
+    stats.total_seconds = clock.now() - start
+    stats.new_tokens = len(output.generated)
+    return output.generated, stats

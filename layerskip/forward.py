@@ -1,0 +1,48 @@
+"""Model forward passes over the shared cache with explicit positions.
+
+Positions are always passed explicitly: the cache's past length is the longest layer's, but
+being explicit means no code path ever infers a position from a layer that was bypassed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from layerskip import adapters
+from layerskip.cache import RollbackCache
+
+
+def _positions(start: int, count: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, start + count, device=device).unsqueeze(0)  # [1, count]
+
+
+def full_logits(model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache, start: int, keep: int) -> torch.Tensor:
+    """Run the whole model over ``input_ids [1, q]`` at positions start..start+q-1.
+
+    Returns the logits of the last ``keep`` positions, ``[keep, V]``.
+    """
+    out = model(
+        input_ids=input_ids,
+        past_key_values=cache,
+        position_ids=_positions(start, input_ids.shape[1], input_ids.device),
+        use_cache=True,
+        logits_to_keep=keep,
+    )
+    return out.logits[0]
+
+
+def draft_logits(
+    model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache, start: int, rows: torch.Tensor | None
+) -> torch.Tensor:
+    """The draft's logits for the last input position, ``[V]`` or ``[len(rows)]``.
+
+    Called inside ``adapters.bypass``; runs the decoder stack, then only the head rows needed.
+    """
+    hidden = adapters.base_model(model)(
+        input_ids=input_ids,
+        past_key_values=cache,
+        position_ids=_positions(start, input_ids.shape[1], input_ids.device),
+        use_cache=True,
+    ).last_hidden_state  # [1, q, hidden]
+    return adapters.head_logits(model, hidden[0, -1], rows)

@@ -1,0 +1,224 @@
+"""SkipPolicy: which sublayers the draft bypasses, how it drafts, and where the policy came from.
+
+A policy file is JSON:
+
+    {"format": "layerskip-policy", "version": 1,
+     "skip_attention": [..], "skip_mlp": [..],
+     "draft": {"max_draft_tokens": 4, "adaptive": true, ...},
+     "model": {"name": .., "architecture": .., "num_layers": .., "fingerprint": ..},
+     "provenance": {...}, "measured": {...}}
+
+Whole-layer skips are a layer index in both lists; an early-exit draft of depth d skips
+both sublayers of every layer >= d.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from layerskip import adapters
+from layerskip.errors import LayerskipError
+from layerskip.fileio import write_json_atomic
+
+FORMAT = "layerskip-policy"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """How the draft proposes tokens each step."""
+
+    max_draft_tokens: int = 4
+    # Draft & Verify style early stop: stop drafting when the draft's top-1 probability falls
+    # below a threshold that moves toward ``target_acceptance`` after every verify.
+    adaptive: bool = False
+    initial_threshold: float = 0.6
+    target_acceptance: float = 0.7
+    # Truncated draft head: the draft scores only this many most frequent tokens (0 = full).
+    draft_vocab_size: int = 0
+    # Prompt lookup: propose the continuation of an earlier matching n-gram (0 = off).
+    lookup_max_ngram: int = 0
+    lookup_min_ngram: int = 2
+    lookup_max_tokens: int = 8
+    # When both are on: use lookup if it finds a match, else the skip draft.
+    use_skip_draft: bool = True
+
+    def validate(self) -> None:
+        if self.max_draft_tokens < 1:
+            raise LayerskipError("draft.max_draft_tokens must be >= 1; set it in the policy file")
+        if not 0.0 <= self.initial_threshold <= 1.0 or not 0.0 < self.target_acceptance <= 1.0:
+            raise LayerskipError("draft.initial_threshold must be in [0, 1] and target_acceptance in (0, 1]")
+        if self.draft_vocab_size < 0 or self.lookup_max_ngram < 0 or self.lookup_max_tokens < 0:
+            raise LayerskipError("draft sizes must be >= 0; fix the policy file")
+        if self.lookup_max_ngram and not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
+            raise LayerskipError("draft.lookup_min_ngram must be between 1 and lookup_max_ngram")
+        if not self.use_skip_draft and not self.lookup_max_ngram:
+            raise LayerskipError("a policy with use_skip_draft false needs lookup_max_ngram > 0")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    name: str = ""
+    architecture: str = ""
+    num_layers: int = 0
+    fingerprint: str = ""
+
+    @classmethod
+    def of(cls, model: nn.Module, name: str = "") -> ModelIdentity:
+        return cls(
+            name=name or str(getattr(model, "layerskip_name", "")),
+            architecture=adapters.architecture_of(model),
+            num_layers=adapters.num_layers(model),
+            fingerprint=adapters.weights_fingerprint(model),
+        )
+
+
+@dataclass(frozen=True)
+class SkipPolicy:
+    skip_attention: tuple[int, ...] = ()
+    skip_mlp: tuple[int, ...] = ()
+    draft: DraftSettings = field(default_factory=DraftSettings)
+    model: ModelIdentity = field(default_factory=ModelIdentity)
+    provenance: dict[str, Any] = field(default_factory=dict)  # how it was found
+    measured: dict[str, Any] = field(default_factory=dict)  # figures measured for it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "skip_attention", tuple(sorted(set(int(i) for i in self.skip_attention))))
+        object.__setattr__(self, "skip_mlp", tuple(sorted(set(int(i) for i in self.skip_mlp))))
+
+    # -- constructors -------------------------------------------------------------------
+    @classmethod
+    def early_exit(cls, num_layers: int, depth: int, **kwargs: Any) -> SkipPolicy:
+        """Draft with the first ``depth`` layers only."""
+        deep = tuple(range(depth, num_layers))
+        return cls(skip_attention=deep, skip_mlp=deep, **kwargs)
+
+    @classmethod
+    def skip_layers(cls, layers: list[int], **kwargs: Any) -> SkipPolicy:
+        return cls(skip_attention=tuple(layers), skip_mlp=tuple(layers), **kwargs)
+
+    def with_model(self, model: nn.Module, name: str = "") -> SkipPolicy:
+        return replace(self, model=ModelIdentity.of(model, name))
+
+    # -- checks -------------------------------------------------------------------------
+    @property
+    def bypasses_anything(self) -> bool:
+        return bool(self.skip_attention or self.skip_mlp)
+
+    def validate_for(self, model: nn.Module) -> None:
+        """Raise LayerskipError unless this policy can drive ``model``."""
+        self.draft.validate()
+        count = adapters.num_layers(model)
+        arch = adapters.architecture_of(model)
+        ident = self.model
+        if ident.architecture and ident.architecture != arch:
+            raise LayerskipError(
+                f"policy was made for a '{ident.architecture}' model ({ident.name or 'unnamed'}) but this model is "
+                f"'{arch}'; load the model the policy names or search a policy for this one"
+            )
+        if ident.num_layers and ident.num_layers != count:
+            raise LayerskipError(
+                f"policy was made for a {ident.num_layers}-layer model ({ident.name or 'unnamed'}) but this model has "
+                f"{count} layers; use a policy made for this model"
+            )
+        if ident.fingerprint and ident.fingerprint != adapters.weights_fingerprint(model):
+            raise LayerskipError(
+                f"policy was made for another model ({ident.name or 'unnamed'}: weight shapes differ); "
+                "use a policy made for this model"
+            )
+        adapters.check_indices(model, self.skip_attention, self.skip_mlp)
+        if len(self.skip_attention) == count and len(self.skip_mlp) == count:
+            raise LayerskipError(
+                "policy bypasses every sublayer, so the draft would ignore the input; keep at least one layer"
+            )
+
+    def fraction_bypassed(self, model: nn.Module) -> float:
+        """Fraction of the model's parameters in bypassed sublayers (the head and embeddings count)."""
+        attn, mlp, total = adapters.sublayer_parameter_counts(model)
+        skipped = sum(attn[i] for i in self.skip_attention) + sum(mlp[i] for i in self.skip_mlp)
+        return skipped / total
+
+    def describe(self) -> str:
+        parts = [f"attn skip {list(self.skip_attention)}", f"mlp skip {list(self.skip_mlp)}"]
+        d = self.draft
+        parts.append(f"k<={d.max_draft_tokens}{' adaptive' if d.adaptive else ''}")
+        if d.draft_vocab_size:
+            parts.append(f"draft vocab {d.draft_vocab_size}")
+        if d.lookup_max_ngram:
+            parts.append(f"lookup n={d.lookup_min_ngram}..{d.lookup_max_ngram}")
+        return ", ".join(parts)
+
+    # -- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "skip_attention": list(self.skip_attention),
+            "skip_mlp": list(self.skip_mlp),
+            "draft": asdict(self.draft),
+            "model": asdict(self.model),
+            "provenance": self.provenance,
+            "measured": self.measured,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "policy") -> SkipPolicy:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise LayerskipError(f"{source} is not a layerskip policy (missing \"format\": \"{FORMAT}\")")
+        if data.get("version") != VERSION:
+            raise LayerskipError(f"{source} has policy version {data.get('version')!r}; this layerskip reads {VERSION}")
+        try:
+            draft = _dataclass_from(DraftSettings, data.get("draft", {}))
+            model = _dataclass_from(ModelIdentity, data.get("model", {}))
+            attention = data.get("skip_attention", [])
+            mlp = data.get("skip_mlp", [])
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp]):
+                raise TypeError("skip lists must hold integers")
+            policy = cls(
+                skip_attention=tuple(attention),
+                skip_mlp=tuple(mlp),
+                draft=draft,
+                model=model,
+                provenance=dict(data.get("provenance", {})),
+                measured=dict(data.get("measured", {})),
+            )
+        except (TypeError, ValueError) as exc:
+            raise LayerskipError(f"{source} has the wrong schema ({exc}); regenerate it with layerskip-search") from None
+        policy.draft.validate()
+        return policy
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SkipPolicy:
+        path = Path(path)
+        if not path.is_file():
+            raise LayerskipError(f"policy file {path} not found; pass an existing --policy path")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise LayerskipError(f"policy file {path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+        return cls.from_dict(data, source=f"policy file {path}")
+
+
+def _dataclass_from(cls: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise TypeError(f"'{cls.__name__}' must be an object")
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise TypeError(f"unknown field(s) {sorted(unknown)} in {cls.__name__}")
+    for key, value in data.items():
+        expected = type(known[key].default)
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise TypeError(f"{cls.__name__}.{key} must be {expected.__name__}")
+    return cls(**data)

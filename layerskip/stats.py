@@ -1,0 +1,71 @@
+"""Counters, device-synchronised timing and the result dataclasses of one generation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+class DeviceClock:
+    """Wall-clock seconds that include all queued device work (synchronises CUDA first)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    steps: int = 0  # full-model forward passes that produced tokens (prefill + verifies)
+    drafted: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+    accept_histogram: dict[int, int] = field(default_factory=dict)  # accepted drafts -> steps
+    lookup_steps: int = 0  # steps whose draft came from prompt lookup
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens produced per full-model forward (tau); 1.0 for plain decoding."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accept_histogram[accepted] = self.accept_histogram.get(accepted, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(
+            mean_accepted=self.mean_accepted,
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_second=self.tokens_per_second,
+        )
+        return data
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # the new tokens only
+    text: str
+    prompt_tokens: int
+    stats: GenerationStats
