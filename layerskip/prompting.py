@@ -1,0 +1,34 @@
+"""Turning user text into token ids (chat template or raw) and finding the stop tokens."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from layerskip.errors import LayerskipError
+
+
+def encode_prompt(tokenizer: object, prompt: str, chat: bool) -> list[int]:
+    """Token ids for ``prompt``; with ``chat`` it is wrapped as one user turn of the chat template."""
+    if not prompt or not prompt.strip():
+        raise LayerskipError("the prompt is empty; pass some text with --prompt or --prompt-file")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise LayerskipError("this tokenizer has no chat template; drop --chat to use the raw prompt")
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def eos_token_ids(model: nn.Module, tokenizer: object) -> tuple[int, ...]:
+    """Every token that ends a generation: the generation config's EOS ids and the tokenizer's."""
+    ids: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))

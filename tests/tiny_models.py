@@ -1,0 +1,144 @@
+"""Tiny random models of every supported architecture, built from a config (nothing downloaded).
+
+The weights are initialised so that greedy comparisons are robust: the embeddings and LM head
+are scaled up (peaked logits: no float near-ties between the top two tokens) and each
+sublayer's output projection is scaled down a little, so that a draft that bypasses some
+sublayers still agrees with the full model often enough to get acceptances.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerskip import adapters
+
+HIDDEN = 64
+LAYERS = 4
+HEADS = 4
+KV_HEADS = 2
+VOCAB = 128
+SLIDING_WINDOW = 4
+
+# Names of the tiny configs the tests iterate over; gpt_neox comes in both residual variants.
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_neox", "gpt_neox_serial", "gpt2"]
+
+# Scales applied after the default init (see the module docstring).
+EMBED_SCALE = 6.0
+OUT_PROJ_SCALE = 0.5
+SCALES: dict[str, tuple[float, float]] = {}
+
+
+def _config(arch: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transformers config
+    import transformers as tf
+
+    common: dict[str, Any] = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    llama_like: dict[str, Any] = dict(
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        **common,
+    )
+    if arch == "llama":
+        kwargs, cls = llama_like, tf.LlamaConfig
+    elif arch == "mistral":
+        kwargs, cls = dict(llama_like, sliding_window=SLIDING_WINDOW), tf.MistralConfig
+    elif arch == "qwen2":
+        kwargs, cls = llama_like, tf.Qwen2Config
+    elif arch == "qwen3":
+        kwargs, cls = dict(llama_like, head_dim=HIDDEN // HEADS), tf.Qwen3Config
+    elif arch in ("gemma2", "gemma3_text"):
+        kwargs = dict(
+            llama_like,
+            head_dim=HIDDEN // HEADS,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2),
+            pad_token_id=0,
+        )
+        if arch == "gemma3_text":
+            kwargs["layer_types"] = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        cls = tf.Gemma2Config if arch == "gemma2" else tf.Gemma3TextConfig
+    elif arch == "phi3":
+        kwargs, cls = dict(llama_like, pad_token_id=0), tf.Phi3Config
+    elif arch in ("gpt_neox", "gpt_neox_serial"):
+        kwargs = dict(
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            max_position_embeddings=256,
+            use_parallel_residual=arch == "gpt_neox",
+            **common,
+        )
+        cls = tf.GPTNeoXConfig
+    elif arch == "gpt2":
+        kwargs = dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=256, n_inner=2 * HIDDEN, **common)
+        cls = tf.GPT2Config
+    else:
+        raise ValueError(f"no tiny config for {arch!r}")
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def _model_class(config):  # noqa: ANN001, ANN202
+    import transformers as tf
+
+    return {
+        "llama": tf.LlamaForCausalLM,
+        "mistral": tf.MistralForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "qwen3": tf.Qwen3ForCausalLM,
+        "gemma2": tf.Gemma2ForCausalLM,
+        "gemma3_text": tf.Gemma3ForCausalLM,
+        "phi3": tf.Phi3ForCausalLM,
+        "gpt_neox": tf.GPTNeoXForCausalLM,
+        "gpt2": tf.GPT2LMHeadModel,
+    }[config.model_type]
+
+
+def _out_projections(model: nn.Module, index: int) -> list[nn.Linear]:
+    """The last linear layer of a sublayer: the one writing into the residual stream."""
+    found = []
+    for module in (adapters.attention_module(model, index), adapters.mlp_module(model, index)):
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        conv1d = [m for m in module.modules() if type(m).__name__ == "Conv1D"]  # GPT-2
+        found.append((linears or conv1d)[-1])
+    return found
+
+
+def tiny_model(
+    arch: str, seed: int = 0, embed_scale: float | None = None, out_scale: float | None = None, **overrides: Any
+) -> nn.Module:
+    """A tiny random ``*ForCausalLM`` in fp32 and eval mode; ``overrides`` go to its config."""
+    config = _config(arch, overrides)
+    default_embed, default_out = SCALES.get(arch, (EMBED_SCALE, OUT_PROJ_SCALE))
+    embed_scale = default_embed if embed_scale is None else embed_scale
+    out_scale = default_out if out_scale is None else out_scale
+    torch.manual_seed(seed)
+    model = _model_class(config)(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embed_scale)
+        head = model.get_output_embeddings()
+        if head.weight is not model.get_input_embeddings().weight:
+            head.weight.mul_(embed_scale)
+        for i in range(adapters.num_layers(model)):
+            layer = adapters.decoder_layers(model)[i]
+            post_norms = [getattr(layer, n, None) for n in ("post_attention_layernorm", "post_feedforward_layernorm")]
+            if all(norm is not None for norm in post_norms) and hasattr(layer, "pre_feedforward_layernorm"):
+                # Gemma 2/3 normalise each sublayer's output: scale the post-norms' (1 + weight).
+                for norm in post_norms:
+                    norm.weight.copy_((1 + norm.weight) * out_scale - 1)
+            else:
+                for proj in _out_projections(model, i):
+                    proj.weight.mul_(out_scale)
+    return model.float().eval()
+
+
+def random_prompt(vocab_size: int = VOCAB, length: int = 8, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
