@@ -1,9 +1,9 @@
 """Tiny random models of every supported architecture, built from a config (nothing downloaded).
 
-The weights are initialised so that greedy comparisons are robust: the embeddings and LM head
-are scaled up (peaked logits: no float near-ties between the top two tokens) and each
-sublayer's output projection is scaled down a little, so that a draft that bypasses some
-sublayers still agrees with the full model often enough to get acceptances.
+The default init is rescaled per architecture (``SCALES``) so that greedy comparisons are
+robust: the embeddings and LM head are scaled (peaked logits: no float near-ties between the
+top two tokens) and each sublayer's output is scaled, so the continuation depends on the
+context and a draft that bypasses some sublayers agrees with the full model often, not always.
 """
 
 from __future__ import annotations
@@ -25,13 +25,27 @@ SLIDING_WINDOW = 4
 # Names of the tiny configs the tests iterate over; gpt_neox comes in both residual variants.
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_neox", "gpt_neox_serial", "gpt2"]
 
-# Scales applied after the default init (see the module docstring).
-EMBED_SCALE = 6.0
-OUT_PROJ_SCALE = 0.5
-SCALES: dict[str, tuple[float, float]] = {}
+# (embedding/head scale, sublayer-output scale, seed) per config, tuned so that the greedy
+# continuation of ``random_prompt()`` is varied (10+ distinct tokens for most), the top-2 logit
+# gap of the reference stays above ~1e-3 (fp32 rounding is ~1e-6), and every skip policy
+# the tests use gets acceptances and rejections. Tied-embedding models (Gemma, GPT-2) need
+# stronger sublayers, or the residual stream is dominated by the current token's embedding and
+# the model just repeats it.
+SCALES: dict[str, tuple[float, float, int]] = {
+    "llama": (5.0, 1.0, 0),
+    "mistral": (3.0, 1.0, 0),
+    "qwen2": (5.0, 1.0, 0),
+    "qwen3": (5.0, 1.0, 0),
+    "gemma2": (8.0, 2.0, 0),
+    "gemma3_text": (8.0, 4.0, 1),
+    "phi3": (5.0, 1.0, 0),
+    "gpt_neox": (5.0, 1.0, 1),
+    "gpt_neox_serial": (5.0, 1.0, 1),
+    "gpt2": (0.5, 4.0, 0),
+}
 
 
-def _config(arch: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transformers config
+def _config(arch: str, overrides: dict[str, Any]):
     import transformers as tf
 
     common: dict[str, Any] = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -85,7 +99,7 @@ def _config(arch: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transform
     return cls(**kwargs)
 
 
-def _model_class(config):  # noqa: ANN001, ANN202
+def _model_class(config):
     import transformers as tf
 
     return {
@@ -112,14 +126,22 @@ def _out_projections(model: nn.Module, index: int) -> list[nn.Linear]:
 
 
 def tiny_model(
-    arch: str, seed: int = 0, embed_scale: float | None = None, out_scale: float | None = None, **overrides: Any
+    arch: str,
+    seed: int | None = None,
+    embed_scale: float | None = None,
+    out_scale: float | None = None,
+    **overrides: Any,
 ) -> nn.Module:
-    """A tiny random ``*ForCausalLM`` in fp32 and eval mode; ``overrides`` go to its config."""
+    """A tiny random ``*ForCausalLM`` of ``arch`` (one of ``ARCHS``) in fp32 and eval mode.
+
+    ``overrides`` go to its config; ``seed``, ``embed_scale`` and ``out_scale`` default to
+    the tuned values in ``SCALES``.
+    """
     config = _config(arch, overrides)
-    default_embed, default_out = SCALES.get(arch, (EMBED_SCALE, OUT_PROJ_SCALE))
+    default_embed, default_out, default_seed = SCALES[arch]
     embed_scale = default_embed if embed_scale is None else embed_scale
     out_scale = default_out if out_scale is None else out_scale
-    torch.manual_seed(seed)
+    torch.manual_seed(default_seed if seed is None else seed)
     model = _model_class(config)(config)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(embed_scale)

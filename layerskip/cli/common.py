@@ -15,6 +15,9 @@ EXIT_BAD_INPUT = 2
 def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run ``main``; a LayerskipError becomes ``error: ...`` on stderr and exit code 2, no traceback."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would break the one-line stderr contract
     try:
         return main(argv)
     except LayerskipError as exc:

@@ -1,0 +1,1 @@
+"""Optuna search for skip policies; imports layerskip, never the reverse."""

@@ -1,0 +1,215 @@
+"""layerskip-search: find which sublayers a model's draft should bypass, on your data and device.
+
+Runs (or resumes) an Optuna study scored by teacher-forced acceptance and measured draft
+latency, confirms the best candidates by real generation against HF generate, and exports
+the best policy as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from layerskip import adapters
+from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.data import load_prompts
+from layerskip.errors import LayerskipError
+from layerskip.models import load_model
+from layerskip.prompting import encode_prompt, eos_token_ids
+from layerskip.vocab import DraftVocabulary
+from search.export import choose_trial, export_policy
+from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibration
+from search.plots import write_plots
+from search.space import SearchSpace, policy_from_params
+from search.study import (
+    check_study_matches,
+    confirmations,
+    counted_trials,
+    existing_study_attrs,
+    finalists,
+    open_storage,
+    open_study,
+    record_confirmation,
+    run_trials,
+)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerskip-search", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--prompts", default="builtin", help="'builtin', a Spec-Bench-style JSONL, or a json/csv/parquet file")
+    parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
+    parser.add_argument("--n-prompts", type=int, default=6, help="calibration prompts (spread over categories)")
+    parser.add_argument("--per-category", type=int, help="sample this many prompts from each category first")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--n-trials", type=int, default=60, help="trials this process runs")
+    parser.add_argument("--total-trials", type=int, help="stop when the study (all workers) has this many trials")
+    parser.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
+    parser.add_argument("--storage", default="sqlite:///layerskip-search.db",
+                        help="sqlite:///path.db, a journal file path.log, or postgresql://user:pass@host/db")
+    parser.add_argument("--study-name", help="default: MODEL-OBJECTIVE")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="speedup")
+    parser.add_argument("--reference-tokens", type=int, default=48, help="length of each teacher-forcing reference")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt in the real confirmation")
+    parser.add_argument("--confirm-top", type=int, default=3, help="finalists confirmed by real generation (0: none)")
+    parser.add_argument("--draft-tokens", type=_int_list, default=(2, 3, 4, 6), help="max draft token choices")
+    parser.add_argument("--no-adaptive", action="store_true", help="do not search the adaptive draft length")
+    parser.add_argument("--draft-vocab", type=_int_list, default=(0,),
+                        help="truncated draft head sizes to search (0 = full head), e.g. 0,4096,16384")
+    parser.add_argument("--lookup", type=_int_list, default=(0,),
+                        help="prompt-lookup max n-gram choices (0 = off), e.g. 0,3")
+    parser.add_argument("--never-skip", type=_int_list, default=(), help="layers never to bypass, e.g. 0,1")
+    parser.add_argument("--min-skip-fraction", type=float, default=0.0)
+    parser.add_argument("--max-skip-fraction", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", type=int, default=0, help="worker number: varies the sampler seed between workers")
+    parser.add_argument("--out", help="policy JSON to write (default: STUDY_NAME.policy.json)")
+    parser.add_argument("--export-trial", type=int, help="export this trial (e.g. a Pareto point) instead of the best")
+    parser.add_argument("--plots", help="directory for pareto.png, history.png, skip_frequency.png")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for name in ("n_trials", "n_prompts", "reference_tokens", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise LayerskipError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
+    if args.total_trials is not None and args.total_trials <= 0:
+        raise LayerskipError("--total-trials must be > 0")
+    if args.confirm_top < 0:
+        raise LayerskipError("--confirm-top must be >= 0")
+    if any(k < 1 for k in args.draft_tokens) or not args.draft_tokens:
+        raise LayerskipError("--draft-tokens must list integers >= 1")
+
+
+def _summary(study, objective: str, top: list) -> str:
+    confirmed = confirmations(study)
+    layers = int(study.user_attrs["model_num_layers"])
+    lines = [
+        "| trial | attention skipped | MLP skipped | k | acceptance (tf) | predicted | measured speedup | tau | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for trial in top:
+        policy = policy_from_params(trial.params, layers)
+        c = confirmed.get(trial.number)
+        measured = (f"{c['speedup']:.2f}x | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}"
+                    if c else "- | - | -")
+        k = f"{policy.draft.max_draft_tokens}{' adaptive' if policy.draft.adaptive else ''}"
+        lines.append(
+            f"| {trial.number} | {list(policy.skip_attention)} | {list(policy.skip_mlp)} | {k} "
+            f"| {trial.user_attrs.get('acceptance', 0):.3f} | {trial.user_attrs.get('predicted_speedup', 0):.2f}x "
+            f"| {measured} |"
+        )
+    return "\n".join(lines)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_numbers(args)
+    command = shlex.join(["layerskip-search", *(sys.argv[1:] if argv is None else argv)])
+    prompts = load_prompts(args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field,
+                           seed=args.seed)
+    storage = open_storage(args.storage)
+    study_name = args.study_name or f"{Path(args.model).stem}-{args.objective}"
+    previous = existing_study_attrs(storage, study_name)
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    identity = {
+        "model_name": loaded.name,
+        "model_architecture": adapters.architecture_of(model),
+        "model_num_layers": adapters.num_layers(model),
+        "model_fingerprint": adapters.weights_fingerprint(model),
+        "objective": args.objective,
+    }
+    check_study_matches(previous, study_name, identity)
+    space = SearchSpace(
+        num_layers=adapters.num_layers(model),
+        never_skip=args.never_skip,
+        min_fraction=args.min_skip_fraction,
+        max_fraction=args.max_skip_fraction,
+        draft_token_choices=args.draft_tokens,
+        tune_adaptive=not args.no_adaptive,
+        draft_vocab_choices=args.draft_vocab,
+        lookup_ngram_choices=args.lookup,
+    )
+    chat = loaded.instruct if args.chat is None else args.chat
+    prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
+    calibration_info = {
+        "source": args.prompts,
+        "prompts": [p.id for p in prompts],
+        "categories": sorted({p.category for p in prompts}),
+        "chat": chat,
+        "reference_tokens": args.reference_tokens,
+    }
+    metadata = {
+        **identity,
+        "command": command,
+        "calibration": calibration_info,
+        "space": space.to_dict(),
+        "device": str(next(model.parameters()).device),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+    }
+    study = open_study(storage, study_name, args.objective, args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name),
+                       metadata, space.warm_starts())
+    vocabulary = DraftVocabulary.from_prompts(tokenizer, [p.text for p in prompts], model)
+    progress = not args.no_progress
+    print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
+    calibration = prepare_calibration(model, prompt_ids, args.reference_tokens, args.draft_tokens,
+                                      eos_token_ids(model, tokenizer), calibration_info, progress)
+    objective = CheapObjective(model, calibration, space, args.objective, vocabulary.rows_for)
+    run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)
+
+    top = finalists(study, args.objective, max(args.confirm_top, 1))
+    done = confirmations(study)
+    for trial in top[: args.confirm_top]:
+        if trial.number not in done:
+            policy = policy_from_params(trial.params, space.num_layers)
+            record_confirmation(study, trial, confirm(model, calibration, policy, args.max_new_tokens,
+                                                      vocabulary.rows_for, progress))
+    out = Path(args.out or f"{study_name}.policy.json")
+    policy = export_policy(study, out, args.export_trial)
+    if args.plots:
+        for path in write_plots(study, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    print(f"\nstudy '{study_name}': {counted_trials(study)} trials (complete + pruned)")
+    print(_summary(study, args.objective, top))
+    chosen = choose_trial(study, args.export_trial)
+    confirmed = policy.measured.get("confirmed")
+    verdict = ""
+    if confirmed:
+        verdict = (f"; measured {confirmed['speedup']:.2f}x vs HF generate"
+                   + (" (no speedup on this model and device)" if confirmed["speedup"] < 1.0 else ""))
+    print(f"\nexported trial {chosen.number} to {out}: {policy.describe()}{verdict}")
+    return 0
+
+
+def counted_trials_safe(storage, study_name: str) -> int:
+    """Trials already in the study (0 if new): offsets the sampler seed so a resumed run explores anew."""
+    import optuna
+
+    try:
+        return counted_trials(optuna.load_study(study_name=study_name, storage=storage))
+    except KeyError:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

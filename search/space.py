@@ -1,0 +1,132 @@
+"""The search space: one on/off switch per attention and per MLP sublayer, plus draft settings.
+
+Parameter names are stable (``attn_07``, ``mlp_07``, ``max_draft_tokens`` ...) so a study can
+be resumed, shared between workers and warm-started with enqueued candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import optuna
+
+from layerskip.errors import LayerskipError
+from layerskip.policy import DraftSettings, SkipPolicy
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    num_layers: int
+    never_skip: tuple[int, ...] = ()  # layers whose sublayers are never bypassed
+    min_fraction: float = 0.0  # of all 2 * num_layers sublayers, bypassed
+    max_fraction: float = 1.0
+    draft_token_choices: tuple[int, ...] = (2, 3, 4, 6)
+    tune_adaptive: bool = True
+    target_acceptance_choices: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9)
+    draft_vocab_choices: tuple[int, ...] = (0,)  # truncated draft head sizes (0 = full head)
+    lookup_ngram_choices: tuple[int, ...] = (0,)  # prompt-lookup max n-gram (0 = off)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise LayerskipError("the model has no decoder layers to search over")
+        bad = [i for i in self.never_skip if not 0 <= i < self.num_layers]
+        if bad:
+            raise LayerskipError(f"--never-skip {bad} is out of range for a {self.num_layers}-layer model")
+        if not 0.0 <= self.min_fraction <= self.max_fraction <= 1.0:
+            raise LayerskipError("need 0 <= --min-skip-fraction <= --max-skip-fraction <= 1")
+        if not self.draft_token_choices or min(self.draft_token_choices) < 1:
+            raise LayerskipError("draft token choices must be >= 1")
+
+    @property
+    def searchable_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i not in set(self.never_skip)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # -- Optuna ---------------------------------------------------------------------------
+    def suggest(self, trial: optuna.Trial) -> SkipPolicy:
+        """Sample a policy; prunes a trial whose skipped fraction breaks the user's rules."""
+        attention = [i for i in self.searchable_layers if trial.suggest_categorical(f"attn_{i:02d}", [False, True])]
+        mlp = [i for i in self.searchable_layers if trial.suggest_categorical(f"mlp_{i:02d}", [False, True])]
+        fraction = (len(attention) + len(mlp)) / (2 * self.num_layers)
+        trial.set_user_attr("skip_fraction", fraction)
+        if not self.min_fraction <= fraction <= self.max_fraction:
+            raise optuna.TrialPruned(f"skips {fraction:.2f} of sublayers, outside [{self.min_fraction}, {self.max_fraction}]")
+        if len(attention) == self.num_layers and len(mlp) == self.num_layers:
+            raise optuna.TrialPruned("bypasses every sublayer")
+        draft = self._suggest_draft(trial)
+        return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
+
+    def _suggest_draft(self, trial: optuna.Trial) -> DraftSettings:
+        k = trial.suggest_categorical("max_draft_tokens", list(self.draft_token_choices))
+        adaptive = trial.suggest_categorical("adaptive", [False, True]) if self.tune_adaptive else False
+        target = 0.7
+        if adaptive:
+            target = trial.suggest_categorical("target_acceptance", list(self.target_acceptance_choices))
+        vocab = trial.suggest_categorical("draft_vocab_size", list(self.draft_vocab_choices))
+        lookup = trial.suggest_categorical("lookup_max_ngram", list(self.lookup_ngram_choices))
+        return draft_settings(k, adaptive, target, vocab, lookup)
+
+    def params_for(self, attention: list[int], mlp: list[int], max_draft_tokens: int | None = None) -> dict[str, Any]:
+        """Optuna parameters of a hand-picked candidate (for ``enqueue_trial`` warm starts)."""
+        params: dict[str, Any] = {}
+        for i in self.searchable_layers:
+            params[f"attn_{i:02d}"] = i in attention
+            params[f"mlp_{i:02d}"] = i in mlp
+        k = max_draft_tokens if max_draft_tokens in self.draft_token_choices else self.draft_token_choices[0]
+        params["max_draft_tokens"] = k
+        if self.tune_adaptive:
+            params["adaptive"] = False
+        params["draft_vocab_size"] = self.draft_vocab_choices[0]
+        params["lookup_max_ngram"] = self.lookup_ngram_choices[0]
+        return params
+
+    def warm_starts(self) -> list[dict[str, Any]]:
+        """Sensible first candidates: nothing skipped, early-exit prefixes, every other deep layer."""
+        n = self.num_layers
+        allowed = set(self.searchable_layers)
+        candidates: list[tuple[list[int], list[int]]] = [([], [])]
+        for depth in (3 * n // 4, 2 * n // 3, n // 2):
+            deep = [i for i in range(depth, n) if i in allowed]
+            candidates.append((deep, deep))
+        alternate = [i for i in range(n // 2, n) if i % 2 == 1 and i in allowed]
+        candidates.append((alternate, alternate))
+        candidates.append((alternate, []))  # attention only: often the cheapest to lose
+        params = []
+        for attention, mlp in candidates:
+            fraction = (len(attention) + len(mlp)) / (2 * n)
+            if self.min_fraction <= fraction <= self.max_fraction:
+                candidate = self.params_for(attention, mlp, 4)
+                if candidate not in params:
+                    params.append(candidate)
+        return params
+
+
+def policy_from_params(params: dict[str, Any], num_layers: int) -> SkipPolicy:
+    """Rebuild the policy a finished trial evaluated, from its parameters."""
+    attention = [i for i in range(num_layers) if params.get(f"attn_{i:02d}", False)]
+    mlp = [i for i in range(num_layers) if params.get(f"mlp_{i:02d}", False)]
+    draft = draft_settings(
+        int(params.get("max_draft_tokens", 4)),
+        bool(params.get("adaptive", False)),
+        float(params.get("target_acceptance", 0.7)),
+        int(params.get("draft_vocab_size", 0)),
+        int(params.get("lookup_max_ngram", 0)),
+    )
+    return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
+
+
+def draft_settings(k: int, adaptive: bool, target: float, vocab: int, lookup: int) -> DraftSettings:
+    """The draft settings one point of the space stands for."""
+    return DraftSettings(
+        max_draft_tokens=k,
+        adaptive=adaptive,
+        target_acceptance=target,
+        draft_vocab_size=vocab,
+        lookup_max_ngram=lookup,
+        lookup_min_ngram=min(2, lookup) if lookup else 2,
+        lookup_max_tokens=max(8, k),
+    )

@@ -1,0 +1,166 @@
+"""Optuna studies by storage URL: create or resume, check they belong to this model, run, confirm.
+
+Storage URLs: ``sqlite:///path.db`` (default), a journal file ``path.log`` (or
+``journal:path``), ``postgresql://user:pass@host/db`` for many workers on many machines.
+Re-running the same command resumes the study; several processes may work on one study at
+once; ``total_trials`` caps the trials of all workers together.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from layerskip.errors import LayerskipError
+from search.objective import Confirmation
+
+COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
+CONFIRMED_PREFIX = "confirmed:"
+HEARTBEAT_SECONDS = 30
+
+
+def open_storage(url: str) -> optuna.storages.BaseStorage:
+    """An Optuna storage for ``url``; one-line LayerskipError if the URL is bad or unreachable."""
+    if url.startswith("journal:") or url.endswith(".log"):
+        path = Path(url.removeprefix("journal:")).expanduser()
+        if not path.parent.is_dir():
+            raise LayerskipError(f"directory {path.parent} of journal storage {url} does not exist; create it first")
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///")).expanduser()
+        if not path.parent.is_dir():
+            raise LayerskipError(f"directory {path.parent} of SQLite storage {url} does not exist; create it first")
+    elif not url.startswith(("postgresql://", "postgresql+psycopg2://", "mysql://", "mysql+pymysql://")):
+        raise LayerskipError(
+            f"unsupported storage URL '{url}'; use sqlite:///path.db, a journal file path.log, or postgresql://..."
+        )
+    # Heartbeats (stale-trial detection for killed workers) are flagged experimental by Optuna.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    try:
+        return optuna.storages.RDBStorage(
+            url,
+            engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else None,
+            heartbeat_interval=HEARTBEAT_SECONDS,
+            grace_period=3 * HEARTBEAT_SECONDS,
+        )
+    except ImportError as exc:
+        raise LayerskipError(f"storage {url} needs a database driver ({exc.name}); pip install psycopg2-binary") from None
+    except Exception as exc:  # sqlalchemy raises OperationalError / ArgumentError subclasses
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LayerskipError(f"cannot open storage {_redact(url)}: {first_line}") from None
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a database URL before printing it."""
+    if "://" in url and "@" in url:
+        scheme, rest = url.split("://", 1)
+        credentials, host = rest.rsplit("@", 1)
+        user = credentials.split(":", 1)[0]
+        return f"{scheme}://{user}:***@{host}"
+    return url
+
+
+def existing_study_attrs(storage: optuna.storages.BaseStorage, name: str) -> dict[str, Any] | None:
+    """The user attributes of study ``name`` if it exists, else None (reads only)."""
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        if summary.study_name == name:
+            return dict(summary.user_attrs)
+    return None
+
+
+def check_study_matches(attrs: dict[str, Any] | None, name: str, identity: dict[str, Any]) -> None:
+    """An existing study must have been made for the same model and objective."""
+    if attrs is None:
+        return
+    for key in ("model_fingerprint", "objective", "model_architecture"):
+        if key in attrs and key in identity and attrs[key] != identity[key]:
+            raise LayerskipError(
+                f"study '{name}' was created with {key}={attrs[key]!r} but this run has {identity[key]!r} "
+                f"(model {attrs.get('model_name', '?')}); use another --study-name"
+            )
+
+
+def open_study(
+    storage: optuna.storages.BaseStorage,
+    name: str,
+    objective: str,
+    seed: int,
+    metadata: dict[str, Any],
+    warm_starts: list[dict[str, Any]],
+) -> optuna.Study:
+    """Create or resume the study; record what it is for; enqueue warm starts once."""
+    directions = ["maximize", "minimize"] if objective == "pareto" else ["maximize"]
+    # constant_liar keeps parallel workers from sampling the same point while trials run.
+    sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=8)
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=2)
+    optuna.logging.set_verbosity(logging.WARNING)
+    study = optuna.create_study(
+        storage=storage, study_name=name, directions=directions, sampler=sampler, pruner=pruner, load_if_exists=True
+    )
+    if "model_fingerprint" not in study.user_attrs:
+        for key, value in metadata.items():
+            study.set_user_attr(key, value)
+        for params in warm_starts:
+            study.enqueue_trial(params, skip_if_exists=True)
+    runs = list(study.user_attrs.get("runs", []))
+    runs.append(metadata.get("command", ""))
+    study.set_user_attr("runs", runs[-50:])
+    return study
+
+
+def counted_trials(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=COUNTED_STATES))
+
+
+def run_trials(
+    study: optuna.Study,
+    objective: Callable[[optuna.Trial], Any],
+    n_trials: int,
+    total_trials: int | None,
+    timeout: float | None,
+    progress: bool = True,
+) -> None:
+    """Run up to ``n_trials`` here, stopping when all workers together reach ``total_trials``."""
+    callbacks = []
+    if total_trials is not None:
+        if counted_trials(study) >= total_trials:
+            return
+        callbacks.append(optuna.study.MaxTrialsCallback(total_trials, states=COUNTED_STATES))
+    study.optimize(
+        objective,
+        n_trials=n_trials,
+        timeout=timeout,
+        callbacks=callbacks,
+        show_progress_bar=progress,
+        gc_after_trial=False,
+    )
+
+
+def finalists(study: optuna.Study, objective: str, top_k: int) -> list[FrozenTrial]:
+    """Trials worth confirming by real generation: best predicted speedups (of the Pareto set)."""
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    pool = study.best_trials if objective == "pareto" else complete
+    ranked = sorted(pool, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0), reverse=True)
+    return ranked[:top_k]
+
+
+def record_confirmation(study: optuna.Study, trial: FrozenTrial, confirmation: Confirmation) -> None:
+    # Finished trials are immutable in Optuna, so measured figures live on the study, keyed by trial number.
+    study.set_user_attr(f"{CONFIRMED_PREFIX}{trial.number}", asdict(confirmation))
+
+
+def confirmations(study: optuna.Study) -> dict[int, dict[str, Any]]:
+    return {
+        int(key.removeprefix(CONFIRMED_PREFIX)): value
+        for key, value in study.user_attrs.items()
+        if key.startswith(CONFIRMED_PREFIX)
+    }

@@ -1,0 +1,86 @@
+"""Token-for-token comparison against Hugging Face ``generate`` with a diagnosable failure message."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def first_divergence(got: Sequence[int], ref: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or None if equal."""
+    for i, (a, b) in enumerate(zip(got, ref, strict=False)):
+        if a != b:
+            return i
+    return None if len(got) == len(ref) else min(len(got), len(ref))
+
+
+@torch.inference_mode()
+def hf_greedy(model: nn.Module, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF greedy ``generate`` without EOS: (new tokens, their raw logits ``[n, V]``)."""
+    ids = torch.tensor([list(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, ids.shape[1] :].tolist(), torch.cat(out.logits, dim=0).float()
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model: nn.Module, prompt: Sequence[int], ref: Sequence[int], index: int) -> torch.Tensor:
+    """The full model's logits ``[V]`` for the token at ``ref[index]`` (prompt + ref[:index] as context)."""
+    ids = torch.tensor([[*prompt, *ref[:index]]], device=next(model.parameters()).device)
+    return model(input_ids=ids).logits[0, -1].float().cpu()
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def mismatch_message(
+    got: Sequence[int],
+    ref: Sequence[int],
+    *,
+    ref_logits: torch.Tensor | None = None,
+    model: nn.Module | None = None,
+    prompt: Sequence[int] | None = None,
+    label: str = "",
+) -> str:
+    """Where ``got`` leaves ``ref`` and how close the reference's top two logits were there."""
+    i = first_divergence(got, ref)
+    if i is None:
+        return f"{label}: identical"
+    lines = [
+        f"{label}: first divergence at new token {i} (got {len(got)} tokens, reference {len(ref)})",
+        f"  got       {list(got[max(0, i - 3) : i + 3])} (from index {max(0, i - 3)})",
+        f"  reference {list(ref[max(0, i - 3) : i + 3])}",
+    ]
+    logits = None
+    if ref_logits is not None and i < len(ref_logits):
+        logits = ref_logits[i]
+    elif model is not None and prompt is not None and i < len(ref):
+        logits = teacher_forced_logits(model, prompt, ref, i)
+    if logits is not None:
+        top = logits.topk(2)
+        lines.append(
+            f"  reference top-2 there: tokens {top.indices.tolist()} logits {[round(v, 5) for v in top.values.tolist()]}"
+            f" gap {top2_gap(logits):.3g} (a gap near 0 means a float near-tie, not a logic bug)"
+        )
+    return "\n".join(lines)
+
+
+def assert_same_tokens(got: Sequence[int], ref: Sequence[int], **kwargs: object) -> None:
+    got, ref = list(got), list(ref)
+    assert got == ref, mismatch_message(got, ref, **kwargs)

@@ -1,0 +1,20 @@
+"""Shared fixtures: offline mode, tiny random models, and the real embedded SmolLM2 (loaded once)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before anything imports huggingface_hub: nothing is ever downloaded
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+SMOLLM2 = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct (30 Llama layers) as a ``LoadedModel``; tests using it are slow."""
+    from layerskip.models import load_model
+
+    return load_model(SMOLLM2)

@@ -1,0 +1,208 @@
+"""Greedy self-speculative decoding is lossless: token for token what HF ``generate`` produces.
+
+Every supported architecture (tiny random configs, see tiny_models.py) x every kind of draft:
+attention-only skips (with layer 0's attention), MLP-only, whole layers, early exit, adaptive
+draft length, prompt lookup alone and lookup + skip. 40 new tokens from an 8-token prompt run
+far past the sliding window (4) of Mistral / Gemma 2 / Gemma 3.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from compare import assert_same_tokens, hf_greedy, mismatch_message
+from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model
+
+from layerskip import adapters, drafters
+from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.policy import DraftSettings, SkipPolicy
+
+NEW_TOKENS = 40
+
+POLICIES: dict[str, SkipPolicy] = {
+    "attention-0-2": SkipPolicy(skip_attention=(0, 2)),
+    "attention-0": SkipPolicy(skip_attention=(0,)),
+    "mlp-1-3": SkipPolicy(skip_mlp=(1, 3)),
+    "layers-1-2": SkipPolicy.skip_layers([1, 2]),
+    "early-exit-2": SkipPolicy.early_exit(LAYERS, 2),
+    "early-exit-1-k1": SkipPolicy.early_exit(LAYERS, 1, draft=DraftSettings(max_draft_tokens=1)),
+    "mixed-k8": SkipPolicy(skip_attention=(3,), skip_mlp=(0, 2), draft=DraftSettings(max_draft_tokens=8)),
+    "adaptive": SkipPolicy(skip_attention=(1,), skip_mlp=(3,), draft=DraftSettings(max_draft_tokens=6, adaptive=True)),
+    "lookup": SkipPolicy(draft=DraftSettings(lookup_max_ngram=3, use_skip_draft=False)),
+    "lookup-hybrid": SkipPolicy(skip_attention=(0,), skip_mlp=(2,), draft=DraftSettings(lookup_max_ngram=3)),
+}
+
+
+@functools.cache
+def _model(arch: str) -> torch.nn.Module:
+    return tiny_model(arch)
+
+
+@functools.cache
+def _reference(arch: str) -> tuple[list[int], torch.Tensor]:
+    return hf_greedy(_model(arch), random_prompt(), NEW_TOKENS)
+
+
+def _check(arch: str, got: list[int], label: str) -> None:
+    ref, logits = _reference(arch)
+    assert_same_tokens(got, ref, ref_logits=logits, label=f"{arch} {label}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_autoregressive_matches_hf(arch: str) -> None:
+    tokens, stats = decode_autoregressive(_model(arch), random_prompt(), DecodeSettings(max_new_tokens=NEW_TOKENS))
+    _check(arch, tokens, "autoregressive")
+    assert stats.new_tokens == NEW_TOKENS and stats.steps == NEW_TOKENS
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_matches_hf(arch: str, policy_name: str) -> None:
+    model = _model(arch)
+    policy = POLICIES[policy_name]
+    streamed: list[int] = []
+    tokens, stats = decode_speculative(
+        model, random_prompt(), policy, DecodeSettings(max_new_tokens=NEW_TOKENS), on_tokens=streamed.extend
+    )
+    _check(arch, tokens, policy_name)
+    assert streamed == tokens
+    assert not adapters.is_bypassed(model)
+    # Bookkeeping: every step is the prefill or one verify; tau = tokens per full forward.
+    assert stats.new_tokens == NEW_TOKENS
+    assert sum(stats.accept_histogram.values()) == stats.steps
+    assert 0 <= stats.accepted <= stats.drafted
+    assert stats.steps == NEW_TOKENS - stats.accepted  # each verify adds its own token + the accepted drafts
+    # The draft is exercised: it gets tokens accepted, so the test covers multi-token commits.
+    assert stats.accepted > 0, f"{arch} {policy_name}: no draft token was ever accepted"
+    if policy.draft.lookup_max_ngram:
+        assert stats.lookup_steps > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_drafts_get_rejected_too(arch: str) -> None:
+    """The tiny models are not so easy that every draft is accepted: the rollback path runs."""
+    model = _model(arch)
+    rejected = 0
+    for name in ("layers-1-2", "early-exit-2", "mlp-1-3"):
+        _, stats = decode_speculative(model, random_prompt(), POLICIES[name], DecodeSettings(max_new_tokens=NEW_TOKENS))
+        rejected += stats.drafted - stats.accepted
+    assert rejected > 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3_text"])
+def test_sliding_window_matters(arch: str) -> None:
+    """The window-4 reference differs from the same weights without a window: the window is exercised."""
+    unwindowed = tiny_model(arch, sliding_window=512)
+    ref, _ = _reference(arch)
+    other, _ = hf_greedy(unwindowed, random_prompt(), NEW_TOKENS)
+    assert other != ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
+def test_truncated_draft_head_is_lossless(arch: str) -> None:
+    """A draft head scoring only some vocabulary rows (Gemma 2: with logit softcapping; GPT-2: tied) is lossless."""
+    model = _model(arch)
+    ref, _ = _reference(arch)
+    rows = torch.tensor(sorted(set(ref) | set(range(0, 128, 3))))  # include the reference tokens: acceptances
+    policy = SkipPolicy(skip_mlp=(1,), skip_attention=(3,), draft=DraftSettings(draft_vocab_size=len(rows)))
+    tokens, stats = decode_speculative(
+        model, random_prompt(), policy, DecodeSettings(max_new_tokens=NEW_TOKENS), vocab_rows=rows
+    )
+    _check(arch, tokens, "truncated head")
+    assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("policy_name", ["attention-0-2", "early-exit-2", "lookup-hybrid"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_eos_stops_inside_an_accepted_block(arch: str, policy_name: str) -> None:
+    """With an EOS id, output ends right after its first occurrence, as HF generate does."""
+    model = _model(arch)
+    ref, _ = _reference(arch)
+    eos = ref[len(ref) // 2]
+    expected = ref[: ref.index(eos) + 1]
+    settings = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=(eos,))
+    tokens, _ = decode_speculative(model, random_prompt(), POLICIES[policy_name], settings)
+    assert tokens == expected, mismatch_message(tokens, expected, label=f"{arch} {policy_name} eos={eos}")
+    plain, _ = decode_autoregressive(model, random_prompt(), settings)
+    assert plain == expected
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5])
+def test_short_budgets(max_new_tokens: int) -> None:
+    """The token budget is exact even when a draft block could overshoot it."""
+    ref, _ = _reference("llama")
+    for name in ("attention-0-2", "mixed-k8", "lookup"):
+        tokens, stats = decode_speculative(
+            _model("llama"), random_prompt(), POLICIES[name], DecodeSettings(max_new_tokens=max_new_tokens)
+        )
+        assert tokens == ref[:max_new_tokens], name
+        assert stats.new_tokens == max_new_tokens
+
+
+def test_long_generation_past_initial_cache_capacity() -> None:
+    """Prompt + generation exceed the rollback cache's initial 256-token buffers: it grows, still lossless."""
+    model = tiny_model("mistral", max_position_embeddings=1024)
+    prompt = random_prompt(length=200, seed=1)
+    ref, logits = hf_greedy(model, prompt, 80)
+    tokens, stats = decode_speculative(model, prompt, POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=80))
+    assert_same_tokens(tokens, ref, ref_logits=logits, label="mistral 200+80")
+    assert stats.accepted > 0
+
+
+def test_tensor_prompt_is_accepted() -> None:
+    ref, _ = _reference("qwen2")
+    prompt = torch.tensor([random_prompt()])  # [1, T] as HF tokenizers return it
+    tokens, _ = decode_speculative(_model("qwen2"), prompt, POLICIES["layers-1-2"], DecodeSettings(max_new_tokens=10))
+    assert tokens == ref[:10]
+
+
+# -- bypass is always undone -------------------------------------------------------------------
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([random_prompt()])).logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
+def test_bypass_is_restored_after_an_exception(arch: str) -> None:
+    model = _model(arch)
+    before = _logits(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        with adapters.bypass(model, attention=[0, 1], mlp=[2, 3]):
+            assert adapters.is_bypassed(model)
+            changed = _logits(model)
+            raise RuntimeError("boom")
+    assert not adapters.is_bypassed(model)
+    assert not torch.equal(changed, before)  # the bypass did something
+    torch.testing.assert_close(_logits(model), before, rtol=0, atol=0)
+
+
+def test_bypass_with_a_bad_index_restores_what_it_patched() -> None:
+    model = _model("llama")
+    with pytest.raises(IndexError):
+        with adapters.bypass(model, attention=[0, 1, 99]):
+            pass
+    assert not adapters.is_bypassed(model)
+
+
+def test_bypass_is_restored_when_drafting_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("llama")
+    real = drafters.draft_logits
+    calls = []
+
+    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            assert adapters.is_bypassed(model)
+            raise RuntimeError("draft failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drafters, "draft_logits", failing)
+    with pytest.raises(RuntimeError, match="draft failed"):
+        decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=NEW_TOKENS))
+    assert not adapters.is_bypassed(model)
+    monkeypatch.undo()
+    _check("llama", decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(NEW_TOKENS))[0], "after")
