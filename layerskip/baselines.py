@@ -38,7 +38,9 @@ def hf_generate(
     if sampling is None:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
-        kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        kwargs.update(
+            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None
+        )
         if seed is not None:
             torch.manual_seed(seed)
     kwargs.update(extra)

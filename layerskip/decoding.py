@@ -209,7 +209,8 @@ def decode_speculative(
                 accepted += 1
             next_token = targets[accepted]
         else:
-            accepted, next_token = verify_sampled(drafted, sampling.probs(logits), draft.q, generator)
+            q = draft.q if draft is not None else None  # no draft when one token remains
+            accepted, next_token = verify_sampled(drafted, sampling.probs(logits), q, generator)
         committed += 1 + accepted
         cache.rollback(committed)
         t2 = clock.now()
@@ -258,6 +259,10 @@ def generate(
     if policy is None:
         tokens, stats = decode_autoregressive(model, ids, settings, tokenizer=tokenizer, on_tokens=stream)
     else:
+        if vocab_rows is None and policy.draft.draft_vocab_size:
+            from layerskip.vocab import DraftVocabulary  # vocab imports policy; keep decoding import-light
+
+            vocab_rows = DraftVocabulary.builtin(tokenizer, model).rows_for(policy, ids)
         tokens, stats = decode_speculative(
             model, ids, policy, settings, tokenizer=tokenizer, on_tokens=stream, vocab_rows=vocab_rows
         )

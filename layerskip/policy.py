@@ -170,7 +170,7 @@ class SkipPolicy:
     @classmethod
     def from_dict(cls, data: Any, source: str = "policy") -> SkipPolicy:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise LayerskipError(f"{source} is not a layerskip policy (missing \"format\": \"{FORMAT}\")")
+            raise LayerskipError(f'{source} is not a layerskip policy (missing "format": "{FORMAT}")')
         if data.get("version") != VERSION:
             raise LayerskipError(f"{source} has policy version {data.get('version')!r}; this layerskip reads {VERSION}")
         try:
@@ -189,7 +189,9 @@ class SkipPolicy:
                 measured=dict(data.get("measured", {})),
             )
         except (TypeError, ValueError) as exc:
-            raise LayerskipError(f"{source} has the wrong schema ({exc}); regenerate it with layerskip-search") from None
+            raise LayerskipError(
+                f"{source} has the wrong schema ({exc}); regenerate it with layerskip-search"
+            ) from None
         policy.draft.validate()
         return policy
 
@@ -204,7 +206,9 @@ class SkipPolicy:
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise LayerskipError(f"policy file {path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+            raise LayerskipError(
+                f"policy file {path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})"
+            ) from None
         return cls.from_dict(data, source=f"policy file {path}")
 
 

@@ -26,11 +26,13 @@ from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibr
 from search.plots import write_plots
 from search.space import SearchSpace, policy_from_params
 from search.study import (
+    check_storage_url,
     check_study_matches,
     confirmations,
     counted_trials,
     existing_study_attrs,
     finalists,
+    local_storage_file,
     open_storage,
     open_study,
     record_confirmation,
@@ -46,10 +48,13 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerskip-search", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="layerskip-search", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_model_arguments(parser)
-    parser.add_argument("--prompts", default="builtin", help="'builtin', a Spec-Bench-style JSONL, or a json/csv/parquet file")
+    parser.add_argument(
+        "--prompts", default="builtin", help="'builtin', a Spec-Bench-style JSONL, or a json/csv/parquet file"
+    )
     parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
     parser.add_argument("--n-prompts", type=int, default=6, help="calibration prompts (spread over categories)")
     parser.add_argument("--per-category", type=int, help="sample this many prompts from each category first")
@@ -57,8 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-trials", type=int, default=60, help="trials this process runs")
     parser.add_argument("--total-trials", type=int, help="stop when the study (all workers) has this many trials")
     parser.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
-    parser.add_argument("--storage", default="sqlite:///layerskip-search.db",
-                        help="sqlite:///path.db, a journal file path.log, or postgresql://user:pass@host/db")
+    parser.add_argument(
+        "--storage",
+        default="sqlite:///layerskip-search.db",
+        help="sqlite:///path.db, a journal file path.log, or postgresql://user:pass@host/db",
+    )
     parser.add_argument("--study-name", help="default: MODEL-OBJECTIVE")
     parser.add_argument("--objective", choices=OBJECTIVES, default="speedup")
     parser.add_argument("--reference-tokens", type=int, default=48, help="length of each teacher-forcing reference")
@@ -66,10 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--confirm-top", type=int, default=3, help="finalists confirmed by real generation (0: none)")
     parser.add_argument("--draft-tokens", type=_int_list, default=(2, 3, 4, 6), help="max draft token choices")
     parser.add_argument("--no-adaptive", action="store_true", help="do not search the adaptive draft length")
-    parser.add_argument("--draft-vocab", type=_int_list, default=(0,),
-                        help="truncated draft head sizes to search (0 = full head), e.g. 0,4096,16384")
-    parser.add_argument("--lookup", type=_int_list, default=(0,),
-                        help="prompt-lookup max n-gram choices (0 = off), e.g. 0,3")
+    parser.add_argument(
+        "--draft-vocab",
+        type=_int_list,
+        default=(0,),
+        help="truncated draft head sizes to search (0 = full head), e.g. 0,4096,16384",
+    )
+    parser.add_argument(
+        "--lookup", type=_int_list, default=(0,), help="prompt-lookup max n-gram choices (0 = off), e.g. 0,3"
+    )
     parser.add_argument("--never-skip", type=_int_list, default=(), help="layers never to bypass, e.g. 0,1")
     parser.add_argument("--min-skip-fraction", type=float, default=0.0)
     parser.add_argument("--max-skip-fraction", type=float, default=1.0)
@@ -98,14 +111,16 @@ def _summary(study, objective: str, top: list) -> str:
     confirmed = confirmations(study)
     layers = int(study.user_attrs["model_num_layers"])
     lines = [
-        "| trial | attention skipped | MLP skipped | k | acceptance (tf) | predicted | measured speedup | tau | identical |",
+        "| trial | attention skipped | MLP skipped | k | acceptance (tf) | predicted "
+        "| measured speedup | tau | identical |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for trial in top:
         policy = policy_from_params(trial.params, layers)
         c = confirmed.get(trial.number)
-        measured = (f"{c['speedup']:.2f}x | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}"
-                    if c else "- | - | -")
+        measured = (
+            f"{c['speedup']:.2f}x | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}" if c else "- | - | -"
+        )
         k = f"{policy.draft.max_draft_tokens}{' adaptive' if policy.draft.adaptive else ''}"
         lines.append(
             f"| {trial.number} | {list(policy.skip_attention)} | {list(policy.skip_mlp)} | {k} "
@@ -119,11 +134,16 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _check_numbers(args)
     command = shlex.join(["layerskip-search", *(sys.argv[1:] if argv is None else argv)])
-    prompts = load_prompts(args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field,
-                           seed=args.seed)
-    storage = open_storage(args.storage)
+    prompts = load_prompts(
+        args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field, seed=args.seed
+    )
     study_name = args.study_name or f"{Path(args.model).stem}-{args.objective}"
-    previous = existing_study_attrs(storage, study_name)
+    # A database server is contacted now, so an unreachable one fails before the model loads; a
+    # new SQLite or journal file is only created once every input has been checked, so a run that
+    # fails on bad input leaves nothing behind.
+    check_storage_url(args.storage)
+    storage_file = local_storage_file(args.storage)
+    storage = open_storage(args.storage) if storage_file is None or storage_file.exists() else None
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -134,7 +154,6 @@ def _main(argv: list[str] | None) -> int:
         "model_fingerprint": adapters.weights_fingerprint(model),
         "objective": args.objective,
     }
-    check_study_matches(previous, study_name, identity)
     space = SearchSpace(
         num_layers=adapters.num_layers(model),
         never_skip=args.never_skip,
@@ -163,13 +182,23 @@ def _main(argv: list[str] | None) -> int:
         "dtype": args.dtype,
         "torch": torch.__version__,
     }
-    study = open_study(storage, study_name, args.objective, args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name),
-                       metadata, space.warm_starts())
+    if storage is None:
+        storage = open_storage(args.storage)
+    check_study_matches(existing_study_attrs(storage, study_name), study_name, identity)
+    seed = args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name)
+    study = open_study(storage, study_name, args.objective, seed, metadata, space.warm_starts())
     vocabulary = DraftVocabulary.from_prompts(tokenizer, [p.text for p in prompts], model)
     progress = not args.no_progress
     print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
-    calibration = prepare_calibration(model, prompt_ids, args.reference_tokens, args.draft_tokens,
-                                      eos_token_ids(model, tokenizer), calibration_info, progress)
+    calibration = prepare_calibration(
+        model,
+        prompt_ids,
+        args.reference_tokens,
+        args.draft_tokens,
+        eos_token_ids(model, tokenizer),
+        calibration_info,
+        progress,
+    )
     objective = CheapObjective(model, calibration, space, args.objective, vocabulary.rows_for)
     run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)
 
@@ -178,8 +207,9 @@ def _main(argv: list[str] | None) -> int:
     for trial in top[: args.confirm_top]:
         if trial.number not in done:
             policy = policy_from_params(trial.params, space.num_layers)
-            record_confirmation(study, trial, confirm(model, calibration, policy, args.max_new_tokens,
-                                                      vocabulary.rows_for, progress))
+            record_confirmation(
+                study, trial, confirm(model, calibration, policy, args.max_new_tokens, vocabulary.rows_for, progress)
+            )
     out = Path(args.out or f"{study_name}.policy.json")
     policy = export_policy(study, out, args.export_trial)
     if args.plots:
@@ -191,8 +221,9 @@ def _main(argv: list[str] | None) -> int:
     confirmed = policy.measured.get("confirmed")
     verdict = ""
     if confirmed:
-        verdict = (f"; measured {confirmed['speedup']:.2f}x vs HF generate"
-                   + (" (no speedup on this model and device)" if confirmed["speedup"] < 1.0 else ""))
+        verdict = f"; measured {confirmed['speedup']:.2f}x vs HF generate" + (
+            " (no speedup on this model and device)" if confirmed["speedup"] < 1.0 else ""
+        )
     print(f"\nexported trial {chosen.number} to {out}: {policy.describe()}{verdict}")
     return 0
 

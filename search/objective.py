@@ -120,7 +120,9 @@ class CheapObjective:
                 trial.report(predicted_speedup(acceptance, k, draft_cost, verify_cost), step)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"predicted speedup hopeless after {step + 1} prompts")
-        return CheapScore(acceptance, draft, draft_cost, verify_cost, predicted_speedup(acceptance, k, draft_cost, verify_cost))
+        return CheapScore(
+            acceptance, draft, draft_cost, verify_cost, predicted_speedup(acceptance, k, draft_cost, verify_cost)
+        )
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = self.space.suggest(trial)
@@ -159,8 +161,13 @@ def confirm(
     vocab_rows = vocab_rows or (lambda p, prompt: None)
     settings = DecodeSettings(max_new_tokens=max_new_tokens, eos_token_ids=calibration.eos_token_ids)
     first = calibration.prompts[0]
-    decode_speculative(model, first, policy, DecodeSettings(8, eos_token_ids=calibration.eos_token_ids),
-                       vocab_rows=vocab_rows(policy, first))
+    decode_speculative(
+        model,
+        first,
+        policy,
+        DecodeSettings(8, eos_token_ids=calibration.eos_token_ids),
+        vocab_rows=vocab_rows(policy, first),
+    )
     hf_generate(model, first, 8, calibration.eos_token_ids)
     ours_tokens = ours_seconds = base_tokens = base_seconds = 0.0
     steps = drafted = accepted = identical = 0

@@ -54,7 +54,9 @@ class SearchSpace:
         fraction = (len(attention) + len(mlp)) / (2 * self.num_layers)
         trial.set_user_attr("skip_fraction", fraction)
         if not self.min_fraction <= fraction <= self.max_fraction:
-            raise optuna.TrialPruned(f"skips {fraction:.2f} of sublayers, outside [{self.min_fraction}, {self.max_fraction}]")
+            raise optuna.TrialPruned(
+                f"skips {fraction:.2f} of sublayers, outside [{self.min_fraction}, {self.max_fraction}]"
+            )
         if len(attention) == self.num_layers and len(mlp) == self.num_layers:
             raise optuna.TrialPruned("bypasses every sublayer")
         draft = self._suggest_draft(trial)

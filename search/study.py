@@ -8,7 +8,10 @@ once; ``total_trials`` caps the trials of all workers together.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import random
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
@@ -24,39 +27,95 @@ from search.objective import Confirmation
 COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
 CONFIRMED_PREFIX = "confirmed:"
 HEARTBEAT_SECONDS = 30
+SERVER_SCHEMES = ("postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://", "mysql://", "mysql+pymysql://")
+
+
+def local_storage_file(url: str) -> Path | None:
+    """The file a SQLite or journal storage URL names; None for a database server."""
+    if url.startswith("sqlite:///"):
+        return Path(url.removeprefix("sqlite:///")).expanduser()
+    if url.startswith("journal:") or url.endswith(".log"):
+        return Path(url.removeprefix("journal:")).expanduser()
+    return None
+
+
+def check_storage_url(url: str) -> None:
+    """One-line LayerskipError for a URL no storage can be opened from; touches nothing."""
+    path = local_storage_file(url)
+    if path is not None:
+        kind = "SQLite" if url.startswith("sqlite:///") else "journal"
+        if not path.parent.is_dir():
+            raise LayerskipError(f"directory {path.parent} of {kind} storage {url} does not exist; create it first")
+    elif not url.startswith(SERVER_SCHEMES):
+        raise LayerskipError(
+            f"unsupported storage URL '{url}'; use sqlite:///path.db, a journal file path.log, or postgresql://..."
+        )
+
+
+def _with_installed_driver(url: str) -> str:
+    """Name the PostgreSQL driver that is installed when the URL names none.
+
+    SQLAlchemy 2.1 reads a bare ``postgresql://`` as psycopg 3 (2.0 as psycopg2); the project's
+    extras install psycopg2-binary, so pick whichever of the two is importable.
+    """
+    if not url.startswith("postgresql://"):
+        return url
+    have_v3 = importlib.util.find_spec("psycopg") is not None
+    have_v2 = importlib.util.find_spec("psycopg2") is not None
+    if have_v2 and not have_v3:
+        return "postgresql+psycopg2://" + url.removeprefix("postgresql://")
+    if have_v3 and not have_v2:
+        return "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    return url
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """An Optuna storage for ``url``; one-line LayerskipError if the URL is bad or unreachable."""
-    if url.startswith("journal:") or url.endswith(".log"):
-        path = Path(url.removeprefix("journal:")).expanduser()
-        if not path.parent.is_dir():
-            raise LayerskipError(f"directory {path.parent} of journal storage {url} does not exist; create it first")
+    check_storage_url(url)
+    path = local_storage_file(url)
+    if path is not None and not url.startswith("sqlite:///"):
         from optuna.storages.journal import JournalFileBackend
 
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///")).expanduser()
-        if not path.parent.is_dir():
-            raise LayerskipError(f"directory {path.parent} of SQLite storage {url} does not exist; create it first")
-    elif not url.startswith(("postgresql://", "postgresql+psycopg2://", "mysql://", "mysql+pymysql://")):
-        raise LayerskipError(
-            f"unsupported storage URL '{url}'; use sqlite:///path.db, a journal file path.log, or postgresql://..."
-        )
     # Heartbeats (stale-trial detection for killed workers) are flagged experimental by Optuna.
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     try:
-        return optuna.storages.RDBStorage(
-            url,
-            engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else None,
-            heartbeat_interval=HEARTBEAT_SECONDS,
-            grace_period=3 * HEARTBEAT_SECONDS,
-        )
+        return _rdb_storage(url)
     except ImportError as exc:
-        raise LayerskipError(f"storage {url} needs a database driver ({exc.name}); pip install psycopg2-binary") from None
+        # Optuna re-raises the driver's ModuleNotFoundError as a bare ImportError: name the module.
+        missing = getattr(exc.__cause__, "name", None) or exc.name or "its driver module"
+        package = "pymysql" if url.startswith("mysql") else "psycopg2-binary"
+        raise LayerskipError(
+            f"storage {_redact(url)} needs a database driver ({missing} is not installed); pip install {package}"
+        ) from None
     except Exception as exc:  # sqlalchemy raises OperationalError / ArgumentError subclasses
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LayerskipError(f"cannot open storage {_redact(url)}: {first_line}") from None
+
+
+def _rdb_storage(url: str, attempts: int = 6) -> optuna.storages.RDBStorage:
+    """Open (and on first use, create) a database storage.
+
+    Optuna creates its tables and stamps their version when it first opens a database; two
+    workers starting together on a new database race there and one fails with a duplicate
+    key or table. The schema is complete once the winner is done, so the loser tries again.
+    """
+    from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(
+                _with_installed_driver(url),
+                engine_kwargs={"pool_pre_ping": True} if not url.startswith("sqlite") else None,
+                heartbeat_interval=HEARTBEAT_SECONDS,
+                grace_period=3 * HEARTBEAT_SECONDS,
+            )
+        except (IntegrityError, ProgrammingError, OperationalError) as exc:
+            racing = not isinstance(exc, OperationalError) or "locked" in str(exc) or "already exists" in str(exc)
+            if not racing or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1) + random.random() * 0.2)
+    raise AssertionError("unreachable")
 
 
 def _redact(url: str) -> str:
@@ -84,8 +143,9 @@ def check_study_matches(attrs: dict[str, Any] | None, name: str, identity: dict[
     for key in ("model_fingerprint", "objective", "model_architecture"):
         if key in attrs and key in identity and attrs[key] != identity[key]:
             raise LayerskipError(
-                f"study '{name}' was created with {key}={attrs[key]!r} but this run has {identity[key]!r} "
-                f"(model {attrs.get('model_name', '?')}); use another --study-name"
+                f"study '{name}' was created for model {attrs.get('model_name', '?')} with {key}={attrs[key]!r} "
+                f"but this run has {identity[key]!r} (model {identity.get('model_name', '?')}); "
+                "use another --study-name"
             )
 
 

@@ -164,3 +164,20 @@ def tiny_model(
 def random_prompt(vocab_size: int = VOCAB, length: int = 8, seed: int = 0) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer: "[UNK]", "[EOS]", "w0".."w61", "hello", "world" (ids 0..65)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[EOS]": 1, **{f"w{i}": i + 2 for i in range(62)}, "hello": 64, "world": 65}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]")
+
+
+def save_checkpoint(model: nn.Module, directory) -> None:
+    """Write ``model`` and the tiny tokenizer as a local HF directory that ``load_model`` accepts."""
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)

@@ -29,8 +29,11 @@ def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = No
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory or a .gguf file")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory or a .gguf file",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
 

@@ -6,8 +6,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from layerskip.baselines import hf_generate
 from layerskip.cli.common import add_model_arguments, read_prompt, run_cli
 from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
@@ -16,6 +14,7 @@ from layerskip.models import load_model
 from layerskip.policy import SkipPolicy
 from layerskip.prompting import encode_prompt, eos_token_ids
 from layerskip.sampling import Sampling
+from layerskip.vocab import DraftVocabulary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,16 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="read the prompt from this file")
-    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                        help="apply the chat template (default: on for instruct models)")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on for instruct models)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--compare", action="store_true",
-                        help="also run HF generate on the same prompt: speedup and whether tokens are identical")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run HF generate on the same prompt: speedup and whether tokens are identical",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 
@@ -72,10 +78,14 @@ def _main(argv: list[str] | None) -> int:
     ids = encode_prompt(tokenizer, prompt, chat)
     settings = DecodeSettings(args.max_new_tokens, sampling, args.seed, eos_token_ids(model, tokenizer))
 
+    rows = None
+    if policy is not None and policy.draft.draft_vocab_size:
+        rows = DraftVocabulary.builtin(tokenizer, model).rows_for(policy, ids)
+
     def run(stream: object | None = None) -> tuple[list[int], object]:
         if policy is None:
             return decode_autoregressive(model, ids, settings, tokenizer=tokenizer, on_tokens=stream)
-        return decode_speculative(model, ids, policy, settings, tokenizer=tokenizer, on_tokens=stream)
+        return decode_speculative(model, ids, policy, settings, tokenizer=tokenizer, on_tokens=stream, vocab_rows=rows)
 
     if args.compare:  # warm both paths up so neither pays first-call costs in the timing
         warm = DecodeSettings(4, sampling, args.seed, settings.eos_token_ids)
@@ -97,7 +107,9 @@ def _main(argv: list[str] | None) -> int:
         "verify_seconds": stats.verify_seconds,
     }
     if args.compare:
-        base_tokens, base_seconds = hf_generate(model, ids, args.max_new_tokens, settings.eos_token_ids, sampling, args.seed)
+        base_tokens, base_seconds = hf_generate(
+            model, ids, args.max_new_tokens, settings.eos_token_ids, sampling, args.seed
+        )
         base_tps = len(base_tokens) / base_seconds if base_seconds > 0 else 0.0
         report["baseline_tokens_per_second"] = base_tps
         report["speedup"] = stats.tokens_per_second / base_tps if base_tps else 0.0
@@ -107,13 +119,17 @@ def _main(argv: list[str] | None) -> int:
         print(json.dumps(report))
         return 0
     print(file=sys.stdout)
-    line = (f"[{report['new_tokens']} tokens in {stats.total_seconds:.2f} s, {stats.tokens_per_second:.1f} tok/s; "
-            f"{stats.steps} steps, mean accepted {stats.mean_accepted:.2f}")
+    line = (
+        f"[{report['new_tokens']} tokens in {stats.total_seconds:.2f} s, {stats.tokens_per_second:.1f} tok/s; "
+        f"{stats.steps} steps, mean accepted {stats.mean_accepted:.2f}"
+    )
     if policy is not None:
         line += f", acceptance {stats.acceptance_rate:.2f}"
     if args.compare:
-        line += (f"; HF generate {report['baseline_tokens_per_second']:.1f} tok/s, speedup {report['speedup']:.2f}x, "
-                 f"identical: {report['identical']}")
+        line += (
+            f"; HF generate {report['baseline_tokens_per_second']:.1f} tok/s, speedup {report['speedup']:.2f}x, "
+            f"identical: {report['identical']}"
+        )
     print(line + "]", file=sys.stderr)
     return 0
 

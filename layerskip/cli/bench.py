@@ -1,0 +1,100 @@
+"""layerskip-bench: Spec-Bench-style benchmark of self-speculative decoding against HF baselines."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from layerskip.bench import METHODS, BenchConfig, build_methods, environment, rows_as_dicts, run_benchmark, summarise
+from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.data import load_prompts
+from layerskip.errors import LayerskipError
+from layerskip.models import load_model
+from layerskip.policy import SkipPolicy
+from layerskip.prompting import encode_prompt, eos_token_ids
+from layerskip.report import markdown_table, write_outputs
+from layerskip.vocab import DraftVocabulary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerskip-bench", description=__doc__)
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--prompts", default="builtin", help="'builtin', a Spec-Bench JSONL, or a json/csv/parquet file"
+    )
+    parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
+    parser.add_argument("--per-category", type=int, help="prompts per category")
+    parser.add_argument("--n-prompts", type=int, help="cap on the number of prompts")
+    parser.add_argument("--seed", type=int, default=0, help="seed for sampling prompts per category")
+    parser.add_argument("--methods", default="hf-ar,ar,self-spec", help=f"comma-separated, from: {', '.join(METHODS)}")
+    parser.add_argument("--policy", action="append", default=[], help="policy JSON for self-spec (repeat for several)")
+    parser.add_argument("--assistant-model", help="a second, smaller model for hf-assistant")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--out", required=True, help="directory for results.json, results.csv, results.md, speedup.png")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    command = shlex.join(["layerskip-bench", *(sys.argv[1:] if argv is None else argv)])
+    if args.max_new_tokens <= 0:
+        raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise LayerskipError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    if "self-spec" in names and not args.policy:
+        raise LayerskipError("method self-spec needs a policy; pass --policy PATH")
+    prompts = load_prompts(
+        args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field, seed=args.seed
+    )
+    policies = {Path(p).stem: SkipPolicy.load(p) for p in args.policy}
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    for label, policy in policies.items():
+        try:
+            policy.validate_for(model)
+        except LayerskipError as exc:
+            raise LayerskipError(f"policy {label}: {exc}") from None
+    assistant = load_model(args.assistant_model, args.dtype, args.device).model if args.assistant_model else None
+    chat = loaded.instruct if args.chat is None else args.chat
+    prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
+    vocabulary = DraftVocabulary.builtin(tokenizer, model)
+    methods = build_methods(model, names, eos_token_ids(model, tokenizer), policies, vocabulary, assistant)
+    rows = run_benchmark(
+        model, methods, prompts, prompt_ids, BenchConfig(args.max_new_tokens, progress=not args.no_progress)
+    )
+    env = environment(next(model.parameters()).device)
+    results = {
+        "command": command,
+        "device": env["device"],
+        "device_name": env.get("cpu_model", env["device_name"]),
+        "dtype": args.dtype,
+        "versions": env["versions"],
+        "model": loaded.name,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
+        "policies": {label: policy.to_dict() for label, policy in policies.items()},
+        "methods": summarise(rows),
+        "per_prompt": rows_as_dicts(rows),
+        "environment": env,
+    }
+    for path in write_outputs(results, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    print(markdown_table(results))
+    slower = [n for n, f in results["methods"].items() if n != "hf-ar" and (f["overall"]["speedup"] or 0) < 1.0]
+    if slower:
+        print(f"\nslower than HF generate here: {', '.join(slower)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""Benchmark outputs: results.json, results.csv, a Markdown table and speedup.png."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from layerskip.fileio import write_bytes_atomic, write_json_atomic, write_text_atomic
+
+COLUMNS = ("tokens_per_second", "speedup", "mean_accepted", "acceptance_rate", "identical_fraction", "n_prompts")
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """Methods as rows: overall figures, then speedup by category."""
+    methods = results["methods"]
+    categories = sorted({c for m in methods.values() for c in m["by_category"]})
+    header = ["method", "tok/s", "speedup", "tau", "acceptance", "identical", *categories]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, figures in methods.items():
+        o = figures["overall"]
+        cells = [
+            name,
+            _fmt(o["tokens_per_second"], 1),
+            f"{_fmt(o['speedup'])}x",
+            _fmt(o["mean_accepted"]),
+            _fmt(o["acceptance_rate"]),
+            _fmt(o["identical_fraction"]),
+        ]
+        for category in categories:
+            c = figures["by_category"].get(category)
+            cells.append(f"{_fmt(c['speedup'])}x" if c else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def csv_text(results: dict[str, Any]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["method", "category", *COLUMNS])
+    for name, figures in results["methods"].items():
+        writer.writerow([name, "overall", *(figures["overall"].get(k) for k in COLUMNS)])
+        for category, c in figures["by_category"].items():
+            writer.writerow([name, category, *(c.get(k) for k in COLUMNS)])
+    return buffer.getvalue()
+
+
+def speedup_png(results: dict[str, Any]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = [m for m in results["methods"] if m != "hf-ar"] or list(results["methods"])
+    categories = sorted({c for m in results["methods"].values() for c in m["by_category"]}) + ["overall"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(categories) * max(1, len(methods)) / 2), 4))
+    width = 0.8 / len(methods)
+    x = np.arange(len(categories))
+    for i, name in enumerate(methods):
+        figures = results["methods"][name]
+        values = [
+            (figures["overall"] if c == "overall" else figures["by_category"].get(c, {})).get("speedup") or 0.0
+            for c in categories
+        ]
+        ax.bar(x + i * width - 0.4 + width / 2, values, width, label=name)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(x, categories, rotation=20)
+    ax.set_ylabel("speedup vs HF generate (greedy)")
+    ax.set_title(f"{results['model']} · {results['dtype']} · {results['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def write_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return [
+        write_json_atomic(directory / "results.json", results),
+        write_text_atomic(directory / "results.csv", csv_text(results)),
+        write_text_atomic(directory / "results.md", markdown_table(results) + "\n"),
+        write_bytes_atomic(directory / "speedup.png", speedup_png(results)),
+    ]

@@ -1,0 +1,171 @@
+"""Helpers for the search CLI tests: a tiny Llama saved as a local HF directory, and CLI runners.
+
+``save_tiny_llama`` writes a random 4-layer Llama (reusing ``tiny_models``) plus a byte-level BPE
+tokenizer (~300 tokens, trained on a few sentences here, nothing downloaded) with
+``save_pretrained``, so ``scripts/search.py --model DIR`` loads it like any HF checkpoint in
+well under a second. Everything else runs the real scripts as subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SEARCH = REPO / "scripts" / "search.py"
+GENERATE = REPO / "scripts" / "generate.py"
+
+TOKENIZER_VOCAB = 300
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]  # ids 0 and 1: eos/bos and pad
+CORPUS = [
+    "Write a short story about a robot who learns to paint.",
+    "Translate the following sentence into French: the weather is nice today.",
+    "Summarize the article in three sentences for a busy reader.",
+    "What is the capital of France? Answer with one word.",
+    "Explain how photosynthesis works to a ten year old child.",
+    "Solve for x: 3x + 7 = 22. Show your reasoning step by step.",
+    "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+]
+
+# Cheapest settings that still exercise calibration, trials, confirmation and export.
+FAST_ARGS = [
+    "--no-progress",
+    "--n-prompts", "2",
+    "--reference-tokens", "8",
+    "--max-new-tokens", "8",
+    "--confirm-top", "1",
+    "--draft-tokens", "2,3",
+]
+
+
+def build_tokenizer():
+    """A byte-level BPE ``PreTrainedTokenizerFast`` (any text encodes, no unknown tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=SPECIAL_TOKENS[0],
+        bos_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[1],
+    )
+
+
+def save_tiny_llama(directory: Path, **overrides: Any) -> Path:
+    """Save a tiny random LlamaForCausalLM and its tokenizer into ``directory`` (created)."""
+    from tiny_models import tiny_model
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    config = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    config.update(overrides)
+    model = tiny_model("llama", **config)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.bos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def env() -> dict[str, str]:
+    """Environment for the subprocesses: offline, quiet, the repository importable, 1 thread each."""
+    variables = dict(os.environ)
+    variables.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+                     PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return variables
+
+
+def search_command(model: Path | str, *args: str, fast: bool = True) -> list[str]:
+    return [sys.executable, str(SEARCH), "--model", str(model), *(FAST_ARGS if fast else []), *args]
+
+
+def run_search(model: Path | str, *args: str, timeout: float = 240, fast: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(search_command(model, *args, fast=fast), cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_search(model: Path | str, *args: str, fast: bool = True) -> subprocess.Popen:
+    return subprocess.Popen(search_command(model, *args, fast=fast), cwd=REPO, env=env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def run_generate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(GENERATE), *args], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result
+
+
+def load_storage(url: str):
+    """An Optuna storage for a URL as the CLI reads it (journal files by path)."""
+    import optuna
+
+    if url.endswith(".log"):
+        from optuna.storages.journal import JournalFileBackend
+
+        return optuna.storages.JournalStorage(JournalFileBackend(url))
+    return optuna.storages.RDBStorage(url)
+
+
+def load_study(url: str, name: str):
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=load_storage(url))
+
+
+def trial_numbers(study, states: Sequence | None = None) -> list[int]:
+    return sorted(t.number for t in study.get_trials(deepcopy=False, states=states))
+
+
+def counted(study) -> list[int]:
+    from optuna.trial import TrialState
+
+    return trial_numbers(study, (TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def wait_all(processes: Sequence[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
+    """Wait for every process; kill the rest if one overruns. (returncode, stdout, stderr) each."""
+    deadline = time.monotonic() + timeout
+    results = []
+    for process in processes:
+        try:
+            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            out, err = process.communicate()
+            raise AssertionError(f"search worker overran {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
+        results.append((process.returncode, out, err))
+    return results

@@ -1,0 +1,250 @@
+"""End-to-end tests of ``scripts/search.py`` on a tiny random Llama saved as a local HF directory.
+
+Every run is a real subprocess (offline, one thread), as a user would start it: resuming a study,
+journal and SQLite storages, two workers on one study, the Pareto objective and its plots, the
+one-line errors for bad input (leaving no file behind), and Ctrl-C in the middle of a study.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from search_fixtures import (
+    counted,
+    load_study,
+    ok,
+    run_generate,
+    run_search,
+    save_tiny_llama,
+    start_search,
+    trial_numbers,
+    wait_all,
+)
+
+from layerskip.policy import SkipPolicy
+
+FINISHED = {TrialState.COMPLETE, TrialState.PRUNED}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """4 layers, hidden 32, 2 heads, 300-token byte-level BPE tokenizer."""
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def other_llama(tmp_path_factory) -> Path:
+    """Another tiny Llama with different shapes (3 layers, hidden 48): another weights fingerprint."""
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "other-llama", num_hidden_layers=3, hidden_size=48,
+                           intermediate_size=96)
+
+
+def states(study) -> list[TrialState]:
+    return [t.state for t in study.get_trials(deepcopy=False)]
+
+
+def assert_clean_numbering(study, expected_counted: int) -> None:
+    """``expected_counted`` finished trials numbered 0..n-1: none lost, none duplicated, none left RUNNING."""
+    assert len(counted(study)) == expected_counted, states(study)
+    assert trial_numbers(study) == list(range(len(study.get_trials(deepcopy=False))))
+    assert set(states(study)) <= FINISHED, states(study)
+
+
+def snapshot(path: Path) -> tuple[bytes, int] | None:
+    return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
+
+
+def assert_one_line_error(result, *fragments: str) -> str:
+    assert result.returncode == 2, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+# -- the done-when flow ---------------------------------------------------------------------------------------------
+def test_search_writes_policy_resumes_and_policy_is_lossless(tiny_llama, tmp_path):
+    db, out = tmp_path / "s.db", tmp_path / "p.json"
+    args = ["--n-trials", "12", "--storage", f"sqlite:///{db}", "--study-name", "t", "--out", str(out)]
+
+    first = ok(run_search(tiny_llama, *args))
+    assert "12 trials (complete + pruned)" in first.stdout
+    policy = SkipPolicy.load(out)
+    study = load_study(f"sqlite:///{db}", "t")
+    assert policy.model.fingerprint and policy.model.fingerprint == study.user_attrs["model_fingerprint"]
+    assert policy.model.num_layers == 4 and policy.model.architecture == "llama"
+    assert policy.provenance["study"] == "t" and policy.provenance["method"] == "optuna"
+    assert policy.bypasses_anything or policy.draft.lookup_max_ngram
+    assert_clean_numbering(study, 12)
+
+    second = ok(run_search(tiny_llama, *args))  # the same command again resumes the study
+    assert "12 trials so far" in second.stderr and "24 trials (complete + pruned)" in second.stdout
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{db}")
+    assert_clean_numbering(study, 24)
+    assert len(study.user_attrs["runs"]) == 2
+    SkipPolicy.load(out)
+
+    result = ok(run_generate("--model", str(tiny_llama), "--policy", str(out), "--compare", "--json", "--no-chat",
+                             "--prompt", "Write a short story about a robot who learns to paint.",
+                             "--max-new-tokens", "16"))
+    report = json.loads(result.stdout)
+    assert report["identical"] is True, report
+    assert report["new_tokens"] > 0
+
+
+# -- journal storage, Pareto objective, plots, --total-trials ---------------------------------------------------------
+def test_journal_storage_pareto_plots_and_total_trials(tiny_llama, tmp_path):
+    journal, out, plots = tmp_path / "j.log", tmp_path / "p.json", tmp_path / "plots"
+    args = ["--storage", str(journal), "--objective", "pareto", "--out", str(out)]
+
+    ok(run_search(tiny_llama, *args, "--n-trials", "6", "--plots", str(plots)))
+    for name in ("pareto.png", "history.png", "skip_frequency.png"):
+        png = plots / name
+        assert png.is_file() and png.stat().st_size > 1000, name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    policy = SkipPolicy.load(out)
+    assert policy.provenance["objective"] == "pareto" and policy.model.fingerprint
+    study = load_study(str(journal), "tiny-llama-pareto")  # default study name: MODEL-OBJECTIVE
+    assert len(study.directions) == 2
+    assert_clean_numbering(study, 6)
+
+    # --total-trials caps the study, not this process: 3 more although 50 were asked for ...
+    capped = ok(run_search(tiny_llama, *args, "--n-trials", "50", "--total-trials", "9"))
+    assert "9 trials (complete + pruned)" in capped.stdout
+    assert_clean_numbering(load_study(str(journal), "tiny-llama-pareto"), 9)
+    # ... and a study already at its cap runs none, but still exports.
+    out.unlink()
+    ok(run_search(tiny_llama, *args, "--n-trials", "50", "--total-trials", "5"))
+    assert_clean_numbering(load_study(str(journal), "tiny-llama-pareto"), 9)
+    SkipPolicy.load(out)
+
+
+# -- several workers on one study ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_two_workers_share_one_study(tiny_llama, tmp_path, kind):
+    url = f"sqlite:///{tmp_path / 'w.db'}" if kind == "sqlite" else str(tmp_path / "w.log")
+    workers = [
+        start_search(tiny_llama, "--storage", url, "--study-name", "shared", "--n-trials", "5", "--worker", str(w),
+                     "--out", str(tmp_path / f"p{w}.json"))
+        for w in (0, 1)
+    ]
+    for code, out, err in wait_all(workers):
+        assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+    study = load_study(url, "shared")
+    assert_clean_numbering(study, 10)
+    assert counted(study) == list(range(10))
+    for w in (0, 1):
+        SkipPolicy.load(tmp_path / f"p{w}.json")
+
+
+# -- bad input: one line, exit code 2, nothing written --------------------------------------------------------------
+def _prompt_files(directory: Path) -> dict[str, Path]:
+    files = {
+        "empty.jsonl": "",
+        "broken.jsonl": '{"question_id": 1, "turns": ["What is 2 + 2?"]}\n{"question_id": 2, "turns"\n',
+        "prompts.csv": "text,category\nWhat is 2 + 2?,math\nName a colour.,qa\n",
+        "prompts.json": json.dumps([{"text": "What is 2 + 2?"}, {"text": "Name a colour."}]),
+    }
+    paths = {}
+    for name, content in files.items():
+        paths[name] = directory / name
+        paths[name].write_text(content)
+    return paths
+
+
+BAD_INPUTS = {
+    # id: (extra arguments, storage kind, fragments the error line must contain)
+    "storage-url": (["--storage", "foo://bar"], None, ["unsupported storage URL"]),
+    "storage-dir": (["--storage", "sqlite:///{tmp}/no/such/dir/s.db"], None, ["does not exist"]),
+    "unreachable-db": (["--storage", "postgresql://u:secret@127.0.0.1:1/db"], None, ["cannot open storage", "u:***@"]),
+    "n-trials-0": (["--n-trials", "0"], "sqlite", ["--n-trials must be > 0"]),
+    "prompts-missing": (["--prompts", "{tmp}/missing.jsonl"], "sqlite", ["not found"]),
+    "prompts-empty": (["--prompts", "{tmp}/empty.jsonl"], "journal", ["is empty"]),
+    "prompts-malformed": (["--prompts", "{tmp}/broken.jsonl"], "sqlite", ["line 2"]),
+    "text-field-csv": (["--prompts", "{tmp}/prompts.csv", "--text-field", "body"], "sqlite", ["no text field 'body'"]),
+    "text-field-json": (["--prompts", "{tmp}/prompts.json", "--text-field", "body"], "journal", ["'body'"]),
+    "model-missing": (["--model", "{tmp}/no-such-model"], "sqlite", ["unknown model"]),
+    "never-skip-range": (["--never-skip", "7"], "journal", ["out of range"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_writes_nothing(tiny_llama, tmp_path, case):
+    extra, kind, fragments = BAD_INPUTS[case]
+    _prompt_files(tmp_path)
+    db, journal, out = tmp_path / "s.db", tmp_path / "j.log", tmp_path / "p.json"
+    storage = {"sqlite": ["--storage", f"sqlite:///{db}"], "journal": ["--storage", str(journal)], None: []}[kind]
+    # The case's own arguments come last: they win over the defaults here (and over --model).
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in [*storage, "--n-trials", "2", "--out", str(out), *extra]]
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    result = run_search(tiny_llama, *args)
+
+    line = assert_one_line_error(result, *fragments)
+    assert "secret" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "a failed run left files behind"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_study_of_another_model_is_refused_untouched(tiny_llama, other_llama, tmp_path, kind):
+    path = tmp_path / ("s.db" if kind == "sqlite" else "j.log")
+    url = f"sqlite:///{path}" if kind == "sqlite" else str(path)
+    ok(run_search(tiny_llama, "--storage", url, "--study-name", "mine", "--n-trials", "2", "--confirm-top", "0",
+                  "--out", str(tmp_path / "first.json")))
+    before, listing = snapshot(path), sorted(p.name for p in tmp_path.iterdir())
+    time.sleep(0.05)  # an mtime change would show
+
+    result = run_search(other_llama, "--storage", url, "--study-name", "mine", "--n-trials", "2",
+                        "--out", str(tmp_path / "second.json"))
+
+    assert_one_line_error(result, "study 'mine'", "tiny-llama", "other-llama", "another --study-name")
+    assert snapshot(path) == before, "the existing study was modified"
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing
+
+
+# -- Ctrl-C in the middle of a study ----------------------------------------------------------------------------------
+def _finished_trials(db: Path) -> int:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as connection:
+            return connection.execute("SELECT count(*) FROM trials WHERE state IN ('COMPLETE', 'PRUNED')").fetchone()[0]
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+
+
+def test_ctrl_c_leaves_a_resumable_study(tiny_llama, tmp_path):
+    db = tmp_path / "s.db"
+    url = f"sqlite:///{db}"
+    args = ["--storage", url, "--study-name", "int", "--out", str(tmp_path / "p.json")]
+    worker = start_search(tiny_llama, *args, "--n-trials", "10000")
+    deadline = time.monotonic() + 120
+    while _finished_trials(db) < 2:
+        assert worker.poll() is None, worker.communicate()
+        assert time.monotonic() < deadline, "no trials finished in 120 s"
+        time.sleep(0.1)
+    worker.send_signal(signal.SIGINT)
+    [(code, out, err)] = wait_all([worker], timeout=60)
+    assert code == 130, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+    assert "Traceback" not in err and "interrupted" in err
+
+    study = load_study(url, "int")
+    before = len(counted(study))
+    assert before >= 2
+    assert TrialState.RUNNING not in states(study), "an interrupted trial was left RUNNING"
+    assert set(states(study)) <= FINISHED | {TrialState.FAIL}
+    assert trial_numbers(study) == list(range(len(study.get_trials(deepcopy=False))))
+
+    ok(run_search(tiny_llama, *args, "--n-trials", "3"))
+    study = load_study(url, "int")
+    assert len(counted(study)) == before + 3
+    assert TrialState.RUNNING not in states(study)
+    assert trial_numbers(study) == list(range(len(study.get_trials(deepcopy=False))))
+    SkipPolicy.load(tmp_path / "p.json")
