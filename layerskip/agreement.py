@@ -8,8 +8,8 @@ per-token acceptance rate alpha of greedy self-speculative decoding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from layerskip import adapters
 from layerskip.decoding import DecodeSettings, decode_autoregressive
+from layerskip.drafters import find_lookup
+from layerskip.policy import DraftSettings
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,10 @@ def draft_predictions(
     skip_attention: Sequence[int] = (),
     skip_mlp: Sequence[int] = (),
     vocab_rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The draft's top-1 token at each reference position, ``[len(continuation)]``."""
+    with_confidence: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The draft's top-1 token at each reference position, ``[len(continuation)]``
+    (and its probability, when ``with_confidence``)."""
     device = next(model.parameters()).device
     ids = torch.tensor([[*reference.prompt, *reference.continuation[:-1]]], device=device)  # [1, P+C-1]
     with adapters.bypass(model, skip_attention, skip_mlp):
@@ -53,7 +57,10 @@ def draft_predictions(
     hidden = hidden[0, len(reference.prompt) - 1 :]  # [C, hidden]
     logits = adapters.head_logits(model, hidden, vocab_rows)
     index = logits.argmax(dim=-1)
-    return index if vocab_rows is None else vocab_rows[index]
+    tokens = index if vocab_rows is None else vocab_rows[index]
+    if with_confidence:
+        return tokens, logits.float().softmax(dim=-1).max(dim=-1).values
+    return tokens
 
 
 def teacher_forced_agreement(
@@ -99,3 +106,69 @@ def expected_tokens_per_step(alpha: float, draft_tokens: int) -> float:
 def predicted_speedup(alpha: float, draft_tokens: int, draft_cost: float, verify_cost: float) -> float:
     """Speedup over plain decoding; costs are relative to one plain decoding step."""
     return expected_tokens_per_step(alpha, draft_tokens) / (draft_tokens * draft_cost + verify_cost)
+
+
+@dataclass
+class SimulatedRun:
+    """Greedy self-speculative decoding of one reference, replayed from teacher-forced predictions."""
+
+    tokens: int = 0
+    blocks: list[int] = field(default_factory=list)  # verify block length (k + 1) of each step
+    draft_forwards: int = 0  # skip-draft model calls (lookup steps cost none)
+    drafted: int = 0
+    accepted: int = 0
+
+    def predicted_cost(self, draft_cost: float, verify_cost: Callable[[int], float]) -> float:
+        """Time in units of one plain decoding step."""
+        return self.draft_forwards * draft_cost + sum(verify_cost(block) for block in self.blocks)
+
+
+def simulate_greedy(
+    reference: Reference, predicted: Sequence[int], confidence: Sequence[float], draft: DraftSettings
+) -> SimulatedRun:
+    """Replay greedy self-speculative decoding over a reference continuation.
+
+    While the draft's earlier tokens are accepted, its autoregressive proposal at a position is
+    its teacher-forced prediction there, so the accepted count of each step is the run of
+    matching predictions (capped at k; with the adaptive rule, cut where confidence drops
+    below the initial threshold). Prompt lookup, when on, is replayed exactly. Approximate only
+    in the K/V the draft reads (full-model K/V in real decoding), which favours real decoding.
+    """
+    run = SimulatedRun()
+    continuation = list(reference.continuation)
+    history = list(reference.prompt)
+    position = 0
+    while position < len(continuation):
+        remaining = len(continuation) - position
+        proposal: list[int] = []
+        if draft.lookup_max_ngram:
+            proposal = find_lookup(history, draft.lookup_min_ngram, draft.lookup_max_ngram,
+                                   min(draft.lookup_max_tokens, remaining - 1))
+        if proposal:
+            accepted = 0
+            while accepted < len(proposal) and proposal[accepted] == continuation[position + accepted]:
+                accepted += 1
+            drafted = len(proposal)
+        elif draft.use_skip_draft and remaining > 1:
+            drafted = 0
+            accepted = 0
+            limit = min(draft.max_draft_tokens, remaining - 1)
+            # Draft forwards continue past a wrong token until k or a low-confidence stop.
+            while drafted < limit:
+                index = position + drafted
+                drafted += 1
+                if accepted == drafted - 1 and predicted[index] == continuation[index]:
+                    accepted += 1
+                if draft.adaptive and confidence[index] < draft.initial_threshold:
+                    break
+            run.draft_forwards += drafted
+        else:
+            drafted = accepted = 0
+        step = accepted + 1
+        run.tokens += step
+        run.blocks.append(drafted + 1)
+        run.drafted += drafted
+        run.accepted += accepted
+        history.extend(continuation[position : position + step])
+        position += step
+    return run

@@ -187,7 +187,7 @@ def load_model(
             str(directory), dtype=torch_dtype, attn_implementation=attn_implementation
         )
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a config.json without a known model_type
         raise LayerskipError(f"cannot load model from {directory}: {str(exc).splitlines()[0]}") from None
     model.eval().to(torch_device)
     adapters.spec_for(model)  # unsupported architecture -> one clear error, before any work

@@ -8,6 +8,7 @@ the best policy as JSON.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -239,6 +240,9 @@ def counted_trials_safe(storage, study_name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `datasets` (prompt files) draws "Generating train split" bars on stderr, which would break
+    # the one-line error contract; it reads this variable when first imported.
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     return run_cli(_main, argv)
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from layerskip.agreement import Reference, build_references, predicted_speedup, teacher_forced_agreement
+from layerskip.agreement import Reference, build_references, draft_predictions, simulate_greedy
 from layerskip.baselines import hf_generate
 from layerskip.decoding import DecodeSettings, decode_speculative
 from layerskip.latency import draft_step_seconds, verify_seconds
@@ -61,7 +61,8 @@ def prepare_calibration(
     longest = max(references, key=lambda r: len(r.prompt))
     context = [*longest.prompt, *longest.continuation]
     plain = verify_seconds(model, context, 1)
-    blocks = sorted({k + 1 for k in draft_token_choices})
+    # Blocks of every length a step may verify: partial drafts, k + 1, lookup runs of up to 8.
+    blocks = sorted({2, 3, 5, 9} | {k + 1 for k in draft_token_choices})
     verify = {block: verify_seconds(model, context, block) for block in blocks}
     return Calibration(prompts, references, plain, verify, context, eos_token_ids, description or {})
 
@@ -102,27 +103,33 @@ class CheapObjective:
     def score(self, policy: SkipPolicy, trial: optuna.Trial | None = None) -> CheapScore:
         cal = self.calibration
         k = policy.draft.max_draft_tokens
-        rows = self.vocab_rows(policy, cal.latency_context)
-        draft = draft_step_seconds(
-            self.model, cal.latency_context, policy.skip_attention, policy.skip_mlp, rows, self.latency_repeats
-        )
-        draft_cost = draft / cal.plain_step_seconds
-        verify_cost = cal.verify_cost(k + 1)
-        matches = total = 0
-        acceptance = 0.0
+        draft_cost = 0.0
+        draft = 0.0
+        if policy.draft.use_skip_draft:
+            rows = self.vocab_rows(policy, cal.latency_context)
+            draft = draft_step_seconds(
+                self.model, cal.latency_context, policy.skip_attention, policy.skip_mlp, rows, self.latency_repeats
+            )
+            draft_cost = draft / cal.plain_step_seconds
+        matches = total = tokens = 0
+        cost = 0.0
         for step, reference in enumerate(cal.references):
             rows = self.vocab_rows(policy, reference.prompt)
-            agreement = teacher_forced_agreement(self.model, [reference], policy.skip_attention, policy.skip_mlp, rows)
-            matches += agreement * len(reference.continuation)
+            predicted, confidence = draft_predictions(
+                self.model, reference, policy.skip_attention, policy.skip_mlp, rows, with_confidence=True
+            )
+            target = torch.tensor(reference.continuation, device=predicted.device)
+            matches += int((predicted == target).sum())
             total += len(reference.continuation)
-            acceptance = matches / total
+            replay = simulate_greedy(reference, predicted.tolist(), confidence.tolist(), policy.draft)
+            tokens += replay.tokens
+            cost += replay.predicted_cost(draft_cost, cal.verify_cost)
             if trial is not None and self.mode == "speedup":
-                trial.report(predicted_speedup(acceptance, k, draft_cost, verify_cost), step)
+                trial.report(tokens / cost, step)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"predicted speedup hopeless after {step + 1} prompts")
-        return CheapScore(
-            acceptance, draft, draft_cost, verify_cost, predicted_speedup(acceptance, k, draft_cost, verify_cost)
-        )
+        acceptance = matches / total if total else 0.0
+        return CheapScore(acceptance, draft, draft_cost, cal.verify_cost(k + 1), tokens / cost if cost else 0.0)
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = self.space.suggest(trial)

@@ -70,9 +70,18 @@ class SearchSpace:
             target = trial.suggest_categorical("target_acceptance", list(self.target_acceptance_choices))
         vocab = trial.suggest_categorical("draft_vocab_size", list(self.draft_vocab_choices))
         lookup = trial.suggest_categorical("lookup_max_ngram", list(self.lookup_ngram_choices))
-        return draft_settings(k, adaptive, target, vocab, lookup)
+        # With lookup on, the skip draft may be dropped entirely (lookup-only drafting).
+        use_skip = trial.suggest_categorical("use_skip_draft", [True, False]) if lookup else True
+        return draft_settings(k, adaptive, target, vocab, lookup, use_skip)
 
-    def params_for(self, attention: list[int], mlp: list[int], max_draft_tokens: int | None = None) -> dict[str, Any]:
+    def params_for(
+        self,
+        attention: list[int],
+        mlp: list[int],
+        max_draft_tokens: int | None = None,
+        lookup: int = 0,
+        use_skip_draft: bool = True,
+    ) -> dict[str, Any]:
         """Optuna parameters of a hand-picked candidate (for ``enqueue_trial`` warm starts)."""
         params: dict[str, Any] = {}
         for i in self.searchable_layers:
@@ -83,7 +92,9 @@ class SearchSpace:
         if self.tune_adaptive:
             params["adaptive"] = False
         params["draft_vocab_size"] = self.draft_vocab_choices[0]
-        params["lookup_max_ngram"] = self.lookup_ngram_choices[0]
+        params["lookup_max_ngram"] = lookup if lookup in self.lookup_ngram_choices else self.lookup_ngram_choices[0]
+        if params["lookup_max_ngram"]:
+            params["use_skip_draft"] = use_skip_draft
         return params
 
     def warm_starts(self) -> list[dict[str, Any]]:
@@ -104,6 +115,11 @@ class SearchSpace:
                 candidate = self.params_for(attention, mlp, 4)
                 if candidate not in params:
                     params.append(candidate)
+        lookups = [n for n in self.lookup_ngram_choices if n]
+        if lookups:
+            # Prompt lookup alone, and lookup in front of the lightest skip draft above.
+            params.append(self.params_for([], [], 4, lookups[-1], use_skip_draft=False))
+            params.append(self.params_for(alternate, [], 4, lookups[-1], use_skip_draft=True))
         return params
 
 
@@ -117,11 +133,14 @@ def policy_from_params(params: dict[str, Any], num_layers: int) -> SkipPolicy:
         float(params.get("target_acceptance", 0.7)),
         int(params.get("draft_vocab_size", 0)),
         int(params.get("lookup_max_ngram", 0)),
+        bool(params.get("use_skip_draft", True)),
     )
     return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
 
 
-def draft_settings(k: int, adaptive: bool, target: float, vocab: int, lookup: int) -> DraftSettings:
+def draft_settings(
+    k: int, adaptive: bool, target: float, vocab: int, lookup: int, use_skip_draft: bool = True
+) -> DraftSettings:
     """The draft settings one point of the space stands for."""
     return DraftSettings(
         max_draft_tokens=k,
@@ -131,4 +150,5 @@ def draft_settings(k: int, adaptive: bool, target: float, vocab: int, lookup: in
         lookup_max_ngram=lookup,
         lookup_min_ngram=min(2, lookup) if lookup else 2,
         lookup_max_tokens=max(8, k),
+        use_skip_draft=use_skip_draft,
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import random
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -189,20 +191,78 @@ def run_trials(
     timeout: float | None,
     progress: bool = True,
 ) -> None:
-    """Run up to ``n_trials`` here, stopping when all workers together reach ``total_trials``."""
+    """Run up to ``n_trials`` here, stopping when all workers together reach ``total_trials``.
+
+    Ctrl-C stops the run and records the trial it interrupted as FAIL (see ``_InterruptGuard``).
+    """
     callbacks = []
     if total_trials is not None:
         if counted_trials(study) >= total_trials:
             return
         callbacks.append(optuna.study.MaxTrialsCallback(total_trials, states=COUNTED_STATES))
-    study.optimize(
-        objective,
-        n_trials=n_trials,
-        timeout=timeout,
-        callbacks=callbacks,
-        show_progress_bar=progress,
-        gc_after_trial=False,
-    )
+    with _InterruptGuard(objective) as guarded:
+        study.optimize(
+            guarded,
+            n_trials=n_trials,
+            timeout=timeout,
+            callbacks=callbacks,
+            show_progress_bar=progress,
+            gc_after_trial=False,
+        )
+
+
+class _QuietInterrupt(logging.Filter):
+    """Drop Optuna's "Trial N failed" traceback when the failure is the user's Ctrl-C."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+
+
+class _InterruptGuard:
+    """Let Ctrl-C interrupt a trial only inside its objective, where Optuna records it as FAIL.
+
+    Anywhere else in ``study.optimize`` (asking the sampler, writing a result) a KeyboardInterrupt
+    would leave the trial RUNNING in the storage for good. There the interrupt is held, and
+    raised as soon as the next objective starts (its trial then fails) or when optimize returns.
+    A second Ctrl-C while one is held interrupts at once.
+    """
+
+    def __init__(self, objective: Callable[[optuna.Trial], Any]) -> None:
+        self.objective = objective
+        self.inside = False
+        self.pending = False
+        self.previous: Any = None
+        self.installed = False
+        self.log_filter = _QuietInterrupt()
+        self.logger = logging.getLogger("optuna.study._optimize")
+
+    def __call__(self, trial: optuna.Trial) -> Any:
+        self.inside = True
+        try:
+            if self.pending:
+                raise KeyboardInterrupt
+            return self.objective(trial)
+        finally:
+            self.inside = False
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.inside or self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def __enter__(self) -> _InterruptGuard:
+        self.logger.addFilter(self.log_filter)
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self.installed = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler if self.previous is None else self.previous)
+        self.logger.removeFilter(self.log_filter)
+        if exc_type is None and self.pending:
+            raise KeyboardInterrupt
 
 
 def finalists(study: optuna.Study, objective: str, top_k: int) -> list[FrozenTrial]:

@@ -136,7 +136,11 @@ def load_storage(url: str):
         from optuna.storages.journal import JournalFileBackend
 
         return optuna.storages.JournalStorage(JournalFileBackend(url))
-    return optuna.storages.RDBStorage(url)
+    if url.startswith("sqlite:///"):
+        return optuna.storages.RDBStorage(url)
+    from search.study import open_storage  # picks the installed PostgreSQL driver
+
+    return open_storage(url)
 
 
 def load_study(url: str, name: str):

@@ -44,6 +44,8 @@ def read_prompt(text: str | None, path: str | None) -> str:
             return open(path, encoding="utf-8").read()
         except OSError as exc:
             raise LayerskipError(f"cannot read prompt file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise LayerskipError(f"cannot read prompt file {path}: it is not UTF-8 text") from None
     if text is None:
         raise LayerskipError("no prompt given; pass --prompt TEXT or --prompt-file PATH")
     return text

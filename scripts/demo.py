@@ -1,0 +1,69 @@
+"""`make demo`: a short policy search on the embedded default model, then generation with the
+policy it found, compared with Hugging Face generate on the same prompt.
+
+Everything lands in results/demo/ (study database, policy, plots). Re-running resumes the study.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from layerskip.cli.generate import main as generate_main  # noqa: E402
+from search.cli import main as search_main  # noqa: E402
+
+OUT = Path("results/demo")
+PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    print("== 1. searching a skip policy for smollm2-135m (16 trials, lookup drafting allowed) ==", flush=True)
+    code = search_main(
+        [
+            "--model",
+            "smollm2-135m",
+            "--n-trials",
+            "16",
+            "--n-prompts",
+            "3",
+            "--reference-tokens",
+            "32",
+            "--max-new-tokens",
+            "48",
+            "--confirm-top",
+            "2",
+            "--lookup",
+            "0,3",
+            "--storage",
+            f"sqlite:///{OUT / 'study.db'}",
+            "--study-name",
+            "demo",
+            "--out",
+            str(OUT / "policy.json"),
+            "--plots",
+            str(OUT / "plots"),
+        ]
+    )
+    if code:
+        return code
+    print(f"\n== 2. generating with {OUT / 'policy.json'} vs HF generate ==", flush=True)
+    return generate_main(
+        [
+            "--model",
+            "smollm2-135m",
+            "--policy",
+            str(OUT / "policy.json"),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "96",
+            "--compare",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

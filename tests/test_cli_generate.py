@@ -1,0 +1,248 @@
+"""scripts/generate.py as a user runs it: bad input -> exit 2 and one ``error:`` line; good input works.
+
+Checks that fail before the model loads cost an interpreter start (~2 s); the few that need
+SmolLM2 load it from its local cache (~4 s each).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SMOLLM2
+from tiny_models import LAYERS, save_checkpoint, tiny_model
+
+from layerskip.policy import DraftSettings, ModelIdentity, SkipPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "generate.py"
+SMOLLM2_LAYERS = 30
+REPORT_KEYS = {
+    "text",
+    "new_tokens",
+    "seconds",
+    "tokens_per_second",
+    "steps",
+    "mean_accepted",
+    "acceptance_rate",
+    "baseline_tokens_per_second",
+    "speedup",
+    "identical",
+}
+
+
+def generate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_bad_input(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    """Exit code 2, stderr exactly one line starting with 'error:', no traceback; returns the line."""
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    assert result.returncode == 2, output
+    lines = result.stderr.strip("\n").splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{result.stderr}"
+    assert lines[0].startswith("error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+# -- bad input caught before the model loads --------------------------------------------------------
+
+
+def test_unknown_model_name() -> None:
+    assert_bad_input(generate("--model", "no-such-model-1b", "--prompt", "hi"), "unknown model 'no-such-model-1b'")
+
+
+def test_nonexistent_model_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "model"
+    assert_bad_input(generate("--model", str(missing), "--prompt", "hi"), "unknown model")
+
+
+def test_directory_without_a_model(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a config.json transformers cannot use
+    line = assert_bad_input(generate("--model", str(tmp_path), "--prompt", "hi"))
+    assert str(tmp_path) in line
+
+
+def test_corrupt_policy_json(tmp_path: Path) -> None:
+    policy = tmp_path / "corrupt.json"
+    policy.write_text('{"format": "layerskip-policy", "version": 1, "skip_attention": [1, 2')
+    assert_bad_input(generate("--prompt", "hi", "--policy", str(policy)), "not valid JSON", "corrupt.json")
+
+
+def test_wrong_schema_policy_json(tmp_path: Path) -> None:
+    policy = tmp_path / "schema.json"
+    data = SkipPolicy(skip_attention=(1,)).to_dict()
+    data["skip_attention"] = ["one"]
+    data["draft"]["max_draft_tokens"] = "4"
+    policy.write_text(json.dumps(data))
+    assert_bad_input(generate("--prompt", "hi", "--policy", str(policy)), "wrong schema")
+
+
+def test_json_that_is_not_a_policy(tmp_path: Path) -> None:
+    policy = tmp_path / "config.json"
+    policy.write_text(json.dumps({"model_type": "llama"}))
+    assert_bad_input(generate("--prompt", "hi", "--policy", str(policy)), "not a layerskip policy")
+
+
+def test_missing_policy_file(tmp_path: Path) -> None:
+    assert_bad_input(generate("--prompt", "hi", "--policy", str(tmp_path / "none.json")), "not found")
+
+
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_max_new_tokens_not_positive(count: str) -> None:
+    assert_bad_input(generate("--prompt", "hi", "--max-new-tokens", count), "--max-new-tokens")
+
+
+def test_cuda_without_a_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert_bad_input(generate("--prompt", "hi", "--device", "cuda"), "CUDA")
+
+
+def test_no_prompt_and_missing_prompt_file(tmp_path: Path) -> None:
+    assert_bad_input(generate("--max-new-tokens", "4"), "no prompt")
+    assert_bad_input(generate("--prompt-file", str(tmp_path / "none.txt")), "cannot read prompt file")
+
+
+def test_prompt_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    assert_bad_input(generate("--prompt-file", str(path)), "cannot read prompt file", "UTF-8")
+
+
+@pytest.mark.parametrize(
+    "args", [["--temperature", "0"], ["--top-p", "0"], ["--top-k", "-1"]], ids=["temperature", "top-p", "top-k"]
+)
+def test_bad_sampling_options(args: list[str]) -> None:
+    assert_bad_input(generate("--prompt", "hi", "--sample", *args))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=66,
+        hidden_size=32,
+        word_embed_proj_dim=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    save_checkpoint(OPTForCausalLM(config), tmp_path / "tiny-opt")
+    assert_bad_input(
+        generate("--model", str(tmp_path / "tiny-opt"), "--prompt", "hello world"), "unsupported architecture 'opt'"
+    )
+
+
+# -- bad input found once the model is loaded ---------------------------------------------------------
+# A tiny Llama checkpoint loads in a fraction of a second; SmolLM2 (from its local cache) where it matters.
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = tmp_path_factory.mktemp("models") / "tiny-llama"
+    save_checkpoint(tiny_model("llama"), directory)
+    return str(directory)
+
+
+def _policy_file(tmp_path: Path, policy: SkipPolicy, name: str = "policy.json") -> str:
+    return str(policy.save(tmp_path / name))
+
+
+def test_policy_for_another_model(tmp_path: Path, tiny_llama_dir: str) -> None:
+    other = SkipPolicy(skip_mlp=(1,), model=ModelIdentity(name="tiny", architecture="gpt2", num_layers=7))
+    result = generate("--model", tiny_llama_dir, "--prompt", "hello", "--policy", _policy_file(tmp_path, other))
+    assert_bad_input(result, "'gpt2' model", "'llama'")
+
+
+def test_policy_index_out_of_range(tmp_path: Path, tiny_llama_dir: str) -> None:
+    out_of_range = SkipPolicy(skip_attention=(3, 99))
+    result = generate("--model", tiny_llama_dir, "--prompt", "hello", "--policy", _policy_file(tmp_path, out_of_range))
+    assert_bad_input(result, "[99]", f"valid 0..{LAYERS - 1}")
+
+
+def test_empty_prompt(tiny_llama_dir: str) -> None:
+    assert_bad_input(generate("--model", tiny_llama_dir, "--prompt", "", "--max-new-tokens", "4"), "prompt is empty")
+
+
+def test_chat_without_a_chat_template(tiny_llama_dir: str) -> None:
+    assert_bad_input(generate("--model", tiny_llama_dir, "--prompt", "hello", "--chat"), "no chat template")
+
+
+def test_policy_skipping_every_sublayer_of_smollm2(tmp_path: Path) -> None:
+    everything = SkipPolicy.early_exit(SMOLLM2_LAYERS, 0)
+    assert_bad_input(generate("--prompt", "hi", "--policy", _policy_file(tmp_path, everything)), "every sublayer")
+
+
+def test_tiny_checkpoint_compare_json(tmp_path: Path, tiny_llama_dir: str) -> None:
+    """The whole --compare --json path on a local HF directory, cheap enough for every run."""
+    policy = _policy_file(tmp_path, SkipPolicy(skip_attention=(0,), skip_mlp=(2,)))
+    result = generate(
+        "--model", tiny_llama_dir, "--prompt", "hello world w1 w2", "--policy", policy, "--compare", "--json",
+        "--max-new-tokens", "12",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert REPORT_KEYS <= set(report)
+    assert report["identical"] is True and report["model"] == "tiny-llama"
+
+
+# -- success ------------------------------------------------------------------------------------------------
+
+PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+@pytest.fixture(scope="module")
+def smollm2_policy(tmp_path_factory: pytest.TempPathFactory, smollm2) -> str:
+    policy = SkipPolicy(skip_attention=(5, 20), draft=DraftSettings(max_draft_tokens=4)).with_model(
+        smollm2.model, SMOLLM2
+    )
+    return str(policy.save(tmp_path_factory.mktemp("cli") / "smollm2.json"))
+
+
+@pytest.fixture(scope="module")
+def compare_report(smollm2_policy: str) -> dict:
+    result = generate("--compare", "--json", "--prompt", PROMPT, "--policy", smollm2_policy, "--max-new-tokens", "24")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout  # one JSON object, nothing streamed
+    return json.loads(lines[0])
+
+
+@pytest.mark.slow
+def test_compare_json_reports_identical_output(compare_report: dict, smollm2_policy: str) -> None:
+    report = compare_report
+    assert REPORT_KEYS <= set(report), REPORT_KEYS - set(report)
+    assert report["identical"] is True
+    assert report["model"] == SMOLLM2 and report["policy"] == smollm2_policy
+    assert isinstance(report["text"], str) and report["text"].strip()
+    assert 0 < report["new_tokens"] <= 24
+    assert 1 <= report["steps"] <= report["new_tokens"]
+    assert report["mean_accepted"] == pytest.approx(report["new_tokens"] / report["steps"])
+    assert 0.0 <= report["acceptance_rate"] <= 1.0
+    for key in ("seconds", "tokens_per_second", "baseline_tokens_per_second", "speedup"):
+        assert isinstance(report[key], float) and report[key] > 0, key
+
+
+@pytest.mark.slow
+def test_streaming_text_mode(compare_report: dict, smollm2_policy: str) -> None:
+    result = generate("--prompt", PROMPT, "--policy", smollm2_policy, "--max-new-tokens", "24")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    # Greedy decoding is deterministic: the streamed text is the JSON report's text.
+    assert result.stdout.strip() == compare_report["text"].strip()
+    assert "tokens in" in result.stderr and "acceptance" in result.stderr

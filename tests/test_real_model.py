@@ -1,0 +1,89 @@
+"""Lossless on the real embedded SmolLM2-135M-Instruct: greedy self-speculative output == HF generate.
+
+Four built-in prompts (one each of writing, translation, summarisation, maths) with the chat
+template, 32 new tokens, three policies: attention skips, early exit, and lookup + skip.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+from compare import assert_same_tokens
+
+from layerskip import adapters
+from layerskip.baselines import hf_generate
+from layerskip.data import builtin_prompts
+from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.policy import DraftSettings, SkipPolicy
+from layerskip.prompting import encode_prompt, eos_token_ids
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+PROMPT_IDS = ["builtin-2", "builtin-3", "builtin-6", "builtin-12"]
+POLICIES = {
+    "attention-5-20": SkipPolicy(skip_attention=(5, 20)),
+    "early-exit-26": SkipPolicy.early_exit(30, 26),
+    "lookup-hybrid": SkipPolicy(skip_attention=(5, 20), draft=DraftSettings(lookup_max_ngram=3)),
+}
+
+
+@functools.cache
+def _prompt_text(prompt_id: str) -> str:
+    return next(p.text for p in builtin_prompts() if p.id == prompt_id)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """(prompt ids, eos ids, HF greedy tokens) per prompt, computed once per prompt."""
+    cache: dict[str, tuple[list[int], tuple[int, ...], list[int]]] = {}
+
+    def get(prompt_id: str) -> tuple[list[int], tuple[int, ...], list[int]]:
+        if prompt_id not in cache:
+            ids = encode_prompt(smollm2.tokenizer, _prompt_text(prompt_id), chat=True)
+            eos = eos_token_ids(smollm2.model, smollm2.tokenizer)
+            tokens, _ = hf_generate(smollm2.model, ids, NEW_TOKENS, eos)
+            cache[prompt_id] = (ids, eos, tokens)
+        return cache[prompt_id]
+
+    return get
+
+
+def test_model_is_the_expected_one(smollm2) -> None:
+    assert smollm2.name == "smollm2-135m" and smollm2.instruct
+    assert adapters.architecture_of(smollm2.model) == "llama"
+    assert adapters.num_layers(smollm2.model) == 30
+    assert eos_token_ids(smollm2.model, smollm2.tokenizer)
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+@pytest.mark.parametrize("prompt_id", PROMPT_IDS)
+def test_speculative_matches_hf_generate(smollm2, reference, prompt_id: str, policy_name: str) -> None:
+    ids, eos, ref = reference(prompt_id)
+    assert len(ref) == NEW_TOKENS  # a full-length answer: no early EOS to hide a divergence
+    policy = POLICIES[policy_name].with_model(smollm2.model, smollm2.name)
+    tokens, stats = decode_speculative(
+        smollm2.model, ids, policy, DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos)
+    )
+    assert_same_tokens(tokens, ref, model=smollm2.model, prompt=ids, label=f"{prompt_id} {policy_name}")
+    assert stats.accepted > 0
+    assert not adapters.is_bypassed(smollm2.model)
+
+
+def test_autoregressive_matches_hf_generate(smollm2, reference) -> None:
+    ids, eos, ref = reference(PROMPT_IDS[0])
+    tokens, _ = decode_autoregressive(smollm2.model, ids, DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos))
+    assert_same_tokens(tokens, ref, model=smollm2.model, prompt=ids, label="autoregressive")
+
+
+def test_saved_policy_gives_the_same_output(smollm2, reference, tmp_path: Path) -> None:
+    ids, eos, ref = reference(PROMPT_IDS[2])
+    policy = POLICIES["lookup-hybrid"].with_model(smollm2.model, smollm2.name)
+    loaded = SkipPolicy.load(policy.save(tmp_path / "smollm2.json"))
+    assert loaded == policy
+    loaded.validate_for(smollm2.model)
+    settings = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos)
+    tokens, _ = decode_speculative(smollm2.model, ids, loaded, settings)
+    assert_same_tokens(tokens, ref, model=smollm2.model, prompt=ids, label="loaded policy")

@@ -1,0 +1,73 @@
+"""Distributed search on a real PostgreSQL server: two workers, one study, nothing lost or duplicated.
+
+Needs ``LAYERSKIP_TEST_POSTGRES_URL=postgresql://user:password@host:port/database`` (``.ci/run``
+starts a throwaway server and sets it); without it, or when no server answers there, the test
+is skipped and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from search_fixtures import counted, load_storage, save_tiny_llama, start_search, trial_numbers, wait_all
+
+from layerskip.policy import SkipPolicy
+
+URL_ENV = "LAYERSKIP_TEST_POSTGRES_URL"
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> str:
+    url = os.environ.get(URL_ENV)
+    if not url:
+        pytest.skip(f"{URL_ENV} is not set (.ci/run starts a throwaway PostgreSQL server and sets it)")
+    parts = urlsplit(url)
+    if not parts.scheme.startswith("postgresql"):
+        pytest.fail(f"{URL_ENV} must be a postgresql:// URL, got scheme '{parts.scheme}'")
+    host, port = parts.hostname or "127.0.0.1", parts.port or 5432
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as exc:
+        pytest.skip(f"no PostgreSQL server answers at {host}:{port} ({URL_ENV}): {exc}")
+    return url
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def test_two_workers_on_postgresql(postgres_url, tiny_llama, tmp_path):
+    import optuna
+
+    name = f"layerskip-test-{uuid.uuid4().hex[:12]}"  # a fresh study even on a reused database
+    workers = [
+        start_search(tiny_llama, "--storage", postgres_url, "--study-name", name, "--n-trials", "4",
+                     "--worker", str(w), "--out", str(tmp_path / f"p{w}.json"))
+        for w in (0, 1)
+    ]
+    storage = None
+    try:
+        for code, out, err in wait_all(workers):
+            assert code == 0, f"exit {code}\nstdout:\n{out}\nstderr:\n{err}"
+        storage = load_storage(postgres_url)
+        study = optuna.load_study(study_name=name, storage=storage)
+        assert counted(study) == list(range(8)), [t.state for t in study.get_trials(deepcopy=False)]
+        assert trial_numbers(study) == list(range(8))
+        for w in (0, 1):
+            policy = SkipPolicy.load(tmp_path / f"p{w}.json")
+            assert policy.model.fingerprint == study.user_attrs["model_fingerprint"]
+            assert policy.provenance["study"] == name
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+        try:
+            optuna.delete_study(study_name=name, storage=storage or load_storage(postgres_url))
+        except Exception:  # noqa: BLE001 - the study may never have been created; cleanup only
+            pass
