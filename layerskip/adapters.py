@@ -110,20 +110,41 @@ def final_logit_softcap(model: nn.Module) -> float | None:
     return getattr(model.config, "final_logit_softcapping", None)
 
 
-def head_logits(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits from final hidden states ``[..., hidden]`` -> ``[..., V]`` (or ``[..., len(rows)]``).
+@dataclass(frozen=True)
+class DraftHead:
+    """The LM head, optionally cut to a subset of vocabulary rows (the truncated draft head).
 
-    ``rows`` selects a subset of the vocabulary (the truncated draft head): only those rows of
-    the output embedding are multiplied, which is where the draft's savings come from.
+    The rows' weights are gathered once here, not per token: a draft step then multiplies
+    ``[hidden] x [hidden, K]`` instead of the full ``[hidden, V]``.
     """
+
+    weight: torch.Tensor  # [K or V, hidden]
+    bias: torch.Tensor | None
+    rows: torch.Tensor | None  # [K] token ids of the weight's rows, None for the full head
+    softcap: float | None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(hidden, self.weight, self.bias)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Map positions in this head's output to vocabulary ids."""
+        return index if self.rows is None else self.rows[index]
+
+
+def draft_head(model: nn.Module, rows: torch.Tensor | None = None) -> DraftHead:
     head = lm_head(model)
-    weight = head.weight if rows is None else head.weight.index_select(0, rows)
-    bias = head.bias if rows is None or head.bias is None else head.bias.index_select(0, rows)
-    logits = nn.functional.linear(hidden, weight, bias)
-    cap = final_logit_softcap(model)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    if rows is None:
+        return DraftHead(head.weight, head.bias, None, final_logit_softcap(model))
+    bias = None if head.bias is None else head.bias.index_select(0, rows)
+    return DraftHead(head.weight.index_select(0, rows), bias, rows, final_logit_softcap(model))
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits from final hidden states ``[..., hidden]`` -> ``[..., V]`` (or ``[..., len(rows)]``)."""
+    return draft_head(model, rows)(hidden)
 
 
 def sliding_windows(model: nn.Module) -> list[int | None]:

@@ -74,7 +74,8 @@ class SkipDrafter:
         self.settings: DraftSettings = policy.draft
         self.sampling = sampling
         self.generator = generator
-        self.vocab_rows = vocab_rows  # [K] token ids the truncated draft head scores, or None
+        self.head = adapters.draft_head(model, vocab_rows)  # full or truncated to [K] rows
+        self.vocab_rows = vocab_rows
         self.vocab_size = adapters.lm_head(model).weight.shape[0]
         self.threshold = self.settings.initial_threshold
         self.smoothed_acceptance = self.settings.target_acceptance
@@ -92,7 +93,7 @@ class SkipDrafter:
         q_rows: list[torch.Tensor] = []
         with adapters.bypass(self.model, self.policy.skip_attention, self.policy.skip_mlp):
             for i in range(min(request.max_tokens, self.settings.max_draft_tokens)):
-                logits = draft_logits(self.model, token, request.cache, request.position + i, self.vocab_rows)
+                logits = draft_logits(self.model, token, request.cache, request.position + i, self.head)
                 if self.sampling is None:
                     index = logits.argmax()
                     if self.settings.adaptive:
@@ -102,7 +103,7 @@ class SkipDrafter:
                     index = sample(probs, self.generator)
                     confidence = probs[index]
                     q_rows.append(self._to_full_vocab(probs))
-                chosen = index if self.vocab_rows is None else self.vocab_rows[index]
+                chosen = self.head.token_ids(index)
                 tokens.append(chosen)
                 if self.settings.adaptive and float(confidence) < self.threshold:
                     break

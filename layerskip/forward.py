@@ -33,9 +33,9 @@ def full_logits(model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache,
 
 
 def draft_logits(
-    model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache, start: int, rows: torch.Tensor | None
+    model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache, start: int, head: adapters.DraftHead
 ) -> torch.Tensor:
-    """The draft's logits for the last input position, ``[V]`` or ``[len(rows)]``.
+    """The draft's logits for the last input position, ``[V]`` or ``[K]`` for a truncated head.
 
     Called inside ``adapters.bypass``; runs the decoder stack, then only the head rows needed.
     """
@@ -45,4 +45,4 @@ def draft_logits(
         position_ids=_positions(start, input_ids.shape[1], input_ids.device),
         use_cache=True,
     ).last_hidden_state  # [1, q, hidden]
-    return adapters.head_logits(model, hidden[0, -1], rows)
+    return head(hidden[0, -1])

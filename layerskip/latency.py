@@ -57,10 +57,11 @@ def draft_step_seconds(
     cache, device = _prefilled_cache(model, context)
     length = len(context)
     token = torch.tensor([[context[-1]]], device=device)
+    head = adapters.draft_head(model, vocab_rows)
 
     def step() -> None:
         with adapters.bypass(model, skip_attention, skip_mlp):
-            draft_logits(model, token, cache, length, vocab_rows)
+            draft_logits(model, token, cache, length, head)
         cache.rollback(length)
 
     return median_seconds(step, device, repeats)

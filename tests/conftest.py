@@ -21,15 +21,12 @@ def smollm2():
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_for_tiny_models(request: pytest.FixtureRequest):
-    """Tiny-model tests run single-threaded: for 64-wide matmuls, threads only add sync overhead,
-    and on a busy 2-core machine an oversubscribed pool makes them ~40x slower. Slow tests
-    (the real model) keep torch's default."""
+def _one_torch_thread():
+    """Run every test single-threaded. On a 2-core machine shared with other work, torch's
+    default pool (one thread per core) spin-waits for descheduled threads: tiny-model decodes
+    get ~40x slower and SmolLM2's ~7x; one thread costs little even when the machine is idle."""
     import torch
 
-    if request.node.get_closest_marker("slow") is not None:
-        yield
-        return
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -36,7 +36,8 @@ REPORT_KEYS = {
 
 
 def generate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # One torch thread, as in-process tests use (see conftest): robust speed on a busy machine.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
