@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference-tokens", type=int, default=48, help="length of each teacher-forcing reference")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt in the real confirmation")
     parser.add_argument("--confirm-top", type=int, default=3, help="finalists confirmed by real generation (0: none)")
-    parser.add_argument("--draft-tokens", type=_int_list, default=(2, 3, 4, 6), help="max draft token choices")
+    parser.add_argument("--draft-tokens", type=_int_list, default=(2, 3, 4, 6, 8), help="max draft token choices")
     parser.add_argument("--no-adaptive", action="store_true", help="do not search the adaptive draft length")
     parser.add_argument(
         "--draft-vocab",

@@ -21,7 +21,7 @@ class SearchSpace:
     never_skip: tuple[int, ...] = ()  # layers whose sublayers are never bypassed
     min_fraction: float = 0.0  # of all 2 * num_layers sublayers, bypassed
     max_fraction: float = 1.0
-    draft_token_choices: tuple[int, ...] = (2, 3, 4, 6)
+    draft_token_choices: tuple[int, ...] = (2, 3, 4, 6, 8)
     tune_adaptive: bool = True
     target_acceptance_choices: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9)
     draft_vocab_choices: tuple[int, ...] = (0,)  # truncated draft head sizes (0 = full head)
@@ -149,6 +149,6 @@ def draft_settings(
         draft_vocab_size=vocab,
         lookup_max_ngram=lookup,
         lookup_min_ngram=min(2, lookup) if lookup else 2,
-        lookup_max_tokens=max(8, k),
+        lookup_max_tokens=k,  # one length knob: k caps skip drafts and lookup runs alike
         use_skip_draft=use_skip_draft,
     )

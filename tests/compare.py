@@ -74,9 +74,10 @@ def mismatch_message(
         logits = teacher_forced_logits(model, prompt, ref, i)
     if logits is not None:
         top = logits.topk(2)
+        values = [round(v, 5) for v in top.values.tolist()]
         lines.append(
-            f"  reference top-2 there: tokens {top.indices.tolist()} logits {[round(v, 5) for v in top.values.tolist()]}"
-            f" gap {top2_gap(logits):.3g} (a gap near 0 means a float near-tie, not a logic bug)"
+            f"  reference top-2 there: tokens {top.indices.tolist()} logits {values} gap {top2_gap(logits):.3g}"
+            " (a gap near 0 means a float near-tie, not a logic bug)"
         )
     return "\n".join(lines)
 

@@ -192,8 +192,16 @@ def test_tiny_checkpoint_compare_json(tmp_path: Path, tiny_llama_dir: str) -> No
     """The whole --compare --json path on a local HF directory, cheap enough for every run."""
     policy = _policy_file(tmp_path, SkipPolicy(skip_attention=(0,), skip_mlp=(2,)))
     result = generate(
-        "--model", tiny_llama_dir, "--prompt", "hello world w1 w2", "--policy", policy, "--compare", "--json",
-        "--max-new-tokens", "12",
+        "--model",
+        tiny_llama_dir,
+        "--prompt",
+        "hello world w1 w2",
+        "--policy",
+        policy,
+        "--compare",
+        "--json",
+        "--max-new-tokens",
+        "12",
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)

@@ -13,10 +13,11 @@ import functools
 import pytest
 import torch
 from compare import assert_same_tokens, hf_greedy, mismatch_message
-from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model
+from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model, tiny_tokenizer
 
 from layerskip import adapters, drafters
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.errors import LayerskipError
 from layerskip.policy import DraftSettings, SkipPolicy
 
 NEW_TOKENS = 40
@@ -205,4 +206,72 @@ def test_bypass_is_restored_when_drafting_fails(monkeypatch: pytest.MonkeyPatch)
         decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=NEW_TOKENS))
     assert not adapters.is_bypassed(model)
     monkeypatch.undo()
-    _check("llama", decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(NEW_TOKENS))[0], "after")
+    tokens, _ = decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(NEW_TOKENS))
+    _check("llama", tokens, "after a failed decode")
+
+
+# -- text level: stop strings and the generate() entry point ------------------------------------------
+
+
+@functools.cache
+def _word_model() -> torch.nn.Module:
+    return tiny_model("llama", vocab_size=66)  # ids 0..65: exactly the tiny tokenizer's vocabulary
+
+
+def test_stop_strings_cut_speculative_and_plain_output_alike() -> None:
+    tokenizer = tiny_tokenizer()
+    model = _word_model()
+    prompt = tokenizer("hello world w1 w2 w3 w4")["input_ids"]
+    full, _ = decode_autoregressive(model, prompt, DecodeSettings(max_new_tokens=30))
+    words = tokenizer.decode(full, skip_special_tokens=True).split()
+    stop = words[len(words) // 2]
+    # Output ends with the token that completes the stop string.
+    end = next(i for i in range(len(full)) if stop in tokenizer.decode(full[: i + 1], skip_special_tokens=True))
+    expected = full[: end + 1]
+    assert 1 < len(expected) < len(full)
+    settings = DecodeSettings(max_new_tokens=30, stop_strings=(stop,))
+    plain, _ = decode_autoregressive(model, prompt, settings, tokenizer=tokenizer)
+    assert plain == expected
+    for name in ("attention-0-2", "mixed-k8", "lookup-hybrid"):
+        tokens, _ = decode_speculative(model, prompt, POLICIES[name], settings, tokenizer=tokenizer)
+        assert tokens == expected, name
+
+
+def test_stop_strings_need_a_tokenizer() -> None:
+    with pytest.raises(LayerskipError, match="tokenizer"):
+        decode_speculative(
+            _word_model(), [1, 2, 3], POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=4, stop_strings=("x",))
+        )
+
+
+@pytest.mark.parametrize("bad", [[], torch.zeros(1, 0, dtype=torch.long)], ids=["list", "tensor"])
+def test_empty_prompt_ids_are_refused(bad: object) -> None:
+    with pytest.raises(LayerskipError, match="empty"):
+        decode_speculative(_model("llama"), bad, POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=4))
+    with pytest.raises(LayerskipError, match="empty"):
+        decode_autoregressive(_model("llama"), bad, DecodeSettings(max_new_tokens=4))
+
+
+def test_zero_budget_is_refused() -> None:
+    with pytest.raises(LayerskipError, match="max_new_tokens"):
+        decode_speculative(_model("llama"), random_prompt(), POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=0))
+
+
+def test_invalid_policy_is_refused_before_decoding() -> None:
+    with pytest.raises(LayerskipError, match="every sublayer"):
+        decode_speculative(_model("llama"), random_prompt(), SkipPolicy.early_exit(LAYERS, 0), DecodeSettings(4))
+
+
+def test_generate_text_entry_point() -> None:
+    tokenizer = tiny_tokenizer()
+    model = _word_model()
+    streamed: list[int] = []
+    plain = generate(model, tokenizer, "hello world w7", max_new_tokens=12)
+    fast = generate(
+        model, tokenizer, "hello world w7", POLICIES["layers-1-2"], max_new_tokens=12, stream=streamed.extend
+    )
+    assert fast.tokens == plain.tokens == streamed
+    assert fast.text == plain.text == tokenizer.decode(plain.tokens, skip_special_tokens=True)
+    assert fast.prompt_tokens == 3 and fast.stats.new_tokens == len(fast.tokens)
+    with pytest.raises(LayerskipError, match="empty"):
+        generate(model, tokenizer, "   ", max_new_tokens=4)

@@ -173,8 +173,9 @@ def test_probs_filters() -> None:
     torch.testing.assert_close(Sampling(top_k=10).probs(logits), p)  # k >= V: no filter
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=0), dict(temperature=-1), dict(top_k=-1), dict(top_p=0),
-                                    dict(top_p=1.5)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=0), dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)]
+)
 def test_invalid_sampling_settings(kwargs: dict) -> None:
     with pytest.raises(LayerskipError):
         Sampling(**kwargs)

@@ -52,7 +52,12 @@ def _main(argv: list[str] | None) -> int:
     prompts = load_prompts(
         args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field, seed=args.seed
     )
-    policies = {Path(p).stem: SkipPolicy.load(p) for p in args.policy}
+    policies: dict[str, SkipPolicy] = {}
+    for path in args.policy:
+        label = Path(path).stem
+        if label in policies:  # two files of the same name: keep both, told apart by position
+            label = f"{label}-{len(policies) + 1}"
+        policies[label] = SkipPolicy.load(path)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     for label, policy in policies.items():

@@ -1,0 +1,394 @@
+"""The benchmark harness: build_methods -> run_benchmark -> summarise -> report files, and the CLI.
+
+Library level: a tiny random Llama (4 layers, hidden 64, vocab 128), two token-id prompts in
+categories "a" and "b", 12 new tokens. CLI level: ``scripts/bench.py`` as a user runs it, on the
+same tiny model saved as a local HF directory with a word-level tokenizer (see tiny_models.py);
+each subprocess costs an interpreter start (~4 s).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import LAYERS, VOCAB, random_prompt, save_checkpoint, tiny_model
+
+from layerskip import bench
+from layerskip.bench import BenchConfig, Method, Run, build_methods, run_benchmark, summarise
+from layerskip.data import Prompt
+from layerskip.errors import LayerskipError
+from layerskip.policy import DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.report import COLUMNS, write_outputs
+from layerskip.vocab import DraftVocabulary
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+OUTPUT_FILES = ("results.json", "results.csv", "results.md", "speedup.png")
+FIGURE_KEYS = set(COLUMNS)  # tokens_per_second, speedup, mean_accepted, acceptance_rate, identical_fraction, n_prompts
+RESULT_KEYS = {"command", "device", "dtype", "versions", "model", "methods"}
+
+NEW_TOKENS = 12
+WARMUP_TOKENS = 4
+METHOD_NAMES = ["hf-ar", "ar", "self-spec", "self-spec-lookup", "hf-pld"]
+LOSSLESS = ("ar", "self-spec", "self-spec-lookup")
+PROMPTS = [Prompt("p0", "a", "unused"), Prompt("p1", "b", "unused")]
+PROMPT_IDS = [random_prompt(seed=0), random_prompt(seed=1)]
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model("llama")
+
+
+def _policy() -> SkipPolicy:
+    # Bypasses the attention of layers 0 and 2: on these prompts its drafts are accepted and rejected.
+    return SkipPolicy(skip_attention=(0, 2), draft=DraftSettings(max_draft_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def benchmark(model: torch.nn.Module) -> dict:
+    """One benchmark run of every method; every call a method receives is recorded in order."""
+    methods = build_methods(model, METHOD_NAMES, (), {"skip-attn-0-2": _policy()})
+    calls: list[tuple[str, int]] = []
+
+    def recorded(method: Method) -> Method:
+        inner = method.run
+
+        def run(ids: list[int], max_new: int) -> Run:
+            calls.append((method.name, max_new))
+            return inner(ids, max_new)
+
+        return Method(method.name, run, method.policy)
+
+    methods = [recorded(m) for m in methods]
+    config = BenchConfig(max_new_tokens=NEW_TOKENS, warmup_tokens=WARMUP_TOKENS, progress=False)
+    # Module fixtures run before conftest's function-scoped one-thread fixture: set it here too,
+    # or torch's thread pool spin-waits on this shared 2-core machine (~40x slower tiny decodes).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = run_benchmark(model, methods, PROMPTS, PROMPT_IDS, config)
+    finally:
+        torch.set_num_threads(threads)
+    return {"methods": methods, "rows": rows, "summary": summarise(rows), "calls": calls}
+
+
+# -- build_methods ---------------------------------------------------------------------------------
+
+
+def test_build_methods_names_and_policies(model: torch.nn.Module) -> None:
+    methods = build_methods(model, METHOD_NAMES, (), {"skip-attn-0-2": _policy()})
+    assert [m.name for m in methods] == METHOD_NAMES
+    by_name = {m.name: m for m in methods}
+    assert by_name["self-spec"].policy == _policy()
+    lookup = by_name["self-spec-lookup"].policy
+    assert lookup is not None and not lookup.draft.use_skip_draft and lookup.draft.lookup_max_ngram == 3
+    assert by_name["ar"].policy is None and by_name["hf-ar"].policy is None
+
+
+def test_build_methods_adds_the_baseline_and_expands_policies(model: torch.nn.Module) -> None:
+    policies = {"one": _policy(), "two": SkipPolicy(skip_mlp=(2,))}
+    names = [m.name for m in build_methods(model, ["ar", "self-spec"], (), policies)]
+    assert names == ["hf-ar", "ar", "self-spec:one", "self-spec:two"]  # hf-ar: every figure is a ratio to it
+
+
+@pytest.mark.parametrize(
+    "names, policies, match",
+    [
+        (["ar", "no-such-method"], {}, "unknown method"),
+        (["hf-ar", "self-spec"], {}, "needs a policy"),
+        (["hf-assistant"], {}, "assistant"),
+    ],
+    ids=["unknown-method", "self-spec-without-policy", "hf-assistant-without-model"],
+)
+def test_build_methods_rejects_bad_requests(model: torch.nn.Module, names: list[str], policies: dict, match: str):
+    with pytest.raises(LayerskipError, match=match):
+        build_methods(model, names, (), policies)
+
+
+def test_early_exit_depth(model: torch.nn.Module) -> None:
+    assert bench._early_exit_depth(model, SkipPolicy.early_exit(LAYERS, 3)) == 3
+    assert bench._early_exit_depth(model, _policy()) == LAYERS // 2  # not a prefix draft
+    assert bench._early_exit_depth(model, None) == LAYERS // 2
+
+
+# -- run_benchmark -----------------------------------------------------------------------------------
+
+
+def test_warmup_then_interleaved_rotating_order(benchmark: dict) -> None:
+    names = [m.name for m in benchmark["methods"]]
+    calls = benchmark["calls"]
+    assert calls[: len(names)] == [(n, WARMUP_TOKENS) for n in names]  # every method warmed up first
+    first, second = calls[len(names) : 2 * len(names)], calls[2 * len(names) :]
+    assert [n for n, _ in first] == names
+    assert [n for n, _ in second] == names[1:] + names[:1]  # the order rotates from prompt to prompt
+    assert all(max_new == NEW_TOKENS for _, max_new in first + second)
+
+
+def test_rows(benchmark: dict) -> None:
+    rows = benchmark["rows"]
+    assert len(rows) == len(PROMPTS) * len(METHOD_NAMES)
+    assert {(r.prompt_id, r.category) for r in rows} == {("p0", "a"), ("p1", "b")}
+    for row in rows:
+        assert row.new_tokens == NEW_TOKENS  # the tiny model has no EOS
+        assert row.seconds > 0 and row.tokens_per_second == pytest.approx(NEW_TOKENS / row.seconds)
+        if row.method in LOSSLESS or row.method == "hf-ar":
+            assert row.identical is True and row.divergence is None, row
+        if row.method == "ar":
+            assert row.steps == NEW_TOKENS and row.drafted == 0 and row.accepted == 0
+        if row.method in ("self-spec", "self-spec-lookup"):
+            assert 1 <= row.steps <= NEW_TOKENS and 0 <= row.accepted <= row.drafted
+        if row.method.startswith("hf-"):
+            assert row.steps is None and row.drafted is None
+    accepted = sum(r.accepted for r in rows if r.method == "self-spec")
+    drafted = sum(r.drafted for r in rows if r.method == "self-spec")
+    assert 0 < accepted < drafted  # the draft was both accepted and rejected: a real test
+
+
+def test_summary_structure(benchmark: dict) -> None:
+    summary = benchmark["summary"]
+    assert list(summary) == METHOD_NAMES
+    for name, figures in summary.items():
+        assert set(figures) == {"overall", "by_category"}, name
+        assert set(figures["by_category"]) == {"a", "b"}, name
+        assert FIGURE_KEYS <= set(figures["overall"]), name
+        assert figures["overall"]["n_prompts"] == 2
+        for category in ("a", "b"):
+            assert FIGURE_KEYS <= set(figures["by_category"][category]), (name, category)
+            assert figures["by_category"][category]["n_prompts"] == 1
+        assert figures["overall"]["new_tokens"] == 2 * NEW_TOKENS
+        assert figures["overall"]["tokens_per_second"] > 0 and figures["overall"]["speedup"] > 0
+
+
+def test_summary_figures(benchmark: dict) -> None:
+    summary = benchmark["summary"]
+    base = summary["hf-ar"]
+    assert base["overall"]["speedup"] == 1.0
+    assert all(c["speedup"] == 1.0 for c in base["by_category"].values())
+    for name in ("hf-ar", *LOSSLESS):
+        assert summary[name]["overall"]["identical_fraction"] == 1.0, name
+        assert all(c["identical_fraction"] == 1.0 for c in summary[name]["by_category"].values()), name
+        assert summary[name]["overall"]["divergences"] == []
+    for name in ("hf-ar", "ar"):
+        assert summary[name]["overall"]["mean_accepted"] == 1.0
+        assert summary[name]["overall"]["acceptance_rate"] is None
+        assert all(c["mean_accepted"] == 1.0 for c in summary[name]["by_category"].values())
+    rows = [r for r in benchmark["rows"] if r.method == "self-spec"]
+    spec = summary["self-spec"]["overall"]
+    assert spec["mean_accepted"] == pytest.approx(2 * NEW_TOKENS / sum(r.steps for r in rows))
+    assert spec["acceptance_rate"] == pytest.approx(sum(r.accepted for r in rows) / sum(r.drafted for r in rows))
+    assert spec["mean_accepted"] > 1.0 and 0 < spec["acceptance_rate"] < 1
+    assert summary["hf-pld"]["overall"]["mean_accepted"] is None  # HF does not expose its forward count
+    # Speedup is mean tok/s over the baseline's mean tok/s, on the same prompts.
+    tps = {r.method: [] for r in benchmark["rows"]}
+    for r in benchmark["rows"]:
+        tps[r.method].append(r.tokens_per_second)
+    for name in METHOD_NAMES:
+        expected = (sum(tps[name]) / 2) / (sum(tps["hf-ar"]) / 2)
+        assert summary[name]["overall"]["speedup"] == pytest.approx(expected)
+
+
+def test_a_divergence_is_recorded_with_the_top2_gap(model: torch.nn.Module) -> None:
+    """A method that leaves the reference is flagged, with the position and the full model's top-2 gap there."""
+    baseline = build_methods(model, ["hf-ar"], (), {})
+
+    def wrong(ids: list[int], max_new: int) -> Run:
+        tokens = baseline[0].run(ids, max_new).tokens
+        if len(tokens) > 3:  # not in the 2-token warm-up
+            tokens[3] = (tokens[3] + 1) % VOCAB
+        return Run(tokens, 0.01, steps=max_new, drafted=0, accepted=0)
+
+    config = BenchConfig(max_new_tokens=6, warmup_tokens=2, progress=False)
+    rows = run_benchmark(model, [*baseline, Method("broken", wrong)], PROMPTS[:1], PROMPT_IDS[:1], config)
+    broken = next(r for r in rows if r.method == "broken")
+    assert broken.identical is False
+    assert broken.divergence["position"] == 3
+    assert broken.divergence["top2_logit_gap"] > 0
+    figures = summarise(rows)["broken"]["overall"]
+    assert figures["identical_fraction"] == 0.0 and figures["divergences"] == [broken.divergence]
+
+
+def test_truncated_head_policy_in_the_benchmark(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A policy with draft_vocab_size gets its rows from the vocabulary (ranking + prompt ids) and stays lossless."""
+    vocabulary = DraftVocabulary(torch.arange(VOCAB).flip(0))
+    truncated = SkipPolicy(skip_attention=(1,), draft=DraftSettings(draft_vocab_size=32))
+    asked: list[int] = []
+    real_rows = vocabulary.rows
+
+    def rows(size: int, prompt_ids=()):
+        asked.append(size)
+        return real_rows(size, prompt_ids)
+
+    monkeypatch.setattr(vocabulary, "rows", rows)
+    methods = build_methods(model, ["self-spec"], (), {"full": _policy(), "truncated": truncated}, vocabulary)
+    assert [m.name for m in methods] == ["hf-ar", "self-spec:full", "self-spec:truncated"]
+    reference = methods[0].run(PROMPT_IDS[0], NEW_TOKENS).tokens
+    for method in methods[1:]:
+        assert method.run(PROMPT_IDS[0], NEW_TOKENS).tokens == reference, method.name
+    assert asked == [0, 32]  # the full-head policy asks for 0 rows (= no truncation)
+
+
+# -- report files ------------------------------------------------------------------------------------
+
+
+def test_write_outputs(benchmark: dict, tmp_path: Path) -> None:
+    env = bench.environment(torch.device("cpu"))
+    results = {
+        "command": "layerskip-bench --model tiny-llama",
+        "device": env["device"],
+        "device_name": env.get("cpu_model", env["device_name"]),
+        "dtype": "float32",
+        "versions": env["versions"],
+        "model": "tiny-llama",
+        "max_new_tokens": NEW_TOKENS,
+        "prompts": {"source": "test", "n": len(PROMPTS), "categories": ["a", "b"]},
+        "policies": {"skip-attn-0-2": _policy().to_dict()},
+        "methods": benchmark["summary"],
+        "per_prompt": bench.rows_as_dicts(benchmark["rows"]),
+        "environment": env,
+    }
+    paths = write_outputs(results, tmp_path / "out")
+    assert [p.name for p in paths] == list(OUTPUT_FILES)
+    assert_output_files(tmp_path / "out", METHOD_NAMES, ["a", "b"])
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["versions"]["torch"] == torch.__version__
+    assert len(saved["per_prompt"]) == len(benchmark["rows"])
+
+
+def assert_output_files(directory: Path, methods: list[str], categories: list[str]) -> dict:
+    """The four report files exist and agree with each other; returns results.json."""
+    for name in OUTPUT_FILES:
+        assert (directory / name).is_file() and (directory / name).stat().st_size > 0, name
+    results = json.loads((directory / "results.json").read_text())
+    assert RESULT_KEYS <= set(results), RESULT_KEYS - set(results)
+    assert list(results["methods"]) == methods
+    table = list(csv.reader(io.StringIO((directory / "results.csv").read_text())))
+    assert table[0] == ["method", "category", *COLUMNS]
+    assert [(r[0], r[1]) for r in table[1:]] == [(m, c) for m in methods for c in ["overall", *categories]]
+    markdown = (directory / "results.md").read_text().splitlines()
+    assert markdown[0].startswith("| method |") and all(c in markdown[0] for c in categories)
+    assert [line.split("|")[1].strip() for line in markdown[2:]] == methods
+    assert (directory / "speedup.png").read_bytes().startswith(PNG_SIGNATURE)
+    return results
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+def run_bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_bad_input(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    """Exit code 2, stderr exactly one line starting with 'error:', no traceback; returns the line."""
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    assert result.returncode == 2, output
+    lines = result.stderr.strip("\n").splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{result.stderr}"
+    assert lines[0].startswith("error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def cli_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny Llama checkpoint with a word-level tokenizer, a policy made for it, and a 2-prompt JSONL."""
+    root = tmp_path_factory.mktemp("bench-cli")
+    model = tiny_model("llama")
+    save_checkpoint(model, root / "tiny-llama")
+    policy = SkipPolicy(skip_attention=(1,), skip_mlp=(2,)).with_model(model, "tiny-llama")
+    prompts = root / "prompts.jsonl"
+    rows = [
+        {"question_id": "q1", "category": "writing", "turns": ["hello world w1 w2 w3 w4 w5 w6", "second turn"]},
+        {"question_id": "q2", "category": "qa", "turns": ["w7 w8 hello w9 w10 world w11 w12"]},
+    ]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {
+        "model": str(root / "tiny-llama"),
+        "policy": str(policy.save(root / "tiny.json")),
+        "prompts": str(prompts),
+        "root": str(root),
+    }
+
+
+def test_cli_end_to_end(cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    result = run_bench(
+        "--model", cli_inputs["model"], "--prompts", cli_inputs["prompts"], "--methods", "hf-ar,ar,self-spec",
+        "--policy", cli_inputs["policy"], "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--no-chat",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    results = assert_output_files(out, ["hf-ar", "ar", "self-spec"], ["mt_bench", "qa"])  # writing -> mt_bench
+    for name in ("ar", "self-spec"):
+        assert results["methods"][name]["overall"]["identical_fraction"] == 1.0, name
+        assert results["methods"][name]["overall"]["n_prompts"] == 2
+    assert results["methods"]["hf-ar"]["overall"]["speedup"] == 1.0
+    assert results["command"].startswith("layerskip-bench --model ")
+    assert results["model"] == "tiny-llama" and results["dtype"] == "float32" and results["device"] == "cpu"
+    assert results["prompts"]["n"] == 2 and results["prompts"]["categories"] == ["mt_bench", "qa"]
+    assert results["policies"]["tiny"]["skip_attention"] == [1]
+    assert len(results["per_prompt"]) == 6
+    assert all(0 < row["new_tokens"] <= 8 for row in results["per_prompt"])
+    spec = [row for row in results["per_prompt"] if row["method"] == "self-spec"]
+    assert sum(row["drafted"] for row in spec) > 0  # the draft really ran
+    assert result.stderr.count("wrote ") == len(OUTPUT_FILES)
+    assert "| self-spec |" in result.stdout  # the Markdown table goes to stdout
+
+
+def test_cli_unknown_method(cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    result = run_bench("--model", cli_inputs["model"], "--methods", "ar,turbo", "--out", str(tmp_path))
+    assert_bad_input(result, "unknown method", "turbo")
+
+
+def test_cli_self_spec_without_policy(cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    result = run_bench("--model", cli_inputs["model"], "--methods", "ar,self-spec", "--out", str(tmp_path))
+    assert_bad_input(result, "needs a policy", "--policy")
+
+
+@pytest.mark.parametrize(
+    "identity, fragments",
+    [
+        (ModelIdentity(name="other", architecture="gpt2", num_layers=LAYERS), ("'gpt2' model", "'llama'")),
+        (ModelIdentity(name="other", architecture="llama", num_layers=7), ("7-layer model", f"{LAYERS} layers")),
+    ],
+    ids=["architecture", "num-layers"],
+)
+def test_cli_policy_for_another_model(
+    cli_inputs: dict[str, str], tmp_path: Path, identity: ModelIdentity, fragments: tuple[str, ...]
+) -> None:
+    policy = str(SkipPolicy(skip_mlp=(1,), model=identity).save(tmp_path / "other.json"))
+    result = run_bench(
+        "--model", cli_inputs["model"], "--prompts", cli_inputs["prompts"], "--policy", policy,
+        "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--no-progress", "--no-chat",
+    )  # fmt: skip
+    line = assert_bad_input(result, "policy other:", *fragments)
+    assert not (tmp_path / "out").exists(), line  # nothing was benchmarked or written
+
+
+def test_cli_missing_prompts_file(cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.jsonl"
+    result = run_bench(
+        "--model", cli_inputs["model"], "--prompts", str(missing), "--methods", "ar", "--out", str(tmp_path / "out")
+    )
+    assert_bad_input(result, "not found", "nowhere.jsonl")
+
+
+def test_cli_per_category_zero(cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    result = run_bench(
+        "--model", cli_inputs["model"], "--per-category", "0", "--methods", "ar", "--out", str(tmp_path / "out")
+    )
+    assert_bad_input(result, "--per-category must be > 0")
