@@ -205,6 +205,8 @@ class SkipPolicy:
             raise LayerskipError(f"policy file {path} not found; pass an existing --policy path")
         try:
             data = json.loads(path.read_text())
+        except OSError as exc:
+            raise LayerskipError(f"cannot read policy file {path}: {exc.strerror}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise LayerskipError(
                 f"policy file {path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import random
 import signal
 import threading
@@ -219,36 +220,39 @@ class _QuietInterrupt(logging.Filter):
 
 
 class _InterruptGuard:
-    """Let Ctrl-C interrupt a trial only inside its objective, where Optuna records it as FAIL.
+    """Ctrl-C during ``study.optimize``: stop at a safe point and record the interrupted trial as FAIL.
 
-    Anywhere else in ``study.optimize`` (asking the sampler, writing a result) a KeyboardInterrupt
-    would leave the trial RUNNING in the storage for good. There the interrupt is held, and
-    raised as soon as the next objective starts (its trial then fails) or when optimize returns.
-    A second Ctrl-C while one is held interrupts at once.
+    A KeyboardInterrupt raised wherever the signal lands can hit Optuna while it writes to the
+    storage (the trial then stays RUNNING for good, or the write fails with another error), or
+    land in a finalizer, where Python drops it. So the first Ctrl-C is only noted; the objective
+    sees the trial through ``_CheckedTrial``, which raises it at the trial's next call (suggest,
+    report, user attribute) or when the next objective starts: inside the objective, where
+    Optuna marks the trial FAIL. A second Ctrl-C interrupts at once. Should optimize end another
+    way after a Ctrl-C, the run still ends as interrupted.
     """
 
     def __init__(self, objective: Callable[[optuna.Trial], Any]) -> None:
         self.objective = objective
-        self.inside = False
         self.pending = False
         self.previous: Any = None
         self.installed = False
         self.log_filter = _QuietInterrupt()
         self.logger = logging.getLogger("optuna.study._optimize")
 
+    def check(self) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+
     def __call__(self, trial: optuna.Trial) -> Any:
-        self.inside = True
-        try:
-            if self.pending:
-                raise KeyboardInterrupt
-            return self.objective(trial)
-        finally:
-            self.inside = False
+        self.check()
+        return self.objective(_CheckedTrial(trial, self))  # type: ignore[arg-type]
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self.inside or self.pending:
+        if self.pending:
             raise KeyboardInterrupt
         self.pending = True
+        # os.write, not print: the handler may run while the main thread is printing to stderr.
+        os.write(2, b"\nCtrl-C: stopping this trial at its next step (press Ctrl-C again to stop at once)\n")
 
     def __enter__(self) -> _InterruptGuard:
         self.logger.addFilter(self.log_filter)
@@ -261,8 +265,27 @@ class _InterruptGuard:
         if self.installed:
             signal.signal(signal.SIGINT, signal.default_int_handler if self.previous is None else self.previous)
         self.logger.removeFilter(self.log_filter)
-        if exc_type is None and self.pending:
-            raise KeyboardInterrupt
+        if self.pending and not isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+
+
+class _CheckedTrial:
+    """An Optuna trial whose every method first raises a Ctrl-C that ``_InterruptGuard`` noted."""
+
+    def __init__(self, trial: optuna.Trial, guard: _InterruptGuard) -> None:
+        self._trial = trial
+        self._guard = guard
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._trial, name)
+        if not callable(value):
+            return value
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            self._guard.check()
+            return value(*args, **kwargs)
+
+        return checked
 
 
 def finalists(study: optuna.Study, objective: str, top_k: int) -> list[FrozenTrial]:

@@ -1,7 +1,9 @@
 """scripts/generate.py as a user runs it: bad input -> exit 2 and one ``error:`` line; good input works.
 
-Checks that fail before the model loads cost an interpreter start (~2 s); the few that need
-SmolLM2 load it from its local cache (~4 s each).
+Every check of the task list runs ``python scripts/generate.py`` in a subprocess: those that fail
+before the model loads cost an interpreter start (~2 s); those found after loading use a tiny
+Llama checkpoint, or SmolLM2 from its local cache (~4 s) where the real model matters. Further
+bad-input checks call the same ``main(argv)`` in-process (same run_cli path, no start-up cost).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SMOLLM2
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
+from layerskip.models import DEFAULT_MODEL as SMOLLM2
 from layerskip.policy import DraftSettings, ModelIdentity, SkipPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,12 +70,6 @@ def test_nonexistent_model_path(tmp_path: Path) -> None:
     assert_bad_input(generate("--model", str(missing), "--prompt", "hi"), "unknown model")
 
 
-def test_directory_without_a_model(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text("{}")  # a config.json transformers cannot use
-    line = assert_bad_input(generate("--model", str(tmp_path), "--prompt", "hi"))
-    assert str(tmp_path) in line
-
-
 def test_corrupt_policy_json(tmp_path: Path) -> None:
     policy = tmp_path / "corrupt.json"
     policy.write_text('{"format": "layerskip-policy", "version": 1, "skip_attention": [1, 2')
@@ -89,19 +85,8 @@ def test_wrong_schema_policy_json(tmp_path: Path) -> None:
     assert_bad_input(generate("--prompt", "hi", "--policy", str(policy)), "wrong schema")
 
 
-def test_json_that_is_not_a_policy(tmp_path: Path) -> None:
-    policy = tmp_path / "config.json"
-    policy.write_text(json.dumps({"model_type": "llama"}))
-    assert_bad_input(generate("--prompt", "hi", "--policy", str(policy)), "not a layerskip policy")
-
-
-def test_missing_policy_file(tmp_path: Path) -> None:
-    assert_bad_input(generate("--prompt", "hi", "--policy", str(tmp_path / "none.json")), "not found")
-
-
-@pytest.mark.parametrize("count", ["0", "-3"])
-def test_max_new_tokens_not_positive(count: str) -> None:
-    assert_bad_input(generate("--prompt", "hi", "--max-new-tokens", count), "--max-new-tokens")
+def test_max_new_tokens_zero() -> None:
+    assert_bad_input(generate("--prompt", "hi", "--max-new-tokens", "0"), "--max-new-tokens")
 
 
 def test_cuda_without_a_gpu() -> None:
@@ -110,24 +95,6 @@ def test_cuda_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert_bad_input(generate("--prompt", "hi", "--device", "cuda"), "CUDA")
-
-
-def test_no_prompt_and_missing_prompt_file(tmp_path: Path) -> None:
-    assert_bad_input(generate("--max-new-tokens", "4"), "no prompt")
-    assert_bad_input(generate("--prompt-file", str(tmp_path / "none.txt")), "cannot read prompt file")
-
-
-def test_prompt_file_that_is_not_utf8(tmp_path: Path) -> None:
-    path = tmp_path / "latin1.txt"
-    path.write_bytes("caf\xe9 au lait".encode("latin-1"))
-    assert_bad_input(generate("--prompt-file", str(path)), "cannot read prompt file", "UTF-8")
-
-
-@pytest.mark.parametrize(
-    "args", [["--temperature", "0"], ["--top-p", "0"], ["--top-k", "-1"]], ids=["temperature", "top-p", "top-k"]
-)
-def test_bad_sampling_options(args: list[str]) -> None:
-    assert_bad_input(generate("--prompt", "hi", "--sample", *args))
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
@@ -179,10 +146,7 @@ def test_empty_prompt(tiny_llama_dir: str) -> None:
     assert_bad_input(generate("--model", tiny_llama_dir, "--prompt", "", "--max-new-tokens", "4"), "prompt is empty")
 
 
-def test_chat_without_a_chat_template(tiny_llama_dir: str) -> None:
-    assert_bad_input(generate("--model", tiny_llama_dir, "--prompt", "hello", "--chat"), "no chat template")
-
-
+@pytest.mark.slow
 def test_policy_skipping_every_sublayer_of_smollm2(tmp_path: Path) -> None:
     everything = SkipPolicy.early_exit(SMOLLM2_LAYERS, 0)
     assert_bad_input(generate("--prompt", "hi", "--policy", _policy_file(tmp_path, everything)), "every sublayer")
@@ -207,6 +171,64 @@ def test_tiny_checkpoint_compare_json(tmp_path: Path, tiny_llama_dir: str) -> No
     report = json.loads(result.stdout)
     assert REPORT_KEYS <= set(report)
     assert report["identical"] is True and report["model"] == "tiny-llama"
+
+
+# -- more bad input, run in-process (same run_cli, no interpreter start) --------------------------------
+
+
+def generate_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``main(argv)`` in this process; an exception that escapes run_cli fails the test with its traceback."""
+    from layerskip.cli.generate import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+
+
+def test_directory_without_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text("{}")  # no model_type: transformers raises ValueError
+    line = assert_bad_input(generate_in_process(capsys, "--model", str(tmp_path), "--prompt", "hi"))
+    assert str(tmp_path) in line
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # no weights: OSError
+    assert_bad_input(generate_in_process(capsys, "--model", str(tmp_path), "--prompt", "hi"), str(tmp_path))
+
+
+def test_policy_json_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    not_policy = tmp_path / "config.json"
+    not_policy.write_text(json.dumps({"model_type": "llama"}))
+    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--policy", str(not_policy)), "not a layerskip")
+    missing = str(tmp_path / "none.json")
+    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--policy", missing), "not found")
+    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--policy", str(tmp_path)), "not found")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--max-new-tokens", "-3"],
+        ["--sample", "--temperature", "0"],
+        ["--sample", "--top-p", "0"],
+        ["--sample", "--top-k", "-1"],
+    ],
+    ids=["negative-budget", "temperature", "top-p", "top-k"],
+)
+def test_bad_numeric_options(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", *args))
+
+
+def test_prompt_sources(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_bad_input(generate_in_process(capsys, "--max-new-tokens", "4"), "no prompt")
+    missing = str(tmp_path / "none.txt")
+    assert_bad_input(generate_in_process(capsys, "--prompt-file", missing), "cannot read prompt file")
+    assert_bad_input(generate_in_process(capsys, "--prompt-file", str(tmp_path)), "cannot read prompt file")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    assert_bad_input(generate_in_process(capsys, "--prompt-file", str(latin1)), "cannot read prompt file", "UTF-8")
+
+
+def test_chat_without_a_chat_template(tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    result = generate_in_process(capsys, "--model", tiny_llama_dir, "--prompt", "hello", "--chat")
+    assert_bad_input(result, "no chat template")
 
 
 # -- success ------------------------------------------------------------------------------------------------

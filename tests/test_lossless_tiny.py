@@ -31,6 +31,12 @@ POLICIES: dict[str, SkipPolicy] = {
     "early-exit-1-k1": SkipPolicy.early_exit(LAYERS, 1, draft=DraftSettings(max_draft_tokens=1)),
     "mixed-k8": SkipPolicy(skip_attention=(3,), skip_mlp=(0, 2), draft=DraftSettings(max_draft_tokens=8)),
     "adaptive": SkipPolicy(skip_attention=(1,), skip_mlp=(3,), draft=DraftSettings(max_draft_tokens=6, adaptive=True)),
+    # A low confidence threshold: drafts of varying length, so both "continue" and "stop" run.
+    "adaptive-low": SkipPolicy(
+        skip_attention=(1,),
+        skip_mlp=(3,),
+        draft=DraftSettings(max_draft_tokens=6, adaptive=True, initial_threshold=0.1, target_acceptance=0.5),
+    ),
     "lookup": SkipPolicy(draft=DraftSettings(lookup_max_ngram=3, use_skip_draft=False)),
     "lookup-hybrid": SkipPolicy(skip_attention=(0,), skip_mlp=(2,), draft=DraftSettings(lookup_max_ngram=3)),
 }
@@ -79,6 +85,9 @@ def test_speculative_matches_hf(arch: str, policy_name: str) -> None:
     assert stats.accepted > 0, f"{arch} {policy_name}: no draft token was ever accepted"
     if policy.draft.lookup_max_ngram:
         assert stats.lookup_steps > 0
+    if policy_name == "adaptive-low":
+        verifies = stats.steps - 1
+        assert verifies < stats.drafted < verifies * policy.draft.max_draft_tokens, "draft lengths never varied"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -262,3 +262,15 @@ def test_sampled_decode_returns_the_budget_and_is_reproducible(policy: SkipPolic
     assert again == tokens
     plain, _ = decode_autoregressive(model, prompt, settings)
     assert len(plain) == max_new_tokens
+
+
+def test_sampled_decode_with_a_truncated_draft_head() -> None:
+    """q lives on a subset of the vocabulary (zeros elsewhere): still runs, still reproducible."""
+    model = tiny_model("llama")
+    rows = torch.arange(0, 128, 2)
+    policy = SkipPolicy(skip_mlp=(1, 2), draft=DraftSettings(max_draft_tokens=3, draft_vocab_size=len(rows)))
+    settings = DecodeSettings(max_new_tokens=20, sampling=Sampling(temperature=0.8), seed=3)
+    tokens, stats = decode_speculative(model, random_prompt(), policy, settings, vocab_rows=rows)
+    assert len(tokens) == 20 and stats.drafted > 0
+    again, _ = decode_speculative(model, random_prompt(), policy, settings, vocab_rows=rows)
+    assert again == tokens

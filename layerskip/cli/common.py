@@ -14,7 +14,12 @@ EXIT_BAD_INPUT = 2
 
 def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run ``main``; a LayerskipError becomes ``error: ...`` on stderr and exit code 2, no traceback."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
+    # Never reach for a model hub. transformers read the variable at import, before this runs,
+    # so the constant is set too (only when the user has not asked for online mode).
+    if os.environ.setdefault("HF_HUB_OFFLINE", "1") == "1":
+        import huggingface_hub.constants
+
+        huggingface_hub.constants.HF_HUB_OFFLINE = True
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would break the one-line stderr contract
