@@ -16,6 +16,7 @@ def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = No
     """Run ``main``; a LayerskipError becomes ``error: ...`` on stderr and exit code 2, no traceback."""
     # Never reach for a model hub. transformers read the variable at import, before this runs,
     # so the constant is set too (only when the user has not asked for online mode).
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # keep error output to one line
     if os.environ.setdefault("HF_HUB_OFFLINE", "1") == "1":
         import huggingface_hub.constants
 
