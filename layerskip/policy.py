@@ -145,8 +145,11 @@ class SkipPolicy:
         return skipped / total
 
     def describe(self) -> str:
-        parts = [f"attn skip {list(self.skip_attention)}", f"mlp skip {list(self.skip_mlp)}"]
         d = self.draft
+        if d.use_skip_draft:
+            parts = [f"attn skip {list(self.skip_attention)}", f"mlp skip {list(self.skip_mlp)}"]
+        else:
+            parts = ["lookup-only draft"]
         parts.append(f"k<={d.max_draft_tokens}{' adaptive' if d.adaptive else ''}")
         if d.draft_vocab_size:
             parts.append(f"draft vocab {d.draft_vocab_size}")

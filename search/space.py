@@ -127,6 +127,8 @@ def policy_from_params(params: dict[str, Any], num_layers: int) -> SkipPolicy:
     """Rebuild the policy a finished trial evaluated, from its parameters."""
     attention = [i for i in range(num_layers) if params.get(f"attn_{i:02d}", False)]
     mlp = [i for i in range(num_layers) if params.get(f"mlp_{i:02d}", False)]
+    if not params.get("use_skip_draft", True):
+        attention, mlp = [], []  # lookup-only drafting: the skip switches were never used
     draft = draft_settings(
         int(params.get("max_draft_tokens", 4)),
         bool(params.get("adaptive", False)),
