@@ -111,7 +111,7 @@ class CheapObjective:
                 self.model, cal.latency_context, policy.skip_attention, policy.skip_mlp, rows, self.latency_repeats
             )
             draft_cost = draft / cal.plain_step_seconds
-        matches = total = tokens = 0
+        matches = total = tokens = drafted = accepted = 0
         cost = 0.0
         for step, reference in enumerate(cal.references):
             rows = self.vocab_rows(policy, reference.prompt)
@@ -123,12 +123,18 @@ class CheapObjective:
             total += len(reference.continuation)
             replay = simulate_greedy(reference, predicted.tolist(), confidence.tolist(), policy.draft)
             tokens += replay.tokens
+            drafted += replay.drafted
+            accepted += replay.accepted
             cost += replay.predicted_cost(draft_cost, cal.verify_cost)
             if trial is not None and self.mode == "speedup":
                 trial.report(tokens / cost, step)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"predicted speedup hopeless after {step + 1} prompts")
-        acceptance = matches / total if total else 0.0
+        # Skip drafts: teacher-forced top-1 agreement; lookup-only: replayed lookup acceptance.
+        if policy.draft.use_skip_draft:
+            acceptance = matches / total if total else 0.0
+        else:
+            acceptance = accepted / drafted if drafted else 0.0
         return CheapScore(acceptance, draft, draft_cost, cal.verify_cost(k + 1), tokens / cost if cost else 0.0)
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:

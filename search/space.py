@@ -60,6 +60,8 @@ class SearchSpace:
         if len(attention) == self.num_layers and len(mlp) == self.num_layers:
             raise optuna.TrialPruned("bypasses every sublayer")
         draft = self._suggest_draft(trial)
+        if not draft.use_skip_draft:
+            attention, mlp = [], []  # lookup-only drafting: the skip switches are unused
         return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
 
     def _suggest_draft(self, trial: optuna.Trial) -> DraftSettings:

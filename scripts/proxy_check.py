@@ -1,0 +1,80 @@
+"""How well does the cheap proxy predict measured speedup? Confirms N trials of a study spread
+over its predicted-speedup range by real generation and prints the rank correlation.
+
+    python scripts/proxy_check.py --model smollm2-135m --storage sqlite:///results/search/smollm2.db \
+        --study-name smollm2-speedup --n 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import optuna  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
+
+from layerskip.cli.common import add_model_arguments, run_cli  # noqa: E402
+from layerskip.data import load_prompts  # noqa: E402
+from layerskip.models import load_model  # noqa: E402
+from layerskip.prompting import encode_prompt, eos_token_ids  # noqa: E402
+from layerskip.vocab import DraftVocabulary  # noqa: E402
+from search.objective import confirm, prepare_calibration, spearman  # noqa: E402
+from search.space import policy_from_params  # noqa: E402
+from search.study import confirmations, open_storage, record_confirmation  # noqa: E402
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--storage", required=True)
+    parser.add_argument("--study-name", required=True)
+    parser.add_argument("--n", type=int, default=8, help="trials to confirm (spread over predicted speedup)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    study = optuna.load_study(study_name=args.study_name, storage=open_storage(args.storage))
+    attrs = study.user_attrs
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    calib = attrs["calibration"]
+    prompts = [p for p in load_prompts(calib["source"]) if p.id in set(calib["prompts"])]
+    ids = [encode_prompt(loaded.tokenizer, p.text, calib["chat"]) for p in prompts]
+    calibration = prepare_calibration(
+        loaded.model,
+        ids,
+        calib["reference_tokens"],
+        [2],
+        eos_token_ids(loaded.model, loaded.tokenizer),
+        calib,
+        progress=False,
+    )
+    vocabulary = DraftVocabulary.from_texts(loaded.tokenizer, [p.text for p in prompts], loaded.model)
+    trials = sorted(
+        study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.user_attrs["predicted_speedup"]
+    )
+    step = max(1, len(trials) // args.n)
+    chosen = trials[::step][: args.n]
+    done = confirmations(study)
+    for trial in chosen:
+        if trial.number not in done:
+            policy = policy_from_params(trial.params, int(attrs["model_num_layers"]))
+            record_confirmation(
+                study, trial, confirm(loaded.model, calibration, policy, args.max_new_tokens, vocabulary.rows_for)
+            )
+    done = confirmations(study)
+    pairs = [
+        (t.user_attrs["predicted_speedup"], done[t.number]["speedup"], t.number) for t in trials if t.number in done
+    ]
+    print("| trial | predicted | measured |\n|---|---|---|")
+    for predicted, measured, number in sorted(pairs):
+        print(f"| {number} | {predicted:.2f}x | {measured:.2f}x |")
+    rho = spearman([p for p, _, _ in pairs], [m for _, m, _ in pairs])
+    print(
+        f"\nSpearman rank correlation over {len(pairs)} confirmed trials: {rho:.2f}" if rho is not None else "too few"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(_main))
