@@ -7,7 +7,9 @@ to the cache directory (``$LAYERSKIP_CACHE`` or ``~/.cache/layerskip``); later l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -125,8 +127,11 @@ def _convert_gguf(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # transformers shows a bare tqdm bar while dequantising; it would break the CLI's
+        # one-line error output on a first load, so it is silenced (this runs once per file).
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # transformers raises many types for unreadable files
         raise LayerskipError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
