@@ -3,6 +3,7 @@
     python scripts/run_notebooks.py                 # every notebooks/NN_*.ipynb, in place
     python scripts/run_notebooks.py --small         # tiny settings (LAYERSKIP_NOTEBOOK_SMALL=1), as CI runs them
     python scripts/run_notebooks.py --no-save       # execute into temporary copies; the notebooks are not rewritten
+    python scripts/run_notebooks.py --jobs 3        # several kernels at once (one torch thread each: --threads 1)
     python scripts/run_notebooks.py notebooks/01_quickstart.ipynb --timeout 300
 
 Each notebook runs in a fresh ``python3`` kernel of this interpreter, with notebooks/ as its
@@ -17,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,17 @@ class Outcome:
     error: str | None = None
 
 
+def kernel_env(small: bool = False, threads: int | None = None) -> dict[str, str]:
+    """The environment a kernel starts with: this process's, offline, small mode on or off."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env.pop(SMALL_ENV, None)
+    if small:
+        env[SMALL_ENV] = "1"
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def execute(
     notebook: Path, *, out: Path | None = None, timeout: int = 600, small: bool = False, threads: int | None = None
 ) -> Outcome:
@@ -75,14 +88,6 @@ def execute(
 
     notebook = Path(notebook).resolve()
     out = Path(out) if out is not None else notebook
-    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    if small:
-        env[SMALL_ENV] = "1"
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    saved_env = {key: os.environ.get(key) for key in [*env, SMALL_ENV]}
-    os.environ.pop(SMALL_ENV, None)
-    os.environ.update(env)  # the kernel inherits this process's environment
     nb = nbformat.read(notebook, as_version=4)
     client = NotebookClient(
         nb,
@@ -94,15 +99,9 @@ def execute(
     error = None
     start = time.perf_counter()
     try:
-        client.execute()
+        client.execute(env=kernel_env(small, threads))
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
         error = str(exc).strip() or type(exc).__name__
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     seconds = time.perf_counter() - start
     nb.metadata.pop("widgets", None)
     if error is not None and out == notebook:
@@ -110,6 +109,21 @@ def execute(
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out)
     return Outcome(notebook, out, seconds, out.stat().st_size, error)
+
+
+def execute_all(
+    notebooks: list[Path], *, out_dir: Path | None = None, jobs: int = 1, **options: object
+) -> list[Outcome]:
+    """``execute`` each notebook (into ``out_dir`` when given, else in place), ``jobs`` kernels at a time."""
+
+    def run(notebook: Path) -> Outcome:
+        print(f"{notebook}: running", file=sys.stderr, flush=True)
+        return execute(notebook, out=out_dir / Path(notebook).name if out_dir is not None else None, **options)
+
+    if jobs <= 1:
+        return [run(notebook) for notebook in notebooks]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(run, notebooks))
 
 
 def image_bytes(path: Path) -> int:
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-save", action="store_true", help="execute into temporary copies; leave the notebooks")
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default 600)")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the kernels (default: torch's own choice)")
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks run at once, each in its own kernel")
     parser.add_argument("--max-mb", type=float, default=2.0, help="fail if a saved notebook is larger (default 2)")
     args = parser.parse_args(argv)
     notebooks = args.notebooks or default_notebooks()
@@ -138,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no notebook at {', '.join(missing) or NOTEBOOKS}", file=sys.stderr)
         return 2
     ensure_kernel()
-    scratch = Path(tempfile.mkdtemp(prefix="layerskip-notebooks-")) if args.no_save else None
+    out_dir = Path(tempfile.mkdtemp(prefix="layerskip-notebooks-")) if args.no_save else None
+    outcomes = execute_all(
+        notebooks, out_dir=out_dir, jobs=args.jobs, timeout=args.timeout, small=args.small, threads=args.threads
+    )
     failed = 0
-    for notebook in notebooks:
-        out = scratch / Path(notebook).name if scratch is not None else None
-        print(f"{notebook}: running{' (small)' if args.small else ''}", file=sys.stderr, flush=True)
-        outcome = execute(notebook, out=out, timeout=args.timeout, small=args.small, threads=args.threads)
+    for outcome in outcomes:
         size_mb = outcome.size_bytes / 2**20
         status = "ok"
         if outcome.error:
@@ -153,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             status = f"FAILED: larger than {args.max_mb} MB"
         failed += status != "ok"
         print(
-            f"{notebook}: {status} in {outcome.seconds:.1f} s -> {outcome.saved} "
+            f"{outcome.notebook}: {status} in {outcome.seconds:.1f} s -> {outcome.saved} "
             f"({size_mb:.2f} MB, images {image_bytes(outcome.saved) / 2**10:.0f} KiB)",
             file=sys.stderr,
             flush=True,

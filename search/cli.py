@@ -40,6 +40,8 @@ from search.study import (
     run_trials,
 )
 
+HOPELESS_PREDICTED = 0.5  # finalists predicted below this are not confirmed by real generation
+
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
@@ -206,7 +208,8 @@ def _main(argv: list[str] | None) -> int:
     top = finalists(study, args.objective, max(args.confirm_top, 1))
     done = confirmations(study)
     for trial in top[: args.confirm_top]:
-        if trial.number not in done:
+        # Real generation with a hopeless draft is slow and tells nothing new: skip those.
+        if trial.number not in done and trial.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED:
             policy = policy_from_params(trial.params, space.num_layers)
             record_confirmation(
                 study, trial, confirm(model, calibration, policy, args.max_new_tokens, vocabulary.rows_for, progress)

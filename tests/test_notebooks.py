@@ -1,7 +1,7 @@
 """The notebooks run headless with their small settings (as scripts/run_notebooks.py --small --no-save runs them).
 
-Each notebook runs in a fresh kernel of this interpreter, one torch thread, into a temporary copy
-(the committed notebooks are not rewritten); a cell that raises fails the test. In small mode the
+Each notebook runs in a fresh kernel of this interpreter (two at a time, one torch thread each), into a temporary copy
+(the committed notebooks are not rewritten); a cell that raises fails its test. In small mode the
 notebooks read no local results: they run a tiny search and a tiny benchmark on the embedded SmolLM2.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.slow  # loads the real embedded models
 def _runner():
     spec = importlib.util.spec_from_file_location("run_notebooks", ROOT / "scripts" / "run_notebooks.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -35,20 +37,28 @@ def runner():
     return module
 
 
+@pytest.fixture(scope="module")
+def executed(runner, tmp_path_factory) -> dict:
+    """Every notebook run once, two kernels at a time (one torch thread each): name -> Outcome."""
+    sources = [ROOT / "notebooks" / name for name in NOTEBOOKS]
+    before = {path: path.read_bytes() for path in sources}
+    outcomes = runner.execute_all(
+        sources, out_dir=tmp_path_factory.mktemp("notebooks"), jobs=2, timeout=CELL_TIMEOUT, small=True, threads=1
+    )
+    assert all(path.read_bytes() == content for path, content in before.items()), "a committed notebook was rewritten"
+    return {outcome.notebook.name: outcome for outcome in outcomes}
+
+
 def test_every_notebook_is_listed(runner):
     assert [p.name for p in runner.default_notebooks()] == NOTEBOOKS
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(runner, name, tmp_path):
-    source = ROOT / "notebooks" / name
-    before = source.read_bytes()
-    outcome = runner.execute(source, out=tmp_path / name, timeout=CELL_TIMEOUT, small=True, threads=1)
+def test_notebook_runs(executed, name):
+    outcome = executed[name]
     assert outcome.error is None, f"{name} failed after {outcome.seconds:.0f} s:\n{outcome.error}"
-    assert source.read_bytes() == before, "the committed notebook was rewritten"
     assert outcome.size_bytes < MAX_BYTES
     cells = json.loads(outcome.saved.read_text())["cells"]
-    errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    images = [o for c in cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert not errors
-    assert images, f"{name} drew no figure"
+    outputs = [o for cell in cells for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert [o for o in outputs if "image/png" in o.get("data", {})], f"{name} drew no figure"
