@@ -12,10 +12,10 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from layerskip.cli.generate import main as generate_main  # noqa: E402
+from layerskip.data import builtin_prompts  # noqa: E402
 from search.cli import main as search_main  # noqa: E402
 
 OUT = Path("results/demo")
-PROMPT = "Explain in three sentences why the sky is blue."
 
 
 def main() -> int:
@@ -57,7 +57,7 @@ def main() -> int:
             "--policy",
             str(OUT / "policy.json"),
             "--prompt",
-            PROMPT,
+            builtin_prompts()[6].text,  # a summarisation prompt: where drafting from context pays
             "--max-new-tokens",
             "96",
             "--compare",
