@@ -142,11 +142,6 @@ def draft_head(model: nn.Module, rows: torch.Tensor | None = None) -> DraftHead:
     return DraftHead(head.weight.index_select(0, rows), bias, rows, final_logit_softcap(model))
 
 
-def head_logits(model: nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits from final hidden states ``[..., hidden]`` -> ``[..., V]`` (or ``[..., len(rows)]``)."""
-    return draft_head(model, rows)(hidden)
-
-
 def sliding_windows(model: nn.Module) -> list[int | None]:
     """Per decoder layer: its sliding-window size, or None for full attention."""
     config = model.config.get_text_config(decoder=True)

@@ -55,9 +55,9 @@ def draft_predictions(
         hidden = adapters.base_model(model)(input_ids=ids, use_cache=False).last_hidden_state
     # Position P-1 predicts continuation[0]; the last position predicts continuation[-1].
     hidden = hidden[0, len(reference.prompt) - 1 :]  # [C, hidden]
-    logits = adapters.head_logits(model, hidden, vocab_rows)
-    index = logits.argmax(dim=-1)
-    tokens = index if vocab_rows is None else vocab_rows[index]
+    head = adapters.draft_head(model, vocab_rows)
+    logits = head(hidden)
+    tokens = head.token_ids(logits.argmax(dim=-1))
     if with_confidence:
         return tokens, logits.float().softmax(dim=-1).max(dim=-1).values
     return tokens
@@ -96,18 +96,6 @@ def single_sublayer_agreement(
     return result
 
 
-def expected_tokens_per_step(alpha: float, draft_tokens: int) -> float:
-    """Expected tokens per verify with per-token acceptance alpha and k drafts: (1 - a^(k+1)) / (1 - a)."""
-    if alpha >= 1.0:
-        return float(draft_tokens + 1)
-    return (1 - alpha ** (draft_tokens + 1)) / (1 - alpha)
-
-
-def predicted_speedup(alpha: float, draft_tokens: int, draft_cost: float, verify_cost: float) -> float:
-    """Speedup over plain decoding; costs are relative to one plain decoding step."""
-    return expected_tokens_per_step(alpha, draft_tokens) / (draft_tokens * draft_cost + verify_cost)
-
-
 @dataclass
 class SimulatedRun:
     """Greedy self-speculative decoding of one reference, replayed from teacher-forced predictions."""
@@ -142,8 +130,9 @@ def simulate_greedy(
         remaining = len(continuation) - position
         proposal: list[int] = []
         if draft.lookup_max_ngram:
-            proposal = find_lookup(history, draft.lookup_min_ngram, draft.lookup_max_ngram,
-                                   min(draft.lookup_max_tokens, remaining - 1))
+            proposal = find_lookup(
+                history, draft.lookup_min_ngram, draft.lookup_max_ngram, min(draft.lookup_max_tokens, remaining - 1)
+            )
         if proposal:
             accepted = 0
             while accepted < len(proposal) and proposal[accepted] == continuation[position + accepted]:

@@ -88,6 +88,17 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def check_methods(names: Sequence[str], has_policy: bool, has_assistant: bool) -> None:
+    """Method names a run can honour; raised before any model is loaded."""
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise LayerskipError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    if "self-spec" in names and not has_policy:
+        raise LayerskipError("method self-spec needs a policy; pass --policy PATH")
+    if "hf-assistant" in names and not has_assistant:
+        raise LayerskipError("method hf-assistant needs --assistant-model")
+
+
 def build_methods(
     model: nn.Module,
     names: Sequence[str],
@@ -100,13 +111,7 @@ def build_methods(
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine."""
     device = next(model.parameters()).device
-    unknown = [n for n in names if n not in METHODS]
-    if unknown:
-        raise LayerskipError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    if "self-spec" in names and not policies:
-        raise LayerskipError("method self-spec needs a policy; pass --policy PATH")
-    if "hf-assistant" in names and assistant is None:
-        raise LayerskipError("method hf-assistant needs --assistant-model")
+    check_methods(names, bool(policies), assistant is not None)
 
     def settings(max_new: int) -> DecodeSettings:
         return DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos_token_ids)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from layerskip.policy import SkipPolicy
 from layerskip.prompting import encode_prompt, eos_token_ids
 from layerskip.sampling import Sampling, sample, verify_sampled
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
+from layerskip.vocab import DraftVocabulary
 
 TokenCallback = Callable[[list[int]], None]
 
@@ -68,7 +70,8 @@ class _Output:
 
     @property
     def remaining(self) -> int:
-        return self.settings.max_new_tokens - len(self.generated)
+        # Checked once per accepted token: count, don't slice a copy of the output.
+        return self.settings.max_new_tokens - (len(self.history) - self.prompt_length)
 
     def emit(self, tokens: list[int]) -> bool:
         """Append accepted tokens, cut at the first stop condition; returns True when finished."""
@@ -116,6 +119,41 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+class _Begun(NamedTuple):
+    prompt: list[int]
+    device: torch.device
+    clock: DeviceClock
+    stats: GenerationStats
+    output: _Output
+    generator: torch.Generator | None
+    cache: RollbackCache
+
+
+def _begin(
+    model: nn.Module,
+    input_ids: Sequence[int] | torch.Tensor,
+    settings: DecodeSettings,
+    tokenizer: object | None,
+    on_tokens: TokenCallback | None,
+    policy: SkipPolicy | None = None,
+) -> _Begun:
+    """What both decode loops start from: checked settings (and policy), the prompt, a fresh shared cache."""
+    settings.validate()
+    if policy is not None:
+        policy.validate_for(model)
+    prompt = _as_ids(input_ids)
+    device = _model_device(model)
+    return _Begun(
+        prompt,
+        device,
+        DeviceClock(device),
+        GenerationStats(),
+        _Output(prompt, settings, tokenizer, on_tokens),
+        _generator(settings.seed, device),
+        RollbackCache(adapters.sliding_windows(model)),
+    )
+
+
 @torch.inference_mode()
 def decode_autoregressive(
     model: nn.Module,
@@ -126,13 +164,7 @@ def decode_autoregressive(
     on_tokens: TokenCallback | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Plain decoding: one full forward per token. Returns (new tokens, stats)."""
-    settings.validate()
-    prompt = _as_ids(input_ids)
-    device = _model_device(model)
-    clock, stats = DeviceClock(device), GenerationStats()
-    output = _Output(prompt, settings, tokenizer, on_tokens)
-    generator = _generator(settings.seed, device)
-    cache = RollbackCache(adapters.sliding_windows(model))
+    prompt, device, clock, stats, output, generator, cache = _begin(model, input_ids, settings, tokenizer, on_tokens)
 
     start = clock.now()
     ids = torch.tensor([prompt], device=device)  # [1, prompt_len]
@@ -170,14 +202,9 @@ def decode_speculative(
     ``vocab_rows`` are the token ids a truncated draft head scores (None = full head);
     ``cache_observer(cache, committed)`` is called after every step (tests check lengths).
     """
-    settings.validate()
-    policy.validate_for(model)
-    prompt = _as_ids(input_ids)
-    device = _model_device(model)
-    clock, stats = DeviceClock(device), GenerationStats()
-    output = _Output(prompt, settings, tokenizer, on_tokens)
-    generator = _generator(settings.seed, device)
-    cache = RollbackCache(adapters.sliding_windows(model))
+    prompt, device, clock, stats, output, generator, cache = _begin(
+        model, input_ids, settings, tokenizer, on_tokens, policy
+    )
     drafter = make_drafter(model, policy, settings.sampling, generator, vocab_rows)
     sampling = settings.sampling
 
@@ -260,8 +287,6 @@ def generate(
         tokens, stats = decode_autoregressive(model, ids, settings, tokenizer=tokenizer, on_tokens=stream)
     else:
         if vocab_rows is None and policy.draft.draft_vocab_size:
-            from layerskip.vocab import DraftVocabulary  # vocab imports policy; keep decoding import-light
-
             vocab_rows = DraftVocabulary.builtin(tokenizer, model).rows_for(policy, ids)
         tokens, stats = decode_speculative(
             model, ids, policy, settings, tokenizer=tokenizer, on_tokens=stream, vocab_rows=vocab_rows

@@ -34,8 +34,6 @@ class DraftVocabulary:
         device = next(model.parameters()).device
         return cls(torch.tensor(seen + rest, dtype=torch.long, device=device))
 
-    from_prompts = from_texts
-
     @classmethod
     def builtin(cls, tokenizer: object, model: nn.Module) -> DraftVocabulary:
         from layerskip.data import builtin_prompts

@@ -190,7 +190,7 @@ def _main(argv: list[str] | None) -> int:
     check_study_matches(existing_study_attrs(storage, study_name), study_name, identity)
     seed = args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name)
     study = open_study(storage, study_name, args.objective, seed, metadata, space.warm_starts())
-    vocabulary = DraftVocabulary.from_prompts(tokenizer, [p.text for p in prompts], model)
+    vocabulary = DraftVocabulary.from_texts(tokenizer, [p.text for p in prompts], model)
     progress = not args.no_progress
     print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
     calibration = prepare_calibration(

@@ -8,7 +8,6 @@ well under a second. Everything else runs the real scripts as subprocesses.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -16,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from cli_helpers import REPO, run_script, script_env
+
 SEARCH = REPO / "scripts" / "search.py"
-GENERATE = REPO / "scripts" / "generate.py"
 
 TOKENIZER_VOCAB = 300
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]  # ids 0 and 1: eos/bos and pad
@@ -36,11 +35,16 @@ CORPUS = [
 # Cheapest settings that still exercise calibration, trials, confirmation and export.
 FAST_ARGS = [
     "--no-progress",
-    "--n-prompts", "2",
-    "--reference-tokens", "8",
-    "--max-new-tokens", "8",
-    "--confirm-top", "1",
-    "--draft-tokens", "2,3",
+    "--n-prompts",
+    "2",
+    "--reference-tokens",
+    "8",
+    "--max-new-tokens",
+    "8",
+    "--confirm-top",
+    "1",
+    "--draft-tokens",
+    "2,3",
 ]
 
 
@@ -97,11 +101,7 @@ def save_tiny_llama(directory: Path, **overrides: Any) -> Path:
 
 
 def env() -> dict[str, str]:
-    """Environment for the subprocesses: offline, quiet, the repository importable, 1 thread each."""
-    variables = dict(os.environ)
-    variables.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
-                     PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return variables
+    return script_env()
 
 
 def search_command(model: Path | str, *args: str, fast: bool = True) -> list[str]:
@@ -109,18 +109,24 @@ def search_command(model: Path | str, *args: str, fast: bool = True) -> list[str
 
 
 def run_search(model: Path | str, *args: str, timeout: float = 240, fast: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(search_command(model, *args, fast=fast), cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        search_command(model, *args, fast=fast), cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def start_search(model: Path | str, *args: str, fast: bool = True) -> subprocess.Popen:
-    return subprocess.Popen(search_command(model, *args, fast=fast), cwd=REPO, env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        search_command(model, *args, fast=fast),
+        cwd=REPO,
+        env=env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def run_generate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(GENERATE), *args], cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_script("generate.py", *args, timeout=timeout)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import assert_bad_input, run_script
 from tiny_models import LAYERS, VOCAB, random_prompt, save_checkpoint, tiny_model
 
 from layerskip import bench
@@ -284,23 +283,7 @@ def assert_output_files(directory: Path, methods: list[str], categories: list[st
 
 
 def run_bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def assert_bad_input(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
-    """Exit code 2, stderr exactly one line starting with 'error:', no traceback; returns the line."""
-    output = result.stdout + result.stderr
-    assert "Traceback" not in output, output
-    assert result.returncode == 2, output
-    lines = result.stderr.strip("\n").splitlines()
-    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{result.stderr}"
-    assert lines[0].startswith("error: "), lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
+    return run_script("bench.py", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ bad-input checks call the same ``main(argv)`` in-process (same run_cli path, no 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_bad_input, run_script
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
 from layerskip.models import DEFAULT_MODEL as SMOLLM2
@@ -38,24 +37,7 @@ REPORT_KEYS = {
 
 
 def generate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    # One torch thread, as in-process tests use (see conftest): robust speed on a busy machine.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def assert_bad_input(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
-    """Exit code 2, stderr exactly one line starting with 'error:', no traceback; returns the line."""
-    output = result.stdout + result.stderr
-    assert "Traceback" not in output, output
-    assert result.returncode == 2, output
-    lines = result.stderr.strip("\n").splitlines()
-    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{result.stderr}"
-    assert lines[0].startswith("error: "), lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
+    return run_script("generate.py", *args, timeout=timeout)
 
 
 # -- bad input caught before the model loads --------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from cli_helpers import assert_bad_input
 from optuna.trial import TrialState
 from search_fixtures import (
     counted,
@@ -42,8 +43,9 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def other_llama(tmp_path_factory) -> Path:
     """Another tiny Llama with different shapes (3 layers, hidden 48): another weights fingerprint."""
-    return save_tiny_llama(tmp_path_factory.mktemp("models") / "other-llama", num_hidden_layers=3, hidden_size=48,
-                           intermediate_size=96)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("models") / "other-llama", num_hidden_layers=3, hidden_size=48, intermediate_size=96
+    )
 
 
 def states(study) -> list[TrialState]:
@@ -59,16 +61,6 @@ def assert_clean_numbering(study, expected_counted: int) -> None:
 
 def snapshot(path: Path) -> tuple[bytes, int] | None:
     return (path.read_bytes(), path.stat().st_mtime_ns) if path.exists() else None
-
-
-def assert_one_line_error(result, *fragments: str) -> str:
-    assert result.returncode == 2, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert "Traceback" not in result.stderr + result.stdout
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 # -- the done-when flow ---------------------------------------------------------------------------------------------
@@ -92,9 +84,21 @@ def test_search_writes_policy_resumes_and_policy_is_lossless(tiny_llama, tmp_pat
     assert len(study.user_attrs["runs"]) == 2
     SkipPolicy.load(out)
 
-    result = ok(run_generate("--model", str(tiny_llama), "--policy", str(out), "--compare", "--json", "--no-chat",
-                             "--prompt", "Write a short story about a robot who learns to paint.",
-                             "--max-new-tokens", "16"))
+    result = ok(
+        run_generate(
+            "--model",
+            str(tiny_llama),
+            "--policy",
+            str(out),
+            "--compare",
+            "--json",
+            "--no-chat",
+            "--prompt",
+            "Write a short story about a robot who learns to paint.",
+            "--max-new-tokens",
+            "16",
+        )
+    )
     report = json.loads(result.stdout)
     assert report["identical"] is True, report
     assert report["new_tokens"] > 0
@@ -132,8 +136,19 @@ def test_journal_storage_pareto_plots_and_total_trials(tiny_llama, tmp_path):
 def test_two_workers_share_one_study(tiny_llama, tmp_path, kind):
     url = f"sqlite:///{tmp_path / 'w.db'}" if kind == "sqlite" else str(tmp_path / "w.log")
     workers = [
-        start_search(tiny_llama, "--storage", url, "--study-name", "shared", "--n-trials", "5", "--worker", str(w),
-                     "--out", str(tmp_path / f"p{w}.json"))
+        start_search(
+            tiny_llama,
+            "--storage",
+            url,
+            "--study-name",
+            "shared",
+            "--n-trials",
+            "5",
+            "--worker",
+            str(w),
+            "--out",
+            str(tmp_path / f"p{w}.json"),
+        )
         for w in (0, 1)
     ]
     for code, out, err in wait_all(workers):
@@ -188,7 +203,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_llama, tmp_path, case):
 
     result = run_search(tiny_llama, *args)
 
-    line = assert_one_line_error(result, *fragments)
+    line = assert_bad_input(result, *fragments)
     assert "secret" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == before, "a failed run left files behind"
 
@@ -197,15 +212,29 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_llama, tmp_path, case):
 def test_study_of_another_model_is_refused_untouched(tiny_llama, other_llama, tmp_path, kind):
     path = tmp_path / ("s.db" if kind == "sqlite" else "j.log")
     url = f"sqlite:///{path}" if kind == "sqlite" else str(path)
-    ok(run_search(tiny_llama, "--storage", url, "--study-name", "mine", "--n-trials", "2", "--confirm-top", "0",
-                  "--out", str(tmp_path / "first.json")))
+    ok(
+        run_search(
+            tiny_llama,
+            "--storage",
+            url,
+            "--study-name",
+            "mine",
+            "--n-trials",
+            "2",
+            "--confirm-top",
+            "0",
+            "--out",
+            str(tmp_path / "first.json"),
+        )
+    )
     before, listing = snapshot(path), sorted(p.name for p in tmp_path.iterdir())
     time.sleep(0.05)  # an mtime change would show
 
-    result = run_search(other_llama, "--storage", url, "--study-name", "mine", "--n-trials", "2",
-                        "--out", str(tmp_path / "second.json"))
+    result = run_search(
+        other_llama, "--storage", url, "--study-name", "mine", "--n-trials", "2", "--out", str(tmp_path / "second.json")
+    )
 
-    assert_one_line_error(result, "study 'mine'", "tiny-llama", "other-llama", "another --study-name")
+    assert_bad_input(result, "study 'mine'", "tiny-llama", "other-llama", "another --study-name")
     assert snapshot(path) == before, "the existing study was modified"
     assert sorted(p.name for p in tmp_path.iterdir()) == listing
 

@@ -7,7 +7,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from layerskip.bench import METHODS, BenchConfig, build_methods, environment, rows_as_dicts, run_benchmark, summarise
+from layerskip.bench import (
+    METHODS,
+    BenchConfig,
+    build_methods,
+    check_methods,
+    environment,
+    rows_as_dicts,
+    run_benchmark,
+    summarise,
+)
 from layerskip.cli.common import add_model_arguments, run_cli
 from layerskip.data import load_prompts
 from layerskip.errors import LayerskipError
@@ -44,11 +53,7 @@ def _main(argv: list[str] | None) -> int:
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
-    unknown = [n for n in names if n not in METHODS]
-    if unknown:
-        raise LayerskipError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    if "self-spec" in names and not args.policy:
-        raise LayerskipError("method self-spec needs a policy; pass --policy PATH")
+    check_methods(names, bool(args.policy), bool(args.assistant_model))
     prompts = load_prompts(
         args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field, seed=args.seed
     )
