@@ -196,20 +196,39 @@ def run_trials(
 
     Ctrl-C stops the run and records the trial it interrupted as FAIL (see ``_InterruptGuard``).
     """
-    callbacks = []
+    told = 0
+
+    def count_told(study: optuna.Study, trial: FrozenTrial) -> None:
+        nonlocal told
+        told += 1
+
+    callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] = [count_told]
     if total_trials is not None:
-        if counted_trials(study) >= total_trials:
-            return
         callbacks.append(optuna.study.MaxTrialsCallback(total_trials, states=COUNTED_STATES))
+    deadline = None if timeout is None else time.monotonic() + timeout
     with _InterruptGuard(objective) as guarded:
-        study.optimize(
-            guarded,
-            n_trials=n_trials,
-            timeout=timeout,
-            callbacks=callbacks,
-            show_progress_bar=progress,
-            gc_after_trial=False,
-        )
+        while told < n_trials:
+            if total_trials is not None and counted_trials(study) >= total_trials:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            try:
+                study.optimize(
+                    guarded,
+                    n_trials=n_trials - told,
+                    timeout=left,
+                    callbacks=callbacks,
+                    show_progress_bar=progress,
+                    gc_after_trial=False,
+                )
+                return
+            except ValueError as exc:
+                # SQLite cannot lock rows, so two workers may both claim one enqueued warm-start
+                # trial; the one that tells second gets this error. Its work is a duplicate:
+                # drop it and run the trials this worker still owes.
+                if "Cannot tell a COMPLETE trial" not in str(exc):
+                    raise
 
 
 class _QuietInterrupt(logging.Filter):
