@@ -13,6 +13,7 @@ weights or the KV cache, so a draft's cost falls with what it skips.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -160,6 +161,37 @@ def sublayer_parameter_counts(model: nn.Module) -> tuple[list[int], list[int], i
     mlp = [sum(p.numel() for p in mlp_module(model, i).parameters()) for i in range(num_layers(model))]
     total = sum(p.numel() for p in model.parameters())
     return attn, mlp, total
+
+
+# Width fields of HF configs, shrunk for the overhead twin (names differ between families).
+_WIDTH_FIELDS = ("hidden_size", "n_embd", "intermediate_size", "n_inner", "head_dim")
+TWIN_VOCAB = 512
+
+
+def overhead_twin(model: nn.Module) -> nn.Module:
+    """A random model of the same family, depth, heads and layer types, but 8-wide heads.
+
+    Its forward runs the same Python, module calls and kernel launches as the real model with
+    almost no arithmetic, so its step time is the per-step framework cost (the floor that no
+    draft can remove). Token ids given to it must be below ``TWIN_VOCAB``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None) or 1
+    hidden = 8 * heads
+    for name in _WIDTH_FIELDS:
+        if getattr(text, name, None) is not None:
+            setattr(
+                text,
+                name,
+                8 if name == "head_dim" else (2 * hidden if name in ("intermediate_size", "n_inner") else hidden),
+            )
+    text.vocab_size = TWIN_VOCAB
+    parameter = next(model.parameters())
+    twin = AutoModelForCausalLM.from_config(config, dtype=parameter.dtype)
+    return twin.to(parameter.device).eval()
 
 
 def weights_fingerprint(model: nn.Module) -> str:

@@ -44,6 +44,11 @@ class Run:
     drafted: int | None = None
     accepted: int | None = None
     peak_memory_mb: float | None = None
+    # Where our engine's time went (None for HF methods): see GenerationStats.
+    prefill_seconds: float | None = None
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    lookup_steps: int | None = None
 
 
 @dataclass
@@ -67,6 +72,10 @@ class PromptResult:
     identical: bool | None
     divergence: dict[str, Any] | None = None
     peak_memory_mb: float | None = None
+    prefill_seconds: float | None = None
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    lookup_steps: int | None = None
 
 
 @dataclass
@@ -107,9 +116,12 @@ def build_methods(
     vocabulary: DraftVocabulary | None = None,
     assistant: nn.Module | None = None,
     lookup_tokens: int = 10,
+    ablate: bool = False,
 ) -> list[Method]:
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
-    when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine."""
+    when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
+    With ``ablate``, each policy also runs with each of its drafting ingredients turned off
+    (``self-spec:NAME-no-lookup`` ...; see ``SkipPolicy.ablations``)."""
     device = next(model.parameters()).device
     check_methods(names, bool(policies), assistant is not None)
 
@@ -124,7 +136,18 @@ def build_methods(
             else:
                 rows = vocabulary.rows_for(policy, ids) if vocabulary is not None else None
                 tokens, stats = decode_speculative(model, ids, policy, settings(max_new), vocab_rows=rows)
-            return Run(tokens, stats.total_seconds, stats.steps, stats.drafted, stats.accepted, _peak_memory_mb(device))
+            return Run(
+                tokens,
+                stats.total_seconds,
+                stats.steps,
+                stats.drafted,
+                stats.accepted,
+                _peak_memory_mb(device),
+                stats.prefill_seconds,
+                stats.draft_seconds,
+                stats.verify_seconds,
+                stats.lookup_steps,
+            )
 
         return run
 
@@ -143,8 +166,13 @@ def build_methods(
         elif name == "ar":
             methods.append(Method(name, ours(None)))
         elif name == "self-spec":
+            variants = {}
             for label, policy in policies.items():
-                full = name if len(policies) == 1 else f"{name}:{label}"
+                variants[label] = policy
+                if ablate:
+                    variants.update({f"{label}-{suffix}": v for suffix, v in policy.ablations().items()})
+            for label, policy in variants.items():
+                full = name if len(variants) == 1 else f"{name}:{label}"
                 methods.append(Method(full, ours(policy), policy))
         elif name == "self-spec-lookup":
             lookup = SkipPolicy.from_dict(
@@ -238,6 +266,10 @@ def run_benchmark(
                     identical,
                     divergence,
                     run.peak_memory_mb,
+                    run.prefill_seconds,
+                    run.draft_seconds,
+                    run.verify_seconds,
+                    run.lookup_steps,
                 )
             )
     bar.close()
@@ -267,6 +299,7 @@ def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
             "new_tokens": tokens,
             "divergences": divergences,
             "peak_memory_mb": max(memory) if memory else None,
+            "profile": time_profile(subset),
         }
 
     by_method: dict[str, list[PromptResult]] = defaultdict(list)
@@ -287,6 +320,36 @@ def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
             },
         }
     return summary
+
+
+def time_profile(subset: Sequence[PromptResult]) -> dict[str, Any] | None:
+    """Where our engine's time went, in ms per generated token (None for HF methods).
+
+    ``prefill`` is the prompt forward; ``draft`` is proposing (skip-draft forwards or the lookup
+    search); ``verify`` is the full-model forward over each block plus acceptance and cache
+    rollback; ``other`` is the rest of the loop (emitting tokens, stop checks). ``lookup_share``
+    is the fraction of verify steps whose draft came from prompt lookup.
+    """
+    if any(r.verify_seconds is None for r in subset):
+        return None
+    tokens = sum(r.new_tokens for r in subset)
+    if not tokens:
+        return None
+    prefill = sum(r.prefill_seconds or 0.0 for r in subset)
+    draft = sum(r.draft_seconds or 0.0 for r in subset)
+    verify = sum(r.verify_seconds or 0.0 for r in subset)
+    total = sum(r.seconds for r in subset)
+    steps = sum((r.steps or 1) - 1 for r in subset)  # the prefill step is not a verify
+    per_token = 1000.0 / tokens
+    return {
+        "prefill_ms": prefill * per_token,
+        "draft_ms": draft * per_token,
+        "verify_ms": verify * per_token,
+        "other_ms": max(0.0, total - prefill - draft - verify) * per_token,
+        "total_ms": total * per_token,
+        "verify_ms_per_step": 1000.0 * verify / steps if steps else None,
+        "lookup_share": sum(r.lookup_steps or 0 for r in subset) / steps if steps else None,
+    }
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -107,6 +107,23 @@ class SkipPolicy:
         return replace(self, model=ModelIdentity.of(model, name))
 
     # -- checks -------------------------------------------------------------------------
+    def ablations(self) -> dict[str, SkipPolicy]:
+        """The same policy with each drafting ingredient it uses turned off, by a short label.
+
+        ``no-lookup``: the skip draft alone; ``lookup-only``: prompt lookup alone; ``full-head``:
+        the skip draft scores the whole vocabulary. Used to show what each ingredient contributes.
+        """
+        d = self.draft
+        variants: dict[str, SkipPolicy] = {}
+        if d.lookup_max_ngram and d.use_skip_draft:
+            variants["no-lookup"] = replace(self, draft=replace(d, lookup_max_ngram=0))
+            variants["lookup-only"] = replace(
+                self, skip_attention=(), skip_mlp=(), draft=replace(d, use_skip_draft=False, draft_vocab_size=0)
+            )
+        if d.draft_vocab_size and d.use_skip_draft:
+            variants["full-head"] = replace(self, draft=replace(d, draft_vocab_size=0))
+        return variants
+
     @property
     def bypasses_anything(self) -> bool:
         return bool(self.skip_attention or self.skip_mlp)

@@ -43,6 +43,36 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def profile_table(results: dict[str, Any]) -> str:
+    """Where our engine's time went per method, in ms per generated token ('' if no method has it)."""
+    rows = [(name, f["overall"].get("profile")) for name, f in results["methods"].items()]
+    rows = [(name, p) for name, p in rows if p]
+    if not rows:
+        return ""
+    header = ["method", "ms/token", "prefill", "draft", "verify", "other", "verify ms/step", "lookup steps"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, p in rows:
+        share = p.get("lookup_share")
+        cells = [
+            name,
+            _fmt(p["total_ms"], 1),
+            _fmt(p["prefill_ms"], 1),
+            _fmt(p["draft_ms"], 1),
+            _fmt(p["verify_ms"], 1),
+            _fmt(p["other_ms"], 1),
+            _fmt(p.get("verify_ms_per_step"), 1),
+            "-" if share is None else f"{100 * share:.0f}%",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(results: dict[str, Any]) -> str:
+    """The figures table, then the time profile of our engine's methods."""
+    profile = profile_table(results)
+    return markdown_table(results) + (f"\n\nTime per generated token (ms):\n\n{profile}" if profile else "")
+
+
 def csv_text(results: dict[str, Any]) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer)
@@ -91,6 +121,6 @@ def write_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:
     return [
         write_json_atomic(directory / "results.json", results),
         write_text_atomic(directory / "results.csv", csv_text(results)),
-        write_text_atomic(directory / "results.md", markdown_table(results) + "\n"),
+        write_text_atomic(directory / "results.md", markdown_report(results) + "\n"),
         write_bytes_atomic(directory / "speedup.png", speedup_png(results)),
     ]

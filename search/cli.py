@@ -86,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lookup", type=_int_list, default=(0,), help="prompt-lookup max n-gram choices (0 = off), e.g. 0,3"
     )
+    parser.add_argument(
+        "--lookup-tokens",
+        type=_int_list,
+        default=(),
+        help="longest lookup run choices, e.g. 4,8,16 (default: the draft length k)",
+    )
+    parser.add_argument(
+        "--require-skip-draft",
+        action="store_true",
+        help="every trial drafts with its skip policy (lookup, if on, leads where the context repeats)",
+    )
     parser.add_argument("--never-skip", type=_int_list, default=(), help="layers never to bypass, e.g. 0,1")
     parser.add_argument("--min-skip-fraction", type=float, default=0.0)
     parser.add_argument("--max-skip-fraction", type=float, default=1.0)
@@ -166,6 +177,8 @@ def _main(argv: list[str] | None) -> int:
         tune_adaptive=not args.no_adaptive,
         draft_vocab_choices=args.draft_vocab,
         lookup_ngram_choices=args.lookup,
+        lookup_token_choices=args.lookup_tokens,
+        require_skip_draft=args.require_skip_draft,
     )
     chat = loaded.instruct if args.chat is None else args.chat
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]

@@ -26,6 +26,9 @@ class SearchSpace:
     target_acceptance_choices: tuple[float, ...] = (0.6, 0.7, 0.8, 0.9)
     draft_vocab_choices: tuple[int, ...] = (0,)  # truncated draft head sizes (0 = full head)
     lookup_ngram_choices: tuple[int, ...] = (0,)  # prompt-lookup max n-gram (0 = off)
+    # Longest lookup run per step; empty = tie it to the draft length k (one length knob).
+    lookup_token_choices: tuple[int, ...] = ()
+    require_skip_draft: bool = False  # never try lookup-only drafting (lookup may still lead)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -38,6 +41,8 @@ class SearchSpace:
             raise LayerskipError("need 0 <= --min-skip-fraction <= --max-skip-fraction <= 1")
         if not self.draft_token_choices or min(self.draft_token_choices) < 1:
             raise LayerskipError("draft token choices must be >= 1")
+        if self.lookup_token_choices and min(self.lookup_token_choices) < 1:
+            raise LayerskipError("--lookup-tokens choices must be >= 1")
 
     @property
     def searchable_layers(self) -> list[int]:
@@ -72,9 +77,14 @@ class SearchSpace:
             target = trial.suggest_categorical("target_acceptance", list(self.target_acceptance_choices))
         vocab = trial.suggest_categorical("draft_vocab_size", list(self.draft_vocab_choices))
         lookup = trial.suggest_categorical("lookup_max_ngram", list(self.lookup_ngram_choices))
+        lookup_tokens = None
+        if lookup and self.lookup_token_choices:
+            lookup_tokens = trial.suggest_categorical("lookup_max_tokens", list(self.lookup_token_choices))
         # With lookup on, the skip draft may be dropped entirely (lookup-only drafting).
-        use_skip = trial.suggest_categorical("use_skip_draft", [True, False]) if lookup else True
-        return draft_settings(k, adaptive, target, vocab, lookup, use_skip)
+        use_skip = True
+        if lookup and not self.require_skip_draft:
+            use_skip = trial.suggest_categorical("use_skip_draft", [True, False])
+        return draft_settings(k, adaptive, target, vocab, lookup, use_skip, lookup_tokens)
 
     def params_for(
         self,
@@ -96,7 +106,10 @@ class SearchSpace:
         params["draft_vocab_size"] = self.draft_vocab_choices[0]
         params["lookup_max_ngram"] = lookup if lookup in self.lookup_ngram_choices else self.lookup_ngram_choices[0]
         if params["lookup_max_ngram"]:
-            params["use_skip_draft"] = use_skip_draft
+            if self.lookup_token_choices:
+                params["lookup_max_tokens"] = max(self.lookup_token_choices)
+            if not self.require_skip_draft:
+                params["use_skip_draft"] = use_skip_draft
         return params
 
     def warm_starts(self) -> list[dict[str, Any]]:
@@ -120,7 +133,8 @@ class SearchSpace:
         lookups = [n for n in self.lookup_ngram_choices if n]
         if lookups:
             # Prompt lookup alone, and lookup in front of the lightest skip draft above.
-            params.append(self.params_for([], [], 4, lookups[-1], use_skip_draft=False))
+            if not self.require_skip_draft:
+                params.append(self.params_for([], [], 4, lookups[-1], use_skip_draft=False))
             params.append(self.params_for(alternate, [], 4, lookups[-1], use_skip_draft=True))
         return params
 
@@ -138,12 +152,19 @@ def policy_from_params(params: dict[str, Any], num_layers: int) -> SkipPolicy:
         int(params.get("draft_vocab_size", 0)),
         int(params.get("lookup_max_ngram", 0)),
         bool(params.get("use_skip_draft", True)),
+        params.get("lookup_max_tokens"),
     )
     return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
 
 
 def draft_settings(
-    k: int, adaptive: bool, target: float, vocab: int, lookup: int, use_skip_draft: bool = True
+    k: int,
+    adaptive: bool,
+    target: float,
+    vocab: int,
+    lookup: int,
+    use_skip_draft: bool = True,
+    lookup_tokens: int | None = None,
 ) -> DraftSettings:
     """The draft settings one point of the space stands for."""
     return DraftSettings(
@@ -153,6 +174,7 @@ def draft_settings(
         draft_vocab_size=vocab,
         lookup_max_ngram=lookup,
         lookup_min_ngram=min(2, lookup) if lookup else 2,
-        lookup_max_tokens=k,  # one length knob: k caps skip drafts and lookup runs alike
+        # Without its own choice, k caps skip drafts and lookup runs alike.
+        lookup_max_tokens=int(lookup_tokens) if lookup_tokens else k,
         use_skip_draft=use_skip_draft,
     )

@@ -113,6 +113,29 @@ def test_build_methods_rejects_bad_requests(model: torch.nn.Module, names: list[
         build_methods(model, names, (), policies)
 
 
+def test_ablate_adds_each_ingredient_off(model: torch.nn.Module) -> None:
+    hybrid = SkipPolicy(
+        skip_attention=(1,), draft=DraftSettings(max_draft_tokens=3, draft_vocab_size=64, lookup_max_ngram=3)
+    )
+    methods = {m.name: m.policy for m in build_methods(model, ["self-spec"], (), {"h": hybrid}, ablate=True)}
+    assert list(methods) == [
+        "hf-ar",
+        "self-spec:h",
+        "self-spec:h-no-lookup",
+        "self-spec:h-lookup-only",
+        "self-spec:h-full-head",
+    ]
+    assert methods["self-spec:h-no-lookup"].draft.lookup_max_ngram == 0
+    assert methods["self-spec:h-no-lookup"].skip_attention == (1,)
+    only = methods["self-spec:h-lookup-only"]
+    assert not only.draft.use_skip_draft and not only.bypasses_anything and only.draft.lookup_max_ngram == 3
+    assert methods["self-spec:h-full-head"].draft.draft_vocab_size == 0
+    assert methods["self-spec:h-full-head"].draft.lookup_max_ngram == 3
+    # A plain skip policy has no ingredient to remove.
+    plain = [m.name for m in build_methods(model, ["self-spec"], (), {"p": _policy()}, ablate=True)]
+    assert plain == ["hf-ar", "self-spec"]
+
+
 def test_early_exit_depth(model: torch.nn.Module) -> None:
     assert bench._early_exit_depth(model, SkipPolicy.early_exit(LAYERS, 3)) == 3
     assert bench._early_exit_depth(model, _policy()) == LAYERS // 2  # not a prefix draft
@@ -195,6 +218,25 @@ def test_summary_figures(benchmark: dict) -> None:
         assert summary[name]["overall"]["speedup"] == pytest.approx(expected)
 
 
+def test_time_profile(benchmark: dict) -> None:
+    """Our methods carry a per-token time split that adds up to their measured time; HF methods none."""
+    summary = benchmark["summary"]
+    for name in ("hf-ar", "hf-pld"):
+        assert summary[name]["overall"]["profile"] is None
+    for name in LOSSLESS:
+        profile = summary[name]["overall"]["profile"]
+        rows = [r for r in benchmark["rows"] if r.method == name]
+        total_ms = 1000 * sum(r.seconds for r in rows) / sum(r.new_tokens for r in rows)
+        assert profile["total_ms"] == pytest.approx(total_ms)
+        parts = profile["prefill_ms"] + profile["draft_ms"] + profile["verify_ms"] + profile["other_ms"]
+        assert parts == pytest.approx(total_ms, rel=1e-6)
+        assert profile["verify_ms"] > 0
+    assert summary["ar"]["overall"]["profile"]["draft_ms"] == 0.0
+    assert summary["self-spec"]["overall"]["profile"]["draft_ms"] > 0
+    assert summary["self-spec"]["overall"]["profile"]["lookup_share"] == 0.0
+    assert 0.0 <= summary["self-spec-lookup"]["overall"]["profile"]["lookup_share"] <= 1.0
+
+
 def test_a_divergence_is_recorded_with_the_top2_gap(model: torch.nn.Module) -> None:
     """A method that leaves the reference is flagged, with the position and the full model's top-2 gap there."""
     baseline = build_methods(model, ["hf-ar"], (), {})
@@ -272,9 +314,13 @@ def assert_output_files(directory: Path, methods: list[str], categories: list[st
     table = list(csv.reader(io.StringIO((directory / "results.csv").read_text())))
     assert table[0] == ["method", "category", *COLUMNS]
     assert [(r[0], r[1]) for r in table[1:]] == [(m, c) for m in methods for c in ["overall", *categories]]
-    markdown = (directory / "results.md").read_text().splitlines()
+    figures, _, profile = (directory / "results.md").read_text().partition("Time per generated token (ms):")
+    markdown = figures.strip().splitlines()
     assert markdown[0].startswith("| method |") and all(c in markdown[0] for c in categories)
     assert [line.split("|")[1].strip() for line in markdown[2:]] == methods
+    ours = [m for m in methods if not m.startswith("hf-")]
+    profile_rows = profile.strip().splitlines()[2:]
+    assert [line.split("|")[1].strip() for line in profile_rows] == ours  # the time split of our methods
     assert (directory / "speedup.png").read_bytes().startswith(PNG_SIGNATURE)
     return results
 
@@ -330,6 +376,9 @@ def test_cli_end_to_end(cli_inputs: dict[str, str], tmp_path: Path) -> None:
     assert sum(row["drafted"] for row in spec) > 0  # the draft really ran
     assert result.stderr.count("wrote ") == len(OUTPUT_FILES)
     assert "| self-spec |" in result.stdout  # the Markdown table goes to stdout
+    assert (
+        "Time per generated token" in result.stdout and "Time per generated token" in (out / "results.md").read_text()
+    )
 
 
 def test_cli_unknown_method(cli_inputs: dict[str, str], tmp_path: Path) -> None:

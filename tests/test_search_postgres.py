@@ -47,8 +47,19 @@ def test_two_workers_on_postgresql(postgres_url, tiny_llama, tmp_path):
 
     name = f"layerskip-test-{uuid.uuid4().hex[:12]}"  # a fresh study even on a reused database
     workers = [
-        start_search(tiny_llama, "--storage", postgres_url, "--study-name", name, "--n-trials", "4",
-                     "--worker", str(w), "--out", str(tmp_path / f"p{w}.json"))
+        start_search(
+            tiny_llama,
+            "--storage",
+            postgres_url,
+            "--study-name",
+            name,
+            "--n-trials",
+            "4",
+            "--worker",
+            str(w),
+            "--out",
+            str(tmp_path / f"p{w}.json"),
+        )
         for w in (0, 1)
     ]
     storage = None

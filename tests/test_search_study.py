@@ -43,11 +43,14 @@ def test_local_storage_file(tmp_path):
     assert local_storage_file("postgresql://u:p@host/db") is None
 
 
-@pytest.mark.parametrize("url, message", [
-    ("foo://bar", "unsupported storage URL"),
-    ("sqlite:///{tmp}/missing/s.db", "does not exist"),
-    ("{tmp}/missing/j.log", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("foo://bar", "unsupported storage URL"),
+        ("sqlite:///{tmp}/missing/s.db", "does not exist"),
+        ("{tmp}/missing/j.log", "does not exist"),
+    ],
+)
 def test_check_storage_url_touches_nothing(tmp_path, url, message):
     with pytest.raises(LayerskipError, match=message):
         check_storage_url(url.replace("{tmp}", str(tmp_path)))

@@ -23,7 +23,7 @@ from layerskip.errors import LayerskipError
 from layerskip.models import load_model
 from layerskip.policy import SkipPolicy
 from layerskip.prompting import encode_prompt, eos_token_ids
-from layerskip.report import markdown_table, write_outputs
+from layerskip.report import markdown_report, write_outputs
 from layerskip.vocab import DraftVocabulary
 
 
@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling prompts per category")
     parser.add_argument("--methods", default="hf-ar,ar,self-spec", help=f"comma-separated, from: {', '.join(METHODS)}")
     parser.add_argument("--policy", action="append", default=[], help="policy JSON for self-spec (repeat for several)")
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also run each policy with each drafting ingredient off (lookup, skip draft, truncated head)",
+    )
     parser.add_argument("--assistant-model", help="a second, smaller model for hf-assistant")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
@@ -74,7 +79,9 @@ def _main(argv: list[str] | None) -> int:
     chat = loaded.instruct if args.chat is None else args.chat
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     vocabulary = DraftVocabulary.builtin(tokenizer, model)
-    methods = build_methods(model, names, eos_token_ids(model, tokenizer), policies, vocabulary, assistant)
+    methods = build_methods(
+        model, names, eos_token_ids(model, tokenizer), policies, vocabulary, assistant, ablate=args.ablate
+    )
     rows = run_benchmark(
         model, methods, prompts, prompt_ids, BenchConfig(args.max_new_tokens, progress=not args.no_progress)
     )
@@ -95,7 +102,7 @@ def _main(argv: list[str] | None) -> int:
     }
     for path in write_outputs(results, args.out):
         print(f"wrote {path}", file=sys.stderr)
-    print(markdown_table(results))
+    print(markdown_report(results))
     slower = [n for n, f in results["methods"].items() if n != "hf-ar" and (f["overall"]["speedup"] or 0) < 1.0]
     if slower:
         print(f"\nslower than HF generate here: {', '.join(slower)}")

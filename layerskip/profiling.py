@@ -1,0 +1,217 @@
+"""Where a generation's time goes: draft, verify forward, loop overhead, and the framework floor.
+
+Three measurements, all on the model's own device:
+
+* the cost of one full forward over a block of ``b`` tokens, ``c(b)``, against one plain step
+  ``c(1)`` (a verify of ``k`` drafted tokens is a block of ``k + 1``);
+* the step time of the model's *overhead twin* (same family, depth and module calls, 8-wide
+  heads: ``adapters.overhead_twin``), the per-step framework cost no drafting can remove;
+* real generations per configuration, interleaved, whose stats split each token's time into
+  prefill, draft, verify and the rest of the loop. The verify time is split again into the
+  forward time predicted by ``c(b)`` for the blocks actually run, and the remainder
+  (acceptance, cache rollback, Python).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from tqdm.auto import tqdm
+
+from layerskip import adapters
+from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.latency import verify_seconds
+from layerskip.policy import SkipPolicy
+from layerskip.stats import GenerationStats
+from layerskip.vocab import DraftVocabulary
+
+
+@dataclass
+class ForwardCosts:
+    """Median seconds of one full forward over ``b`` tokens after a real context."""
+
+    seconds: dict[int, float]  # block size -> seconds
+    twin_step_seconds: float  # one step of the overhead twin: the framework floor
+
+    @property
+    def plain(self) -> float:
+        return self.seconds[1]
+
+    def cost(self, block: int) -> float:
+        """Seconds of a block of ``block`` tokens, interpolated between measured sizes."""
+        sizes = sorted(self.seconds)
+        if block in self.seconds:
+            return self.seconds[block]
+        lower = max((s for s in sizes if s < block), default=sizes[0])
+        upper = min((s for s in sizes if s > block), default=sizes[-1])
+        if upper == lower:
+            return self.seconds[lower] * block / lower  # beyond the last size: linear
+        weight = (block - lower) / (upper - lower)
+        return self.seconds[lower] + weight * (self.seconds[upper] - self.seconds[lower])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_seconds": {str(b): s for b, s in sorted(self.seconds.items())},
+            "block_relative": {str(b): s / self.plain for b, s in sorted(self.seconds.items())},
+            "twin_step_seconds": self.twin_step_seconds,
+            "twin_step_relative": self.twin_step_seconds / self.plain,
+        }
+
+
+def forward_costs(
+    model: nn.Module, context: Sequence[int], blocks: Sequence[int] = (1, 2, 3, 4, 5, 7, 9, 13, 17), repeats: int = 9
+) -> ForwardCosts:
+    seconds = {b: verify_seconds(model, context, b, repeats) for b in blocks}
+    twin = adapters.overhead_twin(model)
+    twin_context = [t % adapters.TWIN_VOCAB for t in context]
+    twin_seconds = verify_seconds(twin, twin_context, 1, repeats)
+    del twin
+    return ForwardCosts(seconds, twin_seconds)
+
+
+@dataclass
+class ConfigProfile:
+    """One configuration summed over prompts; times in ms per generated token."""
+
+    name: str
+    new_tokens: int = 0
+    steps: int = 0  # verify forwards (prefill excluded)
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    lookup_steps: int = 0
+    blocks: Counter[int] = field(default_factory=Counter)  # block size (drafted + 1) -> verify steps
+
+    def add(self, stats: GenerationStats) -> None:
+        self.new_tokens += stats.new_tokens
+        self.seconds += stats.total_seconds
+        self.prefill_seconds += stats.prefill_seconds
+        self.draft_seconds += stats.draft_seconds
+        self.verify_seconds += stats.verify_seconds
+        self.lookup_steps += stats.lookup_steps
+        histogram = dict(stats.draft_histogram)
+        histogram[0] = histogram.get(0, 0) - 1  # the prefill step is recorded as drafted 0
+        for drafted, count in histogram.items():
+            if count > 0:
+                self.blocks[drafted + 1] += count
+                self.steps += count
+
+    def summary(self, costs: ForwardCosts) -> dict[str, Any]:
+        per_token = 1000.0 / max(1, self.new_tokens)
+        forward = sum(costs.cost(b) * n for b, n in self.blocks.items())
+        other = self.seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
+        drafted_steps = sum(n for b, n in self.blocks.items() if b > 1)
+        return {
+            "name": self.name,
+            "new_tokens": self.new_tokens,
+            "tokens_per_second": self.new_tokens / self.seconds if self.seconds else 0.0,
+            "tokens_per_verify": (self.new_tokens - 1) / self.steps if self.steps else None,
+            "steps_with_draft": drafted_steps / self.steps if self.steps else None,
+            "lookup_share": self.lookup_steps / self.steps if self.steps else None,
+            "mean_block": sum(b * n for b, n in self.blocks.items()) / self.steps if self.steps else None,
+            "ms_per_token": {
+                "total": self.seconds * per_token,
+                "prefill": self.prefill_seconds * per_token,
+                "draft": self.draft_seconds * per_token,
+                "verify_forward": forward * per_token,
+                "verify_rest": (self.verify_seconds - forward) * per_token,
+                "loop_other": max(0.0, other) * per_token,
+                "framework_floor": costs.twin_step_seconds * self.steps * per_token,
+            },
+            "blocks": {str(b): n for b, n in sorted(self.blocks.items())},
+        }
+
+
+def profile_configs(
+    model: nn.Module,
+    prompt_ids: Sequence[list[int]],
+    configs: dict[str, SkipPolicy | None],
+    eos_token_ids: tuple[int, ...],
+    max_new_tokens: int,
+    vocabulary: DraftVocabulary | None = None,
+    progress: bool = True,
+) -> list[ConfigProfile]:
+    """Generate with every configuration on every prompt (order rotating per prompt); None = plain."""
+    settings = DecodeSettings(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+    profiles = {name: ConfigProfile(name) for name in configs}
+    names = list(configs)
+
+    def run(name: str, ids: list[int], budget: DecodeSettings) -> GenerationStats:
+        policy = configs[name]
+        if policy is None:
+            return decode_autoregressive(model, ids, budget)[1]
+        rows = vocabulary.rows_for(policy, ids) if vocabulary is not None else None
+        return decode_speculative(model, ids, policy, budget, vocab_rows=rows)[1]
+
+    warmup = DecodeSettings(max_new_tokens=16, eos_token_ids=eos_token_ids)
+    for name in names:
+        run(name, prompt_ids[0], warmup)
+    bar = tqdm(total=len(prompt_ids) * len(names), desc="profile", disable=not progress)
+    for index, ids in enumerate(prompt_ids):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            profiles[name].add(run(name, ids, settings))
+            bar.update()
+    bar.close()
+    return list(profiles.values())
+
+
+def profile_report(costs: ForwardCosts, profiles: Sequence[ConfigProfile]) -> dict[str, Any]:
+    summaries = [p.summary(costs) for p in profiles]
+    plain = next((s for s in summaries if s["steps_with_draft"] == 0.0), None)
+    if plain is not None:
+        for s in summaries:
+            s["speedup_vs_plain"] = plain["ms_per_token"]["total"] / s["ms_per_token"]["total"]
+    return {"forward_costs": costs.to_dict(), "configs": summaries, "plain_ms": 1000.0 * costs.plain}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    costs = report["forward_costs"]
+    lines = [
+        "Forward cost of a block of b tokens, relative to one plain step "
+        f"({report['plain_ms']:.1f} ms); overhead twin step: "
+        f"{costs['twin_step_relative']:.2f} of a plain step.",
+        "",
+        "| b | " + " | ".join(costs["block_relative"]) + " |",
+        "|---|" + "---|" * len(costs["block_relative"]),
+        "| c(b)/c(1) | " + " | ".join(f"{v:.2f}" for v in costs["block_relative"].values()) + " |",
+        "",
+        "| config | tok/s | vs plain | tokens/verify | steps drafted | lookup steps | ms/token | prefill | draft"
+        " | verify fwd | verify rest | loop other | framework floor |",
+        "|" + "---|" * 13,
+    ]
+    for s in report["configs"]:
+        ms = s["ms_per_token"]
+        speed = s.get("speedup_vs_plain")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    s["name"],
+                    f"{s['tokens_per_second']:.1f}",
+                    "-" if speed is None else f"{speed:.2f}x",
+                    "-" if s["tokens_per_verify"] is None else f"{s['tokens_per_verify']:.2f}",
+                    "-" if s["steps_with_draft"] is None else f"{100 * s['steps_with_draft']:.0f}%",
+                    "-" if s["lookup_share"] is None else f"{100 * s['lookup_share']:.0f}%",
+                    *(
+                        f"{ms[k]:.1f}"
+                        for k in (
+                            "total",
+                            "prefill",
+                            "draft",
+                            "verify_forward",
+                            "verify_rest",
+                            "loop_other",
+                            "framework_floor",
+                        )
+                    ),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Profile where decoding time goes: forward cost per block size, the framework floor, and a
+per-token split (prefill / draft / verify forward / verify rest / loop) for plain decoding and
+each policy, generated interleaved on the same prompts.
+
+    python scripts/profile_decode.py --model smollm2-135m --prompts ../shared/data/spec_bench/question.jsonl \
+        --per-category 2 --max-new-tokens 128 --policy policies/smollm2-135m-searched.json \
+        --out results/profile/smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.data import load_prompts
+from layerskip.errors import LayerskipError
+from layerskip.fileio import write_json_atomic, write_text_atomic
+from layerskip.models import load_model
+from layerskip.policy import SkipPolicy
+from layerskip.profiling import forward_costs, markdown, profile_configs, profile_report
+from layerskip.prompting import encode_prompt, eos_token_ids
+from layerskip.vocab import DraftVocabulary
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--prompts", default="builtin")
+    parser.add_argument("--per-category", type=int)
+    parser.add_argument("--n-prompts", type=int)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--policy", action="append", default=[], help="policy JSON (repeat for several)")
+    parser.add_argument("--ablate", action="store_true", help="also profile each policy with each ingredient off")
+    parser.add_argument("--repeats", type=int, default=9, help="repeats per forward-cost measurement")
+    parser.add_argument("--out", default="results/profile")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens <= 0:
+        raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    prompts = load_prompts(args.prompts, n=args.n_prompts, per_category=args.per_category)
+    configs: dict[str, SkipPolicy | None] = {"plain": None}
+    for path in args.policy:
+        policy = SkipPolicy.load(path)
+        configs[Path(path).stem] = policy
+        if args.ablate:
+            configs.update({f"{Path(path).stem}-{k}": v for k, v in policy.ablations().items()})
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    for name, policy in configs.items():
+        if policy is not None:
+            try:
+                policy.validate_for(model)
+            except LayerskipError as exc:
+                raise LayerskipError(f"policy {name}: {exc}") from None
+    prompt_ids = [encode_prompt(tokenizer, p.text, loaded.instruct) for p in prompts]
+    context = max(prompt_ids, key=len)[:256]  # a realistic cache length for the block timings
+    costs = forward_costs(model, context, repeats=args.repeats)
+    profiles = profile_configs(
+        model,
+        prompt_ids,
+        configs,
+        eos_token_ids(model, tokenizer),
+        args.max_new_tokens,
+        DraftVocabulary.builtin(tokenizer, model),
+        progress=not args.no_progress,
+    )
+    report = profile_report(costs, profiles)
+    report.update(
+        command=shlex.join(["python", "scripts/profile_decode.py", *(sys.argv[1:] if argv is None else argv)]),
+        model=loaded.name,
+        dtype=args.dtype,
+        device=str(next(model.parameters()).device),
+        prompts={"source": args.prompts, "n": len(prompts)},
+    )
+    out = Path(args.out)
+    text = markdown(report)
+    print(f"wrote {write_json_atomic(out / 'profile.json', report)}", file=sys.stderr)
+    print(f"wrote {write_text_atomic(out / 'profile.md', text + chr(10))}", file=sys.stderr)
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""The decode profile: forward-cost curve, the overhead twin, and the per-token time split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import ARCHS, random_prompt, tiny_model
+
+from layerskip import adapters
+from layerskip.policy import DraftSettings, SkipPolicy
+from layerskip.profiling import ForwardCosts, forward_costs, markdown, profile_configs, profile_report
+
+NEW_TOKENS = 12
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_overhead_twin_keeps_depth_and_shrinks_widths(arch: str) -> None:
+    model = tiny_model(arch)
+    twin = adapters.overhead_twin(model)
+    assert adapters.architecture_of(twin) == adapters.architecture_of(model)
+    assert adapters.num_layers(twin) == adapters.num_layers(model)
+    assert adapters.sliding_windows(twin) == adapters.sliding_windows(model)
+    assert sum(p.numel() for p in twin.parameters()) < sum(p.numel() for p in model.parameters())
+    ids = torch.tensor([random_prompt(adapters.TWIN_VOCAB)])
+    assert twin(input_ids=ids).logits.shape == (1, ids.shape[1], adapters.TWIN_VOCAB)
+
+
+def test_block_cost_interpolation() -> None:
+    costs = ForwardCosts({1: 1.0, 3: 2.0, 5: 4.0}, twin_step_seconds=0.25)
+    assert costs.cost(1) == 1.0 and costs.cost(2) == pytest.approx(1.5) and costs.cost(4) == pytest.approx(3.0)
+    assert costs.cost(10) == pytest.approx(8.0)  # past the last size: linear in tokens
+    assert costs.to_dict()["block_relative"]["5"] == 4.0 and costs.to_dict()["twin_step_relative"] == 0.25
+
+
+def test_profile_splits_each_configuration() -> None:
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    prompts = [random_prompt(seed=0) * 2, random_prompt(seed=1)]  # the first repeats: lookup matches
+    configs = {
+        "plain": None,
+        "skip": SkipPolicy(skip_attention=(0, 2), draft=DraftSettings(max_draft_tokens=3)),
+        "lookup": SkipPolicy(draft=DraftSettings(use_skip_draft=False, lookup_max_ngram=2, lookup_max_tokens=4)),
+    }
+    costs = forward_costs(model, prompts[0], blocks=(1, 2, 5), repeats=3)
+    assert set(costs.seconds) == {1, 2, 5} and costs.twin_step_seconds > 0
+    profiles = profile_configs(model, prompts, configs, (), NEW_TOKENS, progress=False)
+    report = profile_report(costs, profiles)
+    by_name = {c["name"]: c for c in report["configs"]}
+    assert set(by_name) == set(configs)
+    plain = by_name["plain"]
+    assert plain["blocks"] == {"1": 2 * (NEW_TOKENS - 1)}  # one single-token step per token after the first
+    assert plain["steps_with_draft"] == 0.0 and plain["speedup_vs_plain"] == 1.0
+    for name, summary in by_name.items():
+        assert summary["new_tokens"] == 2 * NEW_TOKENS, name
+        steps = sum(summary["blocks"].values())
+        emitted = sum(int(b) * n for b, n in summary["blocks"].items())
+        assert emitted >= 2 * (NEW_TOKENS - 1) >= steps, name  # a block of b tokens yields 1..b tokens
+        ms = summary["ms_per_token"]
+        parts = ms["prefill"] + ms["draft"] + ms["verify_forward"] + ms["verify_rest"] + ms["loop_other"]
+        assert parts == pytest.approx(ms["total"], rel=1e-6), name
+    assert by_name["skip"]["ms_per_token"]["draft"] > 0 and by_name["skip"]["lookup_share"] == 0.0
+    assert by_name["lookup"]["lookup_share"] > 0  # the repeated prompt gave lookup matches
+    table = markdown(report)
+    assert "| lookup |" in table and "c(b)/c(1)" in table
