@@ -143,6 +143,12 @@ def draft_head(model: nn.Module, rows: torch.Tensor | None = None) -> DraftHead:
     return DraftHead(head.weight.index_select(0, rows), bias, rows, final_logit_softcap(model))
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's position scheme allows (None if the config does not say)."""
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def sliding_windows(model: nn.Module) -> list[int | None]:
     """Per decoder layer: its sliding-window size, or None for full attention."""
     config = model.config.get_text_config(decoder=True)

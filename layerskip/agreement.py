@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from layerskip import adapters
 from layerskip.decoding import DecodeSettings, decode_autoregressive
-from layerskip.drafters import find_lookup
+from layerskip.drafters import LookupRunLength, match_lookup
 from layerskip.policy import DraftSettings
 
 
@@ -124,20 +124,27 @@ def simulate_greedy(
     """
     run = SimulatedRun()
     continuation = list(reference.continuation)
-    history = list(reference.prompt)
-    position = 0
+    if not continuation:
+        return run
+    # As in the engine, the prompt's forward (one step, no draft) gives the first token.
+    history = [*reference.prompt, continuation[0]]
+    run.tokens, run.blocks = 1, [1]
+    position = 1
+    run_length = LookupRunLength(draft.lookup_confidence)
     while position < len(continuation):
         remaining = len(continuation) - position
         proposal: list[int] = []
         if draft.lookup_max_ngram:
-            proposal = find_lookup(
+            match = match_lookup(
                 history, draft.lookup_min_ngram, draft.lookup_max_ngram, min(draft.lookup_max_tokens, remaining - 1)
             )
+            proposal = run_length.cut(match)
         if proposal:
             accepted = 0
             while accepted < len(proposal) and proposal[accepted] == continuation[position + accepted]:
                 accepted += 1
             drafted = len(proposal)
+            run_length.update(match.ngram, drafted, accepted)
         elif draft.use_skip_draft and remaining > 1:
             drafted = 0
             accepted = 0
@@ -155,7 +162,7 @@ def simulate_greedy(
             drafted = accepted = 0
         step = accepted + 1
         run.tokens += step
-        run.blocks.append(drafted + 1)
+        run.blocks.append(max(drafted + 1, draft.min_verify_block) if drafted else 1)
         run.drafted += drafted
         run.accepted += accepted
         history.extend(continuation[position : position + step])

@@ -175,6 +175,8 @@ def decode_autoregressive(
         stats.record_step(0, 0)
         if stats.steps == 1:
             stats.prefill_seconds = clock.now() - start
+        else:
+            stats.record_block(1)
         if output.emit([token]):
             break
         position += ids.shape[1]
@@ -207,6 +209,8 @@ def decode_speculative(
     )
     drafter = make_drafter(model, policy, settings.sampling, generator, vocab_rows)
     sampling = settings.sampling
+    pad_to = policy.draft.min_verify_block
+    limit = adapters.max_positions(model)
 
     start = clock.now()
     logits = full_logits(model, torch.tensor([prompt], device=device), cache, 0, keep=1)
@@ -227,8 +231,14 @@ def decode_speculative(
         t1 = clock.now()
 
         cache.rollback(committed)
-        block = torch.tensor([[output.history[-1], *drafted]], device=device)  # [1, k+1]
-        logits = full_logits(model, block, cache, committed, keep=block.shape[1])  # [k+1, V]
+        block_ids = [output.history[-1], *drafted]
+        if drafted and len(block_ids) < pad_to and (limit is None or committed + pad_to <= limit):
+            # Filler positions after the draft: causal attention keeps them out of every
+            # earlier position's logits, their own logits are dropped, their K/V rolled back.
+            block_ids += [block_ids[-1]] * (pad_to - len(block_ids))
+        block = torch.tensor([block_ids], device=device)  # [1, k+1 (+ fillers)]
+        logits = full_logits(model, block, cache, committed, keep=block.shape[1])[: len(drafted) + 1]  # [k+1, V]
+        stats.record_block(block.shape[1])
         if sampling is None:
             targets = logits.argmax(dim=-1).tolist()  # the full model's token after each block position
             accepted = 0
@@ -245,7 +255,7 @@ def decode_speculative(
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.record_step(len(drafted), accepted)
-        if draft is not None and draft.from_lookup:
+        if draft is not None and draft.from_lookup and drafted:
             stats.lookup_steps += 1
         drafter.update(len(drafted), accepted)
         done = output.emit([*drafted[:accepted], next_token])

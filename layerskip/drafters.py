@@ -122,10 +122,16 @@ class SkipDrafter:
         self.threshold = min(1.0, max(0.0, self.threshold + step))
 
 
-def find_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> list[int]:
+@dataclass
+class LookupMatch:
+    tokens: list[int]  # the continuation proposed ([] when nothing matches)
+    ngram: int = 0  # length of the n-gram that matched
+
+
+def match_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> LookupMatch:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the history's last n-gram.
 
-    Tries the longest n first. Returns [] when nothing matches.
+    Tries the longest n first.
     """
     length = len(history)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
@@ -135,8 +141,47 @@ def find_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: 
             if history[start : start + n] == tail:
                 follow = history[start + n : start + n + max_tokens]
                 if follow:
-                    return follow
-    return []
+                    return LookupMatch(follow, n)
+    return LookupMatch([])
+
+
+def find_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> list[int]:
+    return match_lookup(history, min_ngram, max_ngram, max_tokens).tokens
+
+
+class LookupRunLength:
+    """Cuts lookup runs where they stop paying, learning within one generation.
+
+    A verify block costs a little more per extra token (a few % of a step on CPU), so a long
+    run of unlikely tokens is a loss while a short run of likely ones is almost free. For each
+    matched n-gram length ``n`` and run position ``i`` this counts how often position ``i`` was
+    reached (every earlier token accepted) and accepted; ``p(n, i) = (accepted + 1) / (reached + 2)``
+    (a uniform prior, so unseen positions are tried). A run keeps token ``i`` while
+    ``prod_{j <= i} p(n, j) >= confidence``. ``confidence = 0`` keeps every run whole.
+    """
+
+    def __init__(self, confidence: float) -> None:
+        self.confidence = confidence
+        self.reached: dict[tuple[int, int], int] = {}
+        self.accepted: dict[tuple[int, int], int] = {}
+
+    def cut(self, match: LookupMatch) -> list[int]:
+        if self.confidence <= 0.0:
+            return match.tokens
+        chance = 1.0
+        for i in range(len(match.tokens)):
+            key = (match.ngram, i)
+            chance *= (self.accepted.get(key, 0) + 1) / (self.reached.get(key, 0) + 2)
+            if chance < self.confidence:
+                return match.tokens[:i]
+        return match.tokens
+
+    def update(self, ngram: int, drafted: int, accepted: int) -> None:
+        for i in range(min(drafted, accepted + 1)):
+            key = (ngram, i)
+            self.reached[key] = self.reached.get(key, 0) + 1
+            if i < accepted:
+                self.accepted[key] = self.accepted.get(key, 0) + 1
 
 
 class LookupDrafter:
@@ -146,12 +191,16 @@ class LookupDrafter:
         self.settings = settings
         self.vocab_size = vocab_size
         self.sampling = sampling
+        self.run_length = LookupRunLength(settings.lookup_confidence)
+        self._last_ngram = 0
 
     def propose(self, request: DraftRequest) -> Draft:
         s = self.settings
-        tokens = find_lookup(
+        match = match_lookup(
             request.history, s.lookup_min_ngram, s.lookup_max_ngram, min(s.lookup_max_tokens, request.max_tokens)
         )
+        tokens = self.run_length.cut(match)
+        self._last_ngram = match.ngram
         q = None
         if tokens and self.sampling is not None:
             # A deterministic proposal: q is one-hot on the proposed token.
@@ -161,7 +210,8 @@ class LookupDrafter:
         return Draft(tokens=tokens, q=q, from_lookup=True)
 
     def update(self, drafted: int, accepted: int) -> None:
-        pass
+        if drafted:
+            self.run_length.update(self._last_ngram, drafted, accepted)
 
 
 class HybridDrafter:
@@ -180,7 +230,9 @@ class HybridDrafter:
         return draft
 
     def update(self, drafted: int, accepted: int) -> None:
-        if self.skip is not None and not self._last_from_lookup:
+        if self._last_from_lookup:
+            self.lookup.update(drafted, accepted)
+        elif self.skip is not None:
             self.skip.update(drafted, accepted)
 
 

@@ -79,3 +79,22 @@ def verify_seconds(model: nn.Module, context: Sequence[int], block: int, repeats
         cache.rollback(length)
 
     return median_seconds(step, device, repeats)
+
+
+def block_cost(seconds: dict[int, float], block: int) -> float:
+    """Seconds of a forward over ``block`` tokens, linearly interpolated between measured sizes
+    (past either end, the nearest segment's slope continues)."""
+    if block in seconds:
+        return seconds[block]
+    sizes = sorted(seconds)
+    if len(sizes) == 1:
+        return seconds[sizes[0]] * block / sizes[0]
+    if block < sizes[0]:
+        lower, upper = sizes[0], sizes[1]
+    elif block > sizes[-1]:
+        lower, upper = sizes[-2], sizes[-1]
+    else:
+        lower = max(s for s in sizes if s < block)
+        upper = min(s for s in sizes if s > block)
+    weight = (block - lower) / (upper - lower)
+    return seconds[lower] + weight * (seconds[upper] - seconds[lower])

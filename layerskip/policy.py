@@ -46,8 +46,15 @@ class DraftSettings:
     lookup_max_ngram: int = 0
     lookup_min_ngram: int = 2
     lookup_max_tokens: int = 8
+    # Cut a lookup run where the estimated chance that all of it is accepted falls below this
+    # (learned per generation, see drafters.LookupRunLength); 0 = always propose the whole run.
+    lookup_confidence: float = 0.0
     # When both are on: use lookup if it finds a match, else the skip draft.
     use_skip_draft: bool = True
+    # Pad a verify block of 2..N-1 tokens to N with filler tokens whose outputs are ignored
+    # (0 = never). Pays where a few-row matmul is slower than a larger one: on the project's
+    # 2-core CPU a 2- or 3-row LM head costs 2-3x a 4-row one (docs/benchmarks.md#profile).
+    min_verify_block: int = 0
 
     def validate(self) -> None:
         if self.max_draft_tokens < 1:
@@ -56,6 +63,10 @@ class DraftSettings:
             raise LayerskipError("draft.initial_threshold must be in [0, 1] and target_acceptance in (0, 1]")
         if self.draft_vocab_size < 0 or self.lookup_max_ngram < 0 or self.lookup_max_tokens < 0:
             raise LayerskipError("draft sizes must be >= 0; fix the policy file")
+        if self.min_verify_block < 0:
+            raise LayerskipError("draft.min_verify_block must be >= 0 (0 = no padding); fix the policy file")
+        if not 0.0 <= self.lookup_confidence < 1.0:
+            raise LayerskipError("draft.lookup_confidence must be in [0, 1); fix the policy file")
         if self.lookup_max_ngram and not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
             raise LayerskipError("draft.lookup_min_ngram must be between 1 and lookup_max_ngram")
         if not self.use_skip_draft and not self.lookup_max_ngram:
@@ -171,7 +182,10 @@ class SkipPolicy:
         if d.draft_vocab_size:
             parts.append(f"draft vocab {d.draft_vocab_size}")
         if d.lookup_max_ngram:
-            parts.append(f"lookup n={d.lookup_min_ngram}..{d.lookup_max_ngram}")
+            cut = f", cut below {d.lookup_confidence:g}" if d.lookup_confidence else ""
+            parts.append(f"lookup n={d.lookup_min_ngram}..{d.lookup_max_ngram} up to {d.lookup_max_tokens}{cut}")
+        if d.min_verify_block:
+            parts.append(f"verify padded to {d.min_verify_block}")
         return ", ".join(parts)
 
     # -- JSON -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from layerskip import adapters
 from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
-from layerskip.latency import verify_seconds
+from layerskip.latency import block_cost, verify_seconds
 from layerskip.policy import SkipPolicy
 from layerskip.stats import GenerationStats
 from layerskip.vocab import DraftVocabulary
@@ -43,15 +43,7 @@ class ForwardCosts:
 
     def cost(self, block: int) -> float:
         """Seconds of a block of ``block`` tokens, interpolated between measured sizes."""
-        sizes = sorted(self.seconds)
-        if block in self.seconds:
-            return self.seconds[block]
-        lower = max((s for s in sizes if s < block), default=sizes[0])
-        upper = min((s for s in sizes if s > block), default=sizes[-1])
-        if upper == lower:
-            return self.seconds[lower] * block / lower  # beyond the last size: linear
-        weight = (block - lower) / (upper - lower)
-        return self.seconds[lower] + weight * (self.seconds[upper] - self.seconds[lower])
+        return block_cost(self.seconds, block)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,7 +55,7 @@ class ForwardCosts:
 
 
 def forward_costs(
-    model: nn.Module, context: Sequence[int], blocks: Sequence[int] = (1, 2, 3, 4, 5, 7, 9, 13, 17), repeats: int = 9
+    model: nn.Module, context: Sequence[int], blocks: Sequence[int] = (*range(1, 14), 17), repeats: int = 9
 ) -> ForwardCosts:
     seconds = {b: verify_seconds(model, context, b, repeats) for b in blocks}
     twin = adapters.overhead_twin(model)
@@ -85,7 +77,7 @@ class ConfigProfile:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     lookup_steps: int = 0
-    blocks: Counter[int] = field(default_factory=Counter)  # block size (drafted + 1) -> verify steps
+    blocks: Counter[int] = field(default_factory=Counter)  # verify forward length -> steps
 
     def add(self, stats: GenerationStats) -> None:
         self.new_tokens += stats.new_tokens
@@ -94,12 +86,9 @@ class ConfigProfile:
         self.draft_seconds += stats.draft_seconds
         self.verify_seconds += stats.verify_seconds
         self.lookup_steps += stats.lookup_steps
-        histogram = dict(stats.draft_histogram)
-        histogram[0] = histogram.get(0, 0) - 1  # the prefill step is recorded as drafted 0
-        for drafted, count in histogram.items():
-            if count > 0:
-                self.blocks[drafted + 1] += count
-                self.steps += count
+        for length, count in stats.block_histogram.items():
+            self.blocks[length] += count
+            self.steps += count
 
     def summary(self, costs: ForwardCosts) -> dict[str, Any]:
         per_token = 1000.0 / max(1, self.new_tokens)

@@ -32,7 +32,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     accept_histogram: dict[int, int] = field(default_factory=dict)  # accepted drafts -> steps
-    draft_histogram: dict[int, int] = field(default_factory=dict)  # drafted tokens -> steps
+    block_histogram: dict[int, int] = field(default_factory=dict)  # verify forward length -> steps (no prefill)
     lookup_steps: int = 0  # steps whose draft came from prompt lookup
 
     @property
@@ -53,7 +53,9 @@ class GenerationStats:
         self.drafted += drafted
         self.accepted += accepted
         self.accept_histogram[accepted] = self.accept_histogram.get(accepted, 0) + 1
-        self.draft_histogram[drafted] = self.draft_histogram.get(drafted, 0) + 1
+
+    def record_block(self, length: int) -> None:
+        self.block_histogram[length] = self.block_histogram.get(length, 0) + 1
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

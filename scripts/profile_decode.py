@@ -31,6 +31,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--prompts", default="builtin")
     parser.add_argument("--per-category", type=int)
     parser.add_argument("--n-prompts", type=int)
+    parser.add_argument("--seed", type=int, default=0, help="seed for sampling prompts per category")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--policy", action="append", default=[], help="policy JSON (repeat for several)")
     parser.add_argument("--ablate", action="store_true", help="also profile each policy with each ingredient off")
@@ -40,7 +41,7 @@ def _main(argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
-    prompts = load_prompts(args.prompts, n=args.n_prompts, per_category=args.per_category)
+    prompts = load_prompts(args.prompts, n=args.n_prompts, per_category=args.per_category, seed=args.seed)
     configs: dict[str, SkipPolicy | None] = {"plain": None}
     for path in args.policy:
         policy = SkipPolicy.load(path)

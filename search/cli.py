@@ -50,6 +50,13 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="layerskip-search", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_list,
         default=(),
         help="longest lookup run choices, e.g. 4,8,16 (default: the draft length k)",
+    )
+    parser.add_argument("--lookup-min", type=_int_list, default=(2,), help="shortest lookup n-gram choices, e.g. 1,2")
+    parser.add_argument(
+        "--lookup-confidence",
+        type=_float_list,
+        default=(0.0,),
+        help="choices for cutting lookup runs below this estimated chance of full acceptance, e.g. 0,0.1,0.2",
+    )
+    parser.add_argument(
+        "--verify-pad",
+        type=_int_list,
+        default=(0,),
+        help="choices for padding short verify blocks to N tokens (0 = never), e.g. 0,4",
     )
     parser.add_argument(
         "--require-skip-draft",
@@ -178,6 +198,9 @@ def _main(argv: list[str] | None) -> int:
         draft_vocab_choices=args.draft_vocab,
         lookup_ngram_choices=args.lookup,
         lookup_token_choices=args.lookup_tokens,
+        lookup_confidence_choices=args.lookup_confidence,
+        lookup_min_ngram_choices=args.lookup_min,
+        verify_pad_choices=args.verify_pad,
         require_skip_draft=args.require_skip_draft,
     )
     chat = loaded.instruct if args.chat is None else args.chat
@@ -214,6 +237,7 @@ def _main(argv: list[str] | None) -> int:
         eos_token_ids(model, tokenizer),
         calibration_info,
         progress,
+        max_block=max((*args.lookup_tokens, *args.verify_pad, 0)) + 1,
     )
     objective = CheapObjective(model, calibration, space, args.objective, vocabulary.rows_for)
     run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from layerskip.agreement import Reference, build_references, draft_predictions, simulate_greedy
 from layerskip.baselines import hf_generate
 from layerskip.decoding import DecodeSettings, decode_speculative
-from layerskip.latency import draft_step_seconds, verify_seconds
+from layerskip.latency import block_cost, draft_step_seconds, verify_seconds
 from layerskip.policy import SkipPolicy
 from search.space import SearchSpace
 
@@ -43,8 +43,10 @@ class Calibration:
     description: dict[str, Any] = field(default_factory=dict)
 
     def verify_cost(self, block: int) -> float:
-        nearest = min(self.verify_seconds, key=lambda b: abs(b - block))
-        return self.verify_seconds[nearest] / self.plain_step_seconds
+        """A forward over ``block`` tokens in plain steps (a step without a draft costs exactly 1)."""
+        if block <= 1:
+            return 1.0
+        return block_cost({1: self.plain_step_seconds, **self.verify_seconds}, block) / self.plain_step_seconds
 
 
 def prepare_calibration(
@@ -55,14 +57,18 @@ def prepare_calibration(
     eos_token_ids: tuple[int, ...] = (),
     description: dict[str, Any] | None = None,
     progress: bool = True,
+    max_block: int = 0,
 ) -> Calibration:
     references = build_references(model, prompts, reference_tokens, progress=progress)
     # Time on a realistic context: the longest prompt with its continuation.
     longest = max(references, key=lambda r: len(r.prompt))
     context = [*longest.prompt, *longest.continuation]
     plain = verify_seconds(model, context, 1)
-    # Blocks of every length a step may verify: partial drafts, k + 1, lookup runs of up to 8.
-    blocks = sorted({2, 3, 5, 9} | {k + 1 for k in draft_token_choices})
+    # Every block length a step may verify (partial drafts, k + 1, lookup runs, padded blocks):
+    # on CPU the cost is not monotone in length (a 2-3-row matmul can cost more than a 4-row
+    # one), so no length is interpolated.
+    largest = max(9, *(k + 1 for k in draft_token_choices), max_block)
+    blocks = list(range(2, largest + 1))
     verify = {block: verify_seconds(model, context, block) for block in blocks}
     return Calibration(prompts, references, plain, verify, context, eos_token_ids, description or {})
 

@@ -6,7 +6,7 @@ be resumed, shared between workers and warm-started with enqueued candidates.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import optuna
@@ -28,6 +28,9 @@ class SearchSpace:
     lookup_ngram_choices: tuple[int, ...] = (0,)  # prompt-lookup max n-gram (0 = off)
     # Longest lookup run per step; empty = tie it to the draft length k (one length knob).
     lookup_token_choices: tuple[int, ...] = ()
+    lookup_confidence_choices: tuple[float, ...] = (0.0,)  # cut runs below this chance (0 = never)
+    lookup_min_ngram_choices: tuple[int, ...] = (2,)  # shortest n-gram a lookup may match
+    verify_pad_choices: tuple[int, ...] = (0,)  # pad short verify blocks to this length (0 = never)
     require_skip_draft: bool = False  # never try lookup-only drafting (lookup may still lead)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -43,6 +46,12 @@ class SearchSpace:
             raise LayerskipError("draft token choices must be >= 1")
         if self.lookup_token_choices and min(self.lookup_token_choices) < 1:
             raise LayerskipError("--lookup-tokens choices must be >= 1")
+        if not self.lookup_confidence_choices or not all(0 <= c < 1 for c in self.lookup_confidence_choices):
+            raise LayerskipError("--lookup-confidence choices must be in [0, 1)")
+        if not self.lookup_min_ngram_choices or min(self.lookup_min_ngram_choices) < 1:
+            raise LayerskipError("--lookup-min choices must be >= 1")
+        if not self.verify_pad_choices or min(self.verify_pad_choices) < 0:
+            raise LayerskipError("--verify-pad choices must be >= 0 (0 = no padding)")
 
     @property
     def searchable_layers(self) -> list[int]:
@@ -78,13 +87,25 @@ class SearchSpace:
         vocab = trial.suggest_categorical("draft_vocab_size", list(self.draft_vocab_choices))
         lookup = trial.suggest_categorical("lookup_max_ngram", list(self.lookup_ngram_choices))
         lookup_tokens = None
+        confidence = 0.0
         if lookup and self.lookup_token_choices:
             lookup_tokens = trial.suggest_categorical("lookup_max_tokens", list(self.lookup_token_choices))
+        if lookup and len(self.lookup_confidence_choices) > 1:
+            confidence = trial.suggest_categorical("lookup_confidence", list(self.lookup_confidence_choices))
+        elif lookup:
+            confidence = self.lookup_confidence_choices[0]
+        min_ngram = self.lookup_min_ngram_choices[0]
+        if lookup and len(self.lookup_min_ngram_choices) > 1:
+            min_ngram = trial.suggest_categorical("lookup_min_ngram", list(self.lookup_min_ngram_choices))
         # With lookup on, the skip draft may be dropped entirely (lookup-only drafting).
         use_skip = True
         if lookup and not self.require_skip_draft:
             use_skip = trial.suggest_categorical("use_skip_draft", [True, False])
-        return draft_settings(k, adaptive, target, vocab, lookup, use_skip, lookup_tokens)
+        pad = self.verify_pad_choices[0]
+        if len(self.verify_pad_choices) > 1:
+            pad = trial.suggest_categorical("min_verify_block", list(self.verify_pad_choices))
+        settings = draft_settings(k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram)
+        return replace(settings, min_verify_block=pad)
 
     def params_for(
         self,
@@ -104,10 +125,16 @@ class SearchSpace:
         if self.tune_adaptive:
             params["adaptive"] = False
         params["draft_vocab_size"] = self.draft_vocab_choices[0]
+        if len(self.verify_pad_choices) > 1:
+            params["min_verify_block"] = self.verify_pad_choices[0]
         params["lookup_max_ngram"] = lookup if lookup in self.lookup_ngram_choices else self.lookup_ngram_choices[0]
         if params["lookup_max_ngram"]:
             if self.lookup_token_choices:
                 params["lookup_max_tokens"] = max(self.lookup_token_choices)
+            if len(self.lookup_confidence_choices) > 1:
+                params["lookup_confidence"] = self.lookup_confidence_choices[0]
+            if len(self.lookup_min_ngram_choices) > 1:
+                params["lookup_min_ngram"] = max(self.lookup_min_ngram_choices)
             if not self.require_skip_draft:
                 params["use_skip_draft"] = use_skip_draft
         return params
@@ -153,7 +180,10 @@ def policy_from_params(params: dict[str, Any], num_layers: int) -> SkipPolicy:
         int(params.get("lookup_max_ngram", 0)),
         bool(params.get("use_skip_draft", True)),
         params.get("lookup_max_tokens"),
+        float(params.get("lookup_confidence", 0.0)),
+        int(params.get("lookup_min_ngram", 2)),
     )
+    draft = replace(draft, min_verify_block=int(params.get("min_verify_block", 0)))
     return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
 
 
@@ -165,6 +195,8 @@ def draft_settings(
     lookup: int,
     use_skip_draft: bool = True,
     lookup_tokens: int | None = None,
+    lookup_confidence: float = 0.0,
+    lookup_min_ngram: int = 2,
 ) -> DraftSettings:
     """The draft settings one point of the space stands for."""
     return DraftSettings(
@@ -173,8 +205,9 @@ def draft_settings(
         target_acceptance=target,
         draft_vocab_size=vocab,
         lookup_max_ngram=lookup,
-        lookup_min_ngram=min(2, lookup) if lookup else 2,
+        lookup_min_ngram=min(lookup_min_ngram, lookup) if lookup else 2,
         # Without its own choice, k caps skip drafts and lookup runs alike.
         lookup_max_tokens=int(lookup_tokens) if lookup_tokens else k,
+        lookup_confidence=lookup_confidence if lookup else 0.0,
         use_skip_draft=use_skip_draft,
     )

@@ -39,6 +39,13 @@ POLICIES: dict[str, SkipPolicy] = {
     ),
     "lookup": SkipPolicy(draft=DraftSettings(lookup_max_ngram=3, use_skip_draft=False)),
     "lookup-hybrid": SkipPolicy(skip_attention=(0,), skip_mlp=(2,), draft=DraftSettings(lookup_max_ngram=3)),
+    # Lookup runs cut by their learned chance of acceptance (unigram matches: many misses to learn from).
+    "lookup-cut": SkipPolicy(
+        draft=DraftSettings(lookup_max_ngram=3, lookup_min_ngram=1, use_skip_draft=False, lookup_confidence=0.3)
+    ),
+    "lookup-cut-hybrid": SkipPolicy(
+        skip_attention=(0,), draft=DraftSettings(lookup_max_ngram=3, lookup_min_ngram=1, lookup_confidence=0.3)
+    ),
 }
 
 
@@ -85,6 +92,7 @@ def test_speculative_matches_hf(arch: str, policy_name: str) -> None:
     assert stats.accepted > 0, f"{arch} {policy_name}: no draft token was ever accepted"
     if policy.draft.lookup_max_ngram:
         assert stats.lookup_steps > 0
+    assert sum(stats.block_histogram.values()) == stats.steps - 1  # every verify forward, by its length
     if policy_name == "adaptive-low":
         verifies = stats.steps - 1
         assert verifies < stats.drafted < verifies * policy.draft.max_draft_tokens, "draft lengths never varied"

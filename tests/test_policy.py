@@ -221,6 +221,8 @@ BAD_DRAFTS = {
     "min ngram above max": dict(lookup_max_ngram=2, lookup_min_ngram=3),
     "min ngram 0": dict(lookup_max_ngram=2, lookup_min_ngram=0),
     "no drafter at all": dict(use_skip_draft=False),
+    "lookup confidence 1": dict(lookup_max_ngram=2, lookup_confidence=1.0),
+    "lookup confidence negative": dict(lookup_max_ngram=2, lookup_confidence=-0.1),
 }
 
 
@@ -240,6 +242,7 @@ def test_draft_settings_validation(name: str) -> None:
         dict(max_draft_tokens=1, initial_threshold=0.0, target_acceptance=1.0),
         dict(lookup_max_ngram=3, lookup_min_ngram=3, use_skip_draft=False),
         dict(lookup_max_ngram=1, lookup_min_ngram=1, lookup_max_tokens=0, draft_vocab_size=100),
+        dict(lookup_max_ngram=3, lookup_confidence=0.25),
     ],
 )
 def test_draft_settings_valid(kwargs: dict) -> None:

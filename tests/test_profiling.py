@@ -28,7 +28,7 @@ def test_overhead_twin_keeps_depth_and_shrinks_widths(arch: str) -> None:
 def test_block_cost_interpolation() -> None:
     costs = ForwardCosts({1: 1.0, 3: 2.0, 5: 4.0}, twin_step_seconds=0.25)
     assert costs.cost(1) == 1.0 and costs.cost(2) == pytest.approx(1.5) and costs.cost(4) == pytest.approx(3.0)
-    assert costs.cost(10) == pytest.approx(8.0)  # past the last size: linear in tokens
+    assert costs.cost(7) == pytest.approx(6.0)  # past the last size: the last segment's slope
     assert costs.to_dict()["block_relative"]["5"] == 4.0 and costs.to_dict()["twin_step_relative"] == 0.25
 
 

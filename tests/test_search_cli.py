@@ -107,7 +107,9 @@ def test_search_writes_policy_resumes_and_policy_is_lossless(tiny_llama, tmp_pat
 # -- journal storage, Pareto objective, plots, --total-trials ---------------------------------------------------------
 def test_journal_storage_pareto_plots_and_total_trials(tiny_llama, tmp_path):
     journal, out, plots = tmp_path / "j.log", tmp_path / "p.json", tmp_path / "plots"
-    args = ["--storage", str(journal), "--objective", "pareto", "--out", str(out)]
+    # With the lookup knobs: every trial keeps a skip draft, lookup runs have their own lengths and cut.
+    lookup = ["--lookup", "0,3", "--lookup-tokens", "4,12", "--lookup-confidence", "0,0.2", "--require-skip-draft"]
+    args = ["--storage", str(journal), "--objective", "pareto", "--out", str(out), *lookup]
 
     ok(run_search(tiny_llama, *args, "--n-trials", "6", "--plots", str(plots)))
     for name in ("pareto.png", "history.png", "skip_frequency.png"):
@@ -119,6 +121,8 @@ def test_journal_storage_pareto_plots_and_total_trials(tiny_llama, tmp_path):
     study = load_study(str(journal), "tiny-llama-pareto")  # default study name: MODEL-OBJECTIVE
     assert len(study.directions) == 2
     assert_clean_numbering(study, 6)
+    assert all("use_skip_draft" not in t.params for t in study.trials)
+    assert policy.draft.use_skip_draft
 
     # --total-trials caps the study, not this process: 3 more although 50 were asked for ...
     capped = ok(run_search(tiny_llama, *args, "--n-trials", "50", "--total-trials", "9"))

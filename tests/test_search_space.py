@@ -54,6 +54,8 @@ def test_params_rebuild_the_policy(require: bool) -> None:
         num_layers=LAYERS,
         lookup_ngram_choices=(0, 3),
         lookup_token_choices=(4, 16),
+        lookup_confidence_choices=(0.0, 0.2),
+        lookup_min_ngram_choices=(1, 2),
         draft_vocab_choices=(0, 64),
         require_skip_draft=require,
     )
@@ -61,6 +63,26 @@ def test_params_rebuild_the_policy(require: bool) -> None:
         assert policy_from_params(params, LAYERS) == policy
 
 
-def test_bad_lookup_token_choice() -> None:
-    with pytest.raises(LayerskipError, match="--lookup-tokens"):
-        SearchSpace(num_layers=LAYERS, lookup_token_choices=(0, 4))
+def test_lookup_cut_and_shortest_ngram_are_searched() -> None:
+    space = SearchSpace(
+        num_layers=LAYERS,
+        lookup_ngram_choices=(3,),
+        lookup_confidence_choices=(0.0, 0.2),
+        lookup_min_ngram_choices=(1, 2),
+    )
+    drafts = [p.draft for _, p in _sampled(space)]
+    assert {d.lookup_confidence for d in drafts} == {0.0, 0.2}
+    assert {d.lookup_min_ngram for d in drafts} == {1, 2}
+
+
+@pytest.mark.parametrize(
+    "field, value, flag",
+    [
+        ("lookup_token_choices", (0, 4), "--lookup-tokens"),
+        ("lookup_confidence_choices", (1.0,), "--lookup-confidence"),
+        ("lookup_min_ngram_choices", (0,), "--lookup-min"),
+    ],
+)
+def test_bad_lookup_choices(field: str, value: tuple, flag: str) -> None:
+    with pytest.raises(LayerskipError, match=flag):
+        SearchSpace(num_layers=LAYERS, **{field: value})
