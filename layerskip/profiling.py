@@ -70,6 +70,7 @@ class ConfigProfile:
     """One configuration summed over prompts; times in ms per generated token."""
 
     name: str
+    runs: int = 0
     new_tokens: int = 0
     steps: int = 0  # verify forwards (prefill excluded)
     seconds: float = 0.0
@@ -80,6 +81,7 @@ class ConfigProfile:
     blocks: Counter[int] = field(default_factory=Counter)  # verify forward length -> steps
 
     def add(self, stats: GenerationStats) -> None:
+        self.runs += 1
         self.new_tokens += stats.new_tokens
         self.seconds += stats.total_seconds
         self.prefill_seconds += stats.prefill_seconds
@@ -99,7 +101,8 @@ class ConfigProfile:
             "name": self.name,
             "new_tokens": self.new_tokens,
             "tokens_per_second": self.new_tokens / self.seconds if self.seconds else 0.0,
-            "tokens_per_verify": (self.new_tokens - 1) / self.steps if self.steps else None,
+            # The prompt's forward gives each run's first token; the verifies give the rest.
+            "tokens_per_verify": (self.new_tokens - self.runs) / self.steps if self.steps else None,
             "steps_with_draft": drafted_steps / self.steps if self.steps else None,
             "lookup_share": self.lookup_steps / self.steps if self.steps else None,
             "mean_block": sum(b * n for b, n in self.blocks.items()) / self.steps if self.steps else None,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from tiny_models import ARCHS, random_prompt, tiny_model
+from cli_helpers import assert_bad_input, run_script
+from tiny_models import ARCHS, random_prompt, save_checkpoint, tiny_model
 
 from layerskip import adapters
 from layerskip.policy import DraftSettings, SkipPolicy
@@ -50,6 +53,7 @@ def test_profile_splits_each_configuration() -> None:
     plain = by_name["plain"]
     assert plain["blocks"] == {"1": 2 * (NEW_TOKENS - 1)}  # one single-token step per token after the first
     assert plain["steps_with_draft"] == 0.0 and plain["speedup_vs_plain"] == 1.0
+    assert plain["tokens_per_verify"] == 1.0
     for name, summary in by_name.items():
         assert summary["new_tokens"] == 2 * NEW_TOKENS, name
         steps = sum(summary["blocks"].values())
@@ -62,3 +66,34 @@ def test_profile_splits_each_configuration() -> None:
     assert by_name["lookup"]["lookup_share"] > 0  # the repeated prompt gave lookup matches
     table = markdown(report)
     assert "| lookup |" in table and "c(b)/c(1)" in table
+
+
+def test_profile_script_end_to_end_and_bad_input(tmp_path) -> None:
+    """``scripts/profile_decode.py`` on a tiny local checkpoint: writes profile.json/.md; bad input is one line."""
+    model = tiny_model("llama")
+    save_checkpoint(model, tmp_path / "tiny")
+    policy = SkipPolicy(skip_attention=(1,), draft=DraftSettings(lookup_max_ngram=2)).with_model(model, "tiny")
+    policy.save(tmp_path / "hybrid.json")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["hello world w1 w2 hello world"]}) + "\n"
+    )
+    out = tmp_path / "out"
+    common = ["--model", str(tmp_path / "tiny"), "--prompts", str(prompts), "--max-new-tokens", "6", "--repeats", "1"]
+    result = run_script("profile_decode.py", *common, "--policy", str(tmp_path / "hybrid.json"), "--ablate",
+                        "--out", str(out), "--no-progress")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "profile.json").read_text())
+    names = [c["name"] for c in report["configs"]]
+    assert names == ["plain", "hybrid", "hybrid-no-lookup", "hybrid-lookup-only"]
+    assert report["command"].startswith("python scripts/profile_decode.py")
+    assert "| hybrid-lookup-only |" in (out / "profile.md").read_text()
+    assert_bad_input(
+        run_script("profile_decode.py", *common, "--max-new-tokens", "0", "--out", str(out)), "--max-new-tokens"
+    )
+    other = SkipPolicy(skip_mlp=(1,)).with_model(tiny_model("llama", num_hidden_layers=2), "other")
+    other.save(tmp_path / "other.json")
+    assert_bad_input(
+        run_script("profile_decode.py", *common, "--policy", str(tmp_path / "other.json"), "--out", str(out)),
+        "policy other",
+    )
