@@ -14,6 +14,8 @@ Three measurements, all on the model's own device:
 
 from __future__ import annotations
 
+import csv
+import io
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -160,6 +162,20 @@ def profile_report(costs: ForwardCosts, profiles: Sequence[ConfigProfile]) -> di
         for s in summaries:
             s["speedup_vs_plain"] = plain["ms_per_token"]["total"] / s["ms_per_token"]["total"]
     return {"forward_costs": costs.to_dict(), "configs": summaries, "plain_ms": 1000.0 * costs.plain}
+
+
+CSV_COLUMNS = ("tokens_per_second", "speedup_vs_plain", "tokens_per_verify", "steps_with_draft", "lookup_share")
+
+
+def csv_text(report: dict[str, Any]) -> str:
+    """One row per configuration: its figures, then its ms-per-token split."""
+    parts = list(report["configs"][0]["ms_per_token"]) if report["configs"] else []
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["config", *CSV_COLUMNS, *(f"ms_{part}" for part in parts)])
+    for c in report["configs"]:
+        writer.writerow([c["name"], *(c.get(k) for k in CSV_COLUMNS), *(c["ms_per_token"][part] for part in parts)])
+    return buffer.getvalue()
 
 
 def markdown(report: dict[str, Any]) -> str:

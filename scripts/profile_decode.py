@@ -20,7 +20,7 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.models import load_model
 from layerskip.policy import SkipPolicy
-from layerskip.profiling import forward_costs, markdown, profile_configs, profile_report
+from layerskip.profiling import csv_text, forward_costs, markdown, profile_configs, profile_report
 from layerskip.prompting import encode_prompt, eos_token_ids
 from layerskip.vocab import DraftVocabulary
 
@@ -80,6 +80,7 @@ def _main(argv: list[str] | None) -> int:
     text = markdown(report)
     print(f"wrote {write_json_atomic(out / 'profile.json', report)}", file=sys.stderr)
     print(f"wrote {write_text_atomic(out / 'profile.md', text + chr(10))}", file=sys.stderr)
+    print(f"wrote {write_text_atomic(out / 'profile.csv', csv_text(report))}", file=sys.stderr)
     print(text)
     return 0
 

@@ -88,6 +88,8 @@ def test_profile_script_end_to_end_and_bad_input(tmp_path) -> None:
     assert names == ["plain", "hybrid", "hybrid-no-lookup", "hybrid-lookup-only"]
     assert report["command"].startswith("python scripts/profile_decode.py")
     assert "| hybrid-lookup-only |" in (out / "profile.md").read_text()
+    rows = (out / "profile.csv").read_text().splitlines()
+    assert rows[0].startswith("config,tokens_per_second") and [r.split(",")[0] for r in rows[1:]] == names
     assert_bad_input(
         run_script("profile_decode.py", *common, "--max-new-tokens", "0", "--out", str(out)), "--max-new-tokens"
     )
