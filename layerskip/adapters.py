@@ -169,8 +169,10 @@ def sublayer_parameter_counts(model: nn.Module) -> tuple[list[int], list[int], i
     return attn, mlp, total
 
 
-# Width fields of HF configs, shrunk for the overhead twin (names differ between families).
-_WIDTH_FIELDS = ("hidden_size", "n_embd", "intermediate_size", "n_inner", "head_dim")
+# Width fields of HF configs (names differ between families) -> the overhead twin's width,
+# in multiples of its hidden size (8 per head); head_dim is fixed at 8.
+_TWIN_WIDTHS = {"hidden_size": 1, "n_embd": 1, "intermediate_size": 2, "n_inner": 2}
+TWIN_HEAD_DIM = 8
 TWIN_VOCAB = 512
 
 
@@ -186,14 +188,12 @@ def overhead_twin(model: nn.Module) -> nn.Module:
     config = copy.deepcopy(model.config)
     text = config.get_text_config(decoder=True)
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None) or 1
-    hidden = 8 * heads
-    for name in _WIDTH_FIELDS:
+    hidden = TWIN_HEAD_DIM * heads
+    for name, multiple in _TWIN_WIDTHS.items():
         if getattr(text, name, None) is not None:
-            setattr(
-                text,
-                name,
-                8 if name == "head_dim" else (2 * hidden if name in ("intermediate_size", "n_inner") else hidden),
-            )
+            setattr(text, name, multiple * hidden)
+    if getattr(text, "head_dim", None) is not None:
+        text.head_dim = TWIN_HEAD_DIM
     text.vocab_size = TWIN_VOCAB
     parameter = next(model.parameters())
     twin = AutoModelForCausalLM.from_config(config, dtype=parameter.dtype)

@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,10 +25,12 @@ from tqdm.auto import tqdm
 from layerskip import adapters
 from layerskip.baselines import hf_generate
 from layerskip.data import Prompt
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.decoding import DecodeSettings, decode
 from layerskip.errors import LayerskipError
 from layerskip.policy import SkipPolicy
 from layerskip.vocab import DraftVocabulary
+
+T = TypeVar("T")
 
 BASELINE = "hf-ar"
 METHODS = ("hf-ar", "ar", "self-spec", "self-spec-lookup", "hf-pld", "hf-early-exit", "hf-assistant")
@@ -131,11 +133,7 @@ def build_methods(
     def ours(policy: SkipPolicy | None) -> Callable[[list[int], int], Run]:
         def run(ids: list[int], max_new: int) -> Run:
             _reset_peak(device)
-            if policy is None:
-                tokens, stats = decode_autoregressive(model, ids, settings(max_new))
-            else:
-                rows = vocabulary.rows_for(policy, ids) if vocabulary is not None else None
-                tokens, stats = decode_speculative(model, ids, policy, settings(max_new), vocab_rows=rows)
+            tokens, stats = decode(model, ids, policy, settings(max_new), vocabulary=vocabulary)
             return Run(
                 tokens,
                 stats.total_seconds,
@@ -221,6 +219,12 @@ def top2_gap(model: nn.Module, prompt: list[int], reference: list[int], position
     return float(top[0] - top[1])
 
 
+def rotated(items: Sequence[T], index: int) -> list[T]:
+    """The run order for prompt ``index``: rotated by one per prompt, so no method always runs first."""
+    shift = index % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
 def run_benchmark(
     model: nn.Module,
     methods: list[Method],
@@ -234,10 +238,8 @@ def run_benchmark(
     rows: list[PromptResult] = []
     bar = tqdm(total=len(prompts) * len(methods), desc="benchmark", disable=not config.progress)
     for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-        shift = index % len(methods)
-        order = methods[shift:] + methods[:shift]
         runs: dict[str, Run] = {}
-        for method in order:
+        for method in rotated(methods, index):
             runs[method.name] = method.run(ids, config.max_new_tokens)
             bar.update()
         reference = runs[BASELINE].tokens

@@ -267,6 +267,31 @@ def decode_speculative(
     return output.generated, stats
 
 
+def decode(
+    model: nn.Module,
+    input_ids: Sequence[int] | torch.Tensor,
+    policy: SkipPolicy | None,
+    settings: DecodeSettings,
+    *,
+    vocabulary: DraftVocabulary | None = None,
+    vocab_rows: torch.Tensor | None = None,
+    tokenizer: object | None = None,
+    on_tokens: TokenCallback | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """Plain decoding without a policy, self-speculative with one.
+
+    A truncated draft head scores ``vocab_rows``, or else the rows ``vocabulary`` picks for the
+    policy and this prompt.
+    """
+    if policy is None:
+        return decode_autoregressive(model, input_ids, settings, tokenizer=tokenizer, on_tokens=on_tokens)
+    if vocab_rows is None and vocabulary is not None:
+        vocab_rows = vocabulary.rows_for(policy, _as_ids(input_ids))
+    return decode_speculative(
+        model, input_ids, policy, settings, tokenizer=tokenizer, on_tokens=on_tokens, vocab_rows=vocab_rows
+    )
+
+
 def generate(
     model: nn.Module,
     tokenizer: object,
@@ -293,13 +318,18 @@ def generate(
         eos_token_ids=eos_token_ids(model, tokenizer),
         stop_strings=tuple(stop_strings),
     )
-    if policy is None:
-        tokens, stats = decode_autoregressive(model, ids, settings, tokenizer=tokenizer, on_tokens=stream)
-    else:
-        if vocab_rows is None and policy.draft.draft_vocab_size:
-            vocab_rows = DraftVocabulary.builtin(tokenizer, model).rows_for(policy, ids)
-        tokens, stats = decode_speculative(
-            model, ids, policy, settings, tokenizer=tokenizer, on_tokens=stream, vocab_rows=vocab_rows
-        )
+    vocabulary = None
+    if policy is not None and vocab_rows is None and policy.draft.draft_vocab_size:
+        vocabulary = DraftVocabulary.builtin(tokenizer, model)
+    tokens, stats = decode(
+        model,
+        ids,
+        policy,
+        settings,
+        vocabulary=vocabulary,
+        vocab_rows=vocab_rows,
+        tokenizer=tokenizer,
+        on_tokens=stream,
+    )
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     return GenerationResult(tokens=tokens, text=text, prompt_tokens=len(ids), stats=stats)

@@ -25,7 +25,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip import adapters
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.bench import rotated
+from layerskip.decoding import DecodeSettings, decode
 from layerskip.latency import block_cost, verify_seconds
 from layerskip.policy import SkipPolicy
 from layerskip.stats import GenerationStats
@@ -136,19 +137,14 @@ def profile_configs(
     names = list(configs)
 
     def run(name: str, ids: list[int], budget: DecodeSettings) -> GenerationStats:
-        policy = configs[name]
-        if policy is None:
-            return decode_autoregressive(model, ids, budget)[1]
-        rows = vocabulary.rows_for(policy, ids) if vocabulary is not None else None
-        return decode_speculative(model, ids, policy, budget, vocab_rows=rows)[1]
+        return decode(model, ids, configs[name], budget, vocabulary=vocabulary)[1]
 
     warmup = DecodeSettings(max_new_tokens=16, eos_token_ids=eos_token_ids)
     for name in names:
         run(name, prompt_ids[0], warmup)
     bar = tqdm(total=len(prompt_ids) * len(names), desc="profile", disable=not progress)
     for index, ids in enumerate(prompt_ids):
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, index):
             profiles[name].add(run(name, ids, settings))
             bar.update()
     bar.close()

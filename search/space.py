@@ -6,7 +6,7 @@ be resumed, shared between workers and warm-started with enqueued candidates.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import optuna
@@ -87,25 +87,18 @@ class SearchSpace:
         vocab = trial.suggest_categorical("draft_vocab_size", list(self.draft_vocab_choices))
         lookup = trial.suggest_categorical("lookup_max_ngram", list(self.lookup_ngram_choices))
         lookup_tokens = None
-        confidence = 0.0
-        if lookup and self.lookup_token_choices:
-            lookup_tokens = trial.suggest_categorical("lookup_max_tokens", list(self.lookup_token_choices))
-        if lookup and len(self.lookup_confidence_choices) > 1:
-            confidence = trial.suggest_categorical("lookup_confidence", list(self.lookup_confidence_choices))
-        elif lookup:
-            confidence = self.lookup_confidence_choices[0]
-        min_ngram = self.lookup_min_ngram_choices[0]
-        if lookup and len(self.lookup_min_ngram_choices) > 1:
-            min_ngram = trial.suggest_categorical("lookup_min_ngram", list(self.lookup_min_ngram_choices))
+        confidence, min_ngram = 0.0, 2
+        if lookup:
+            if self.lookup_token_choices:  # empty: runs tied to k, so nothing to suggest
+                lookup_tokens = trial.suggest_categorical("lookup_max_tokens", list(self.lookup_token_choices))
+            confidence = _pick(trial, "lookup_confidence", self.lookup_confidence_choices)
+            min_ngram = _pick(trial, "lookup_min_ngram", self.lookup_min_ngram_choices)
         # With lookup on, the skip draft may be dropped entirely (lookup-only drafting).
         use_skip = True
         if lookup and not self.require_skip_draft:
             use_skip = trial.suggest_categorical("use_skip_draft", [True, False])
-        pad = self.verify_pad_choices[0]
-        if len(self.verify_pad_choices) > 1:
-            pad = trial.suggest_categorical("min_verify_block", list(self.verify_pad_choices))
-        settings = draft_settings(k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram)
-        return replace(settings, min_verify_block=pad)
+        pad = _pick(trial, "min_verify_block", self.verify_pad_choices)
+        return draft_settings(k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram, pad)
 
     def params_for(
         self,
@@ -166,6 +159,11 @@ class SearchSpace:
         return params
 
 
+def _pick(trial: optuna.Trial, name: str, choices: tuple[Any, ...]) -> Any:
+    """A searched parameter when there is a choice; the single value otherwise (not stored on the trial)."""
+    return trial.suggest_categorical(name, list(choices)) if len(choices) > 1 else choices[0]
+
+
 def policy_from_params(params: dict[str, Any], num_layers: int) -> SkipPolicy:
     """Rebuild the policy a finished trial evaluated, from its parameters."""
     attention = [i for i in range(num_layers) if params.get(f"attn_{i:02d}", False)]
@@ -182,8 +180,8 @@ def policy_from_params(params: dict[str, Any], num_layers: int) -> SkipPolicy:
         params.get("lookup_max_tokens"),
         float(params.get("lookup_confidence", 0.0)),
         int(params.get("lookup_min_ngram", 2)),
+        int(params.get("min_verify_block", 0)),
     )
-    draft = replace(draft, min_verify_block=int(params.get("min_verify_block", 0)))
     return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
 
 
@@ -197,6 +195,7 @@ def draft_settings(
     lookup_tokens: int | None = None,
     lookup_confidence: float = 0.0,
     lookup_min_ngram: int = 2,
+    min_verify_block: int = 0,
 ) -> DraftSettings:
     """The draft settings one point of the space stands for."""
     return DraftSettings(
@@ -209,5 +208,6 @@ def draft_settings(
         # Without its own choice, k caps skip drafts and lookup runs alike.
         lookup_max_tokens=int(lookup_tokens) if lookup_tokens else k,
         lookup_confidence=lookup_confidence if lookup else 0.0,
+        min_verify_block=min_verify_block,
         use_skip_draft=use_skip_draft,
     )
