@@ -1,11 +1,11 @@
 """layerskip: lossless self-speculative decoding by bypassing decoder sublayers."""
 
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.sampling import Sampling
+from layerskip.engine.stats import GenerationResult, GenerationStats
 from layerskip.errors import LayerskipError
-from layerskip.models import load_model
-from layerskip.policy import DraftSettings, SkipPolicy
-from layerskip.sampling import Sampling
-from layerskip.stats import GenerationResult, GenerationStats
+from layerskip.hf.models import load_model
 
 __all__ = [
     "DecodeSettings",

@@ -12,15 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from layerskip import adapters
 from layerskip.cli.common import add_model_arguments, run_cli
 from layerskip.data import builtin_prompts
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.vocab import DraftVocabulary
 from layerskip.fileio import write_json_atomic, write_text_atomic
-from layerskip.latency import draft_step_seconds, verify_seconds
-from layerskip.models import load_model
-from layerskip.policy import DraftSettings, SkipPolicy
-from layerskip.prompting import encode_prompt
-from layerskip.vocab import DraftVocabulary
+from layerskip.hf import adapters
+from layerskip.hf.models import load_model
+from layerskip.hf.prompting import encode_prompt
+from layerskip.measure.latency import draft_step_seconds, verify_seconds
 
 
 def candidate_policies(layers: int) -> dict[str, SkipPolicy]:

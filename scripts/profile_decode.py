@@ -16,13 +16,13 @@ from pathlib import Path
 
 from layerskip.cli.common import add_model_arguments, run_cli
 from layerskip.data import load_prompts
+from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic, write_text_atomic
-from layerskip.models import load_model
-from layerskip.policy import SkipPolicy
-from layerskip.profiling import csv_text, forward_costs, markdown, profile_configs, profile_report
-from layerskip.prompting import encode_prompt, eos_token_ids
-from layerskip.vocab import DraftVocabulary
+from layerskip.hf.models import load_model
+from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.measure.profiling import csv_text, forward_costs, markdown, profile_configs, profile_report
 
 
 def _main(argv: list[str] | None) -> int:

@@ -18,9 +18,9 @@ from optuna.trial import TrialState  # noqa: E402
 
 from layerskip.cli.common import add_model_arguments, run_cli  # noqa: E402
 from layerskip.data import load_prompts  # noqa: E402
-from layerskip.models import load_model  # noqa: E402
-from layerskip.prompting import encode_prompt, eos_token_ids  # noqa: E402
-from layerskip.vocab import DraftVocabulary  # noqa: E402
+from layerskip.engine.vocab import DraftVocabulary  # noqa: E402
+from layerskip.hf.models import load_model  # noqa: E402
+from layerskip.hf.prompting import encode_prompt, eos_token_ids  # noqa: E402
 from search.objective import confirm, prepare_calibration, spearman  # noqa: E402
 from search.space import policy_from_params  # noqa: E402
 from search.study import confirmations, open_storage, record_confirmation  # noqa: E402

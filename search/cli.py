@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from layerskip import adapters
 from layerskip.cli.common import add_model_arguments, run_cli
 from layerskip.data import load_prompts
+from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
-from layerskip.models import load_model
-from layerskip.prompting import encode_prompt, eos_token_ids
-from layerskip.vocab import DraftVocabulary
+from layerskip.hf import adapters
+from layerskip.hf.models import load_model
+from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from search.export import choose_trial, export_policy
 from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibration
 from search.plots import write_plots

@@ -8,8 +8,8 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from layerskip.engine.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.policy import ModelIdentity, SkipPolicy
 from search.space import policy_from_params
 from search.study import confirmations
 

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from layerskip.agreement import Reference, build_references, draft_predictions, simulate_greedy
-from layerskip.baselines import hf_generate
-from layerskip.decoding import DecodeSettings, decode_speculative
-from layerskip.latency import block_cost, draft_step_seconds, verify_seconds
-from layerskip.policy import SkipPolicy
+from layerskip.engine.decoding import DecodeSettings, decode_speculative
+from layerskip.engine.policy import SkipPolicy
+from layerskip.hf.baselines import hf_generate
+from layerskip.measure.agreement import Reference, build_references, draft_predictions, simulate_greedy
+from layerskip.measure.latency import block_cost, draft_step_seconds, verify_seconds
 from search.space import SearchSpace
 
 OBJECTIVES = ("pareto", "speedup")

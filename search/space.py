@@ -11,8 +11,8 @@ from typing import Any
 
 import optuna
 
+from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.policy import DraftSettings, SkipPolicy
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ SMOLLM2 = "smollm2-135m"
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (30 Llama layers) as a ``LoadedModel``; tests using it are slow."""
-    from layerskip.models import load_model
+    from layerskip.hf.models import load_model
 
     return load_model(SMOLLM2)
 

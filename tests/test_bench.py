@@ -19,13 +19,13 @@ import torch
 from cli_helpers import assert_bad_input, run_script
 from tiny_models import LAYERS, VOCAB, random_prompt, save_checkpoint, tiny_model
 
-from layerskip import bench
-from layerskip.bench import BenchConfig, Method, Run, build_methods, run_benchmark, summarise
 from layerskip.data import Prompt
+from layerskip.engine.policy import DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
-from layerskip.policy import DraftSettings, ModelIdentity, SkipPolicy
-from layerskip.report import COLUMNS, write_outputs
-from layerskip.vocab import DraftVocabulary
+from layerskip.measure import bench
+from layerskip.measure.bench import BenchConfig, Method, Run, build_methods, run_benchmark, summarise
+from layerskip.measure.report import COLUMNS, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench.py"

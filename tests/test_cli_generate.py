@@ -16,8 +16,8 @@ import pytest
 from cli_helpers import assert_bad_input, run_script
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
-from layerskip.models import DEFAULT_MODEL as SMOLLM2
-from layerskip.policy import DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.engine.policy import DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.hf.models import DEFAULT_MODEL as SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "generate.py"

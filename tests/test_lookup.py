@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.agreement import Reference, simulate_greedy
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
-from layerskip.drafters import LookupMatch, LookupRunLength, find_lookup, match_lookup
-from layerskip.policy import DraftSettings, SkipPolicy
+from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.drafters import LookupMatch, LookupRunLength, find_lookup, match_lookup
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.measure.agreement import Reference, simulate_greedy
 
 
 def test_match_prefers_the_longest_then_the_latest_ngram() -> None:

@@ -10,8 +10,8 @@ import pytest
 from tiny_models import LAYERS, tiny_model
 
 from layerskip import fileio
+from layerskip.engine.policy import FORMAT, VERSION, DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.policy import FORMAT, VERSION, DraftSettings, ModelIdentity, SkipPolicy
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import torch
 from cli_helpers import assert_bad_input, run_script
 from tiny_models import ARCHS, random_prompt, save_checkpoint, tiny_model
 
-from layerskip import adapters
-from layerskip.policy import DraftSettings, SkipPolicy
-from layerskip.profiling import ForwardCosts, forward_costs, markdown, profile_configs, profile_report
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.hf import adapters
+from layerskip.measure.profiling import ForwardCosts, forward_costs, markdown, profile_configs, profile_report
 
 NEW_TOKENS = 12
 

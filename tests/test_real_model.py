@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from compare import assert_same_tokens
 
-from layerskip import adapters
-from layerskip.baselines import hf_generate
 from layerskip.data import builtin_prompts
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
-from layerskip.policy import DraftSettings, SkipPolicy
-from layerskip.prompting import encode_prompt, eos_token_ids
+from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.hf import adapters
+from layerskip.hf.baselines import hf_generate
+from layerskip.hf.prompting import encode_prompt, eos_token_ids
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from tiny_models import random_prompt, tiny_model
 
-from layerskip import adapters, decoding
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.sampling import Sampling, sample, verify_sampled
 from layerskip.errors import LayerskipError
-from layerskip.policy import DraftSettings, SkipPolicy
-from layerskip.sampling import Sampling, sample, verify_sampled
+from layerskip.hf import adapters, decoding
 
 V = 8
 DRAWS = 20_000

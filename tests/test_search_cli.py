@@ -29,7 +29,7 @@ from search_fixtures import (
     wait_all,
 )
 
-from layerskip.policy import SkipPolicy
+from layerskip.engine.policy import SkipPolicy
 
 FINISHED = {TrialState.COMPLETE, TrialState.PRUNED}
 

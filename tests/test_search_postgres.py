@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 from search_fixtures import counted, load_storage, save_tiny_llama, start_search, trial_numbers, wait_all
 
-from layerskip.policy import SkipPolicy
+from layerskip.engine.policy import SkipPolicy
 
 URL_ENV = "LAYERSKIP_TEST_POSTGRES_URL"
 

@@ -18,11 +18,11 @@ import torch
 from compare import assert_same_tokens, hf_greedy
 from tiny_models import VOCAB, random_prompt, tiny_model, tiny_tokenizer
 
-from layerskip import adapters, decoding, drafters
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
-from layerskip.policy import DraftSettings, SkipPolicy
-from layerskip.sampling import Sampling, sample, verify_sampled
-from layerskip.vocab import DraftVocabulary
+from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.sampling import Sampling, sample, verify_sampled
+from layerskip.engine.vocab import DraftVocabulary
+from layerskip.hf import adapters, decoding, drafters
 
 NEW_TOKENS = 30
 ARCHS = ["llama", "gemma3_text"]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip import adapters
+from layerskip.hf import adapters
 
 HIDDEN = 64
 LAYERS = 4

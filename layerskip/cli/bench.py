@@ -7,7 +7,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from layerskip.bench import (
+from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.data import load_prompts
+from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.vocab import DraftVocabulary
+from layerskip.errors import LayerskipError
+from layerskip.hf.models import load_model
+from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.measure.bench import (
     METHODS,
     BenchConfig,
     build_methods,
@@ -17,14 +24,7 @@ from layerskip.bench import (
     run_benchmark,
     summarise,
 )
-from layerskip.cli.common import add_model_arguments, run_cli
-from layerskip.data import load_prompts
-from layerskip.errors import LayerskipError
-from layerskip.models import load_model
-from layerskip.policy import SkipPolicy
-from layerskip.prompting import encode_prompt, eos_token_ids
-from layerskip.report import markdown_report, write_outputs
-from layerskip.vocab import DraftVocabulary
+from layerskip.measure.report import markdown_report, write_outputs
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,15 +6,15 @@ import argparse
 import json
 import sys
 
-from layerskip.baselines import hf_generate
 from layerskip.cli.common import add_model_arguments, read_prompt, run_cli
-from layerskip.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.sampling import Sampling
+from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
-from layerskip.models import load_model
-from layerskip.policy import SkipPolicy
-from layerskip.prompting import encode_prompt, eos_token_ids
-from layerskip.sampling import Sampling
-from layerskip.vocab import DraftVocabulary
+from layerskip.hf.baselines import hf_generate
+from layerskip.hf.models import load_model
+from layerskip.hf.prompting import encode_prompt, eos_token_ids
 
 
 def build_parser() -> argparse.ArgumentParser:

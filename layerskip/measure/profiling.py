@@ -24,13 +24,13 @@ from typing import Any
 from torch import nn
 from tqdm.auto import tqdm
 
-from layerskip import adapters
-from layerskip.bench import rotated
-from layerskip.decoding import DecodeSettings, decode
-from layerskip.latency import block_cost, verify_seconds
-from layerskip.policy import SkipPolicy
-from layerskip.stats import GenerationStats
-from layerskip.vocab import DraftVocabulary
+from layerskip.engine.decoding import DecodeSettings, decode
+from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.stats import GenerationStats
+from layerskip.engine.vocab import DraftVocabulary
+from layerskip.hf import adapters
+from layerskip.measure.bench import rotated
+from layerskip.measure.latency import block_cost, verify_seconds
 
 
 @dataclass

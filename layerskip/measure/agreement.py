@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from layerskip import adapters
-from layerskip.decoding import DecodeSettings, decode_autoregressive
-from layerskip.drafters import LookupRunLength, match_lookup
-from layerskip.policy import DraftSettings
+from layerskip.engine.decoding import DecodeSettings, decode_autoregressive
+from layerskip.engine.drafters import LookupRunLength, match_lookup
+from layerskip.engine.policy import DraftSettings
+from layerskip.hf import adapters
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Any
 
 from torch import nn
 
-from layerskip import adapters
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic
+from layerskip.hf import adapters
 
 FORMAT = "layerskip-policy"
 VERSION = 1

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.sampling import Sampling
-from layerskip.stats import DeviceClock
+from layerskip.engine.sampling import Sampling
+from layerskip.engine.stats import DeviceClock
 
 
 @torch.inference_mode()

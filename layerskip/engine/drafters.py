@@ -13,11 +13,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from layerskip import adapters
-from layerskip.cache import RollbackCache
-from layerskip.forward import draft_logits
-from layerskip.policy import DraftSettings, SkipPolicy
-from layerskip.sampling import Sampling, sample
+from layerskip.engine.cache import RollbackCache
+from layerskip.engine.forward import draft_logits
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.sampling import Sampling, sample
+from layerskip.hf import adapters
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerskip import adapters
-from layerskip.cache import RollbackCache
+from layerskip.engine.cache import RollbackCache
+from layerskip.hf import adapters
 
 
 def _positions(start: int, count: int, device: torch.device) -> torch.Tensor:

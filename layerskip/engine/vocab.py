@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from layerskip import adapters
-from layerskip.policy import SkipPolicy
+from layerskip.engine.policy import SkipPolicy
+from layerskip.hf import adapters
 
 
 class DraftVocabulary:

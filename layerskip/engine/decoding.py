@@ -22,16 +22,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from layerskip import adapters
-from layerskip.cache import RollbackCache
-from layerskip.drafters import DraftRequest, make_drafter
+from layerskip.engine.cache import RollbackCache
+from layerskip.engine.drafters import DraftRequest, make_drafter
+from layerskip.engine.forward import full_logits
+from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.sampling import Sampling, sample, verify_sampled
+from layerskip.engine.stats import DeviceClock, GenerationResult, GenerationStats
+from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
-from layerskip.forward import full_logits
-from layerskip.policy import SkipPolicy
-from layerskip.prompting import encode_prompt, eos_token_ids
-from layerskip.sampling import Sampling, sample, verify_sampled
-from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
-from layerskip.vocab import DraftVocabulary
+from layerskip.hf import adapters
+from layerskip.hf.prompting import encode_prompt, eos_token_ids
 
 TokenCallback = Callable[[list[int]], None]
 

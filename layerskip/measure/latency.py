@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from layerskip import adapters
-from layerskip.cache import RollbackCache
-from layerskip.forward import draft_logits, full_logits
+from layerskip.engine.cache import RollbackCache
+from layerskip.engine.forward import draft_logits, full_logits
+from layerskip.hf import adapters
 
 
 def _time_once(fn: Callable[[], object], device: torch.device) -> float:

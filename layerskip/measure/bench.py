@@ -22,13 +22,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from layerskip import adapters
-from layerskip.baselines import hf_generate
 from layerskip.data import Prompt
-from layerskip.decoding import DecodeSettings, decode
+from layerskip.engine.decoding import DecodeSettings, decode
+from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
-from layerskip.policy import SkipPolicy
-from layerskip.vocab import DraftVocabulary
+from layerskip.hf import adapters
+from layerskip.hf.baselines import hf_generate
 
 T = TypeVar("T")
 

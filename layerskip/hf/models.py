@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layerskip import adapters
 from layerskip.errors import LayerskipError
+from layerskip.hf import adapters
 
 CACHE_ENV = "LAYERSKIP_CACHE"
 DEFAULT_MODEL = "smollm2-135m"

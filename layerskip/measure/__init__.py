@@ -1,0 +1,1 @@
+"""Measurement: latency, teacher-forced agreement, interleaved timing, benchmarks, profiles, reports, plots."""
