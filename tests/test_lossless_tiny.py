@@ -15,10 +15,11 @@ import torch
 from compare import assert_same_tokens, hf_greedy, mismatch_message
 from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model, tiny_tokenizer
 
+from layerskip.engine import drafters
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.hf import adapters, drafters
+from layerskip.hf import adapters
 
 NEW_TOKENS = 40
 

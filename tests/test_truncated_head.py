@@ -18,11 +18,12 @@ import torch
 from compare import assert_same_tokens, hf_greedy
 from tiny_models import VOCAB, random_prompt, tiny_model, tiny_tokenizer
 
+from layerskip.engine import decoding, drafters
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling, sample, verify_sampled
 from layerskip.engine.vocab import DraftVocabulary
-from layerskip.hf import adapters, decoding, drafters
+from layerskip.hf import adapters
 
 NEW_TOKENS = 30
 ARCHS = ["llama", "gemma3_text"]
