@@ -1,6 +1,13 @@
 """layerskip: lossless self-speculative decoding by bypassing decoder sublayers."""
 
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.engine.decoding import (
+    Decoder,
+    DecodeSettings,
+    decode,
+    decode_autoregressive,
+    decode_speculative,
+    generate,
+)
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling
 from layerskip.engine.stats import GenerationResult, GenerationStats
@@ -9,12 +16,14 @@ from layerskip.hf.models import load_model
 
 __all__ = [
     "DecodeSettings",
+    "Decoder",
     "DraftSettings",
     "GenerationResult",
     "GenerationStats",
     "LayerskipError",
     "Sampling",
     "SkipPolicy",
+    "decode",
     "decode_autoregressive",
     "decode_speculative",
     "generate",

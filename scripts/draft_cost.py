@@ -1,31 +1,41 @@
-"""Measured draft-step latency against the fraction of weights bypassed, for a few policies.
+"""What a draft step costs, against what it keeps, and where its milliseconds go.
 
-Checks that bypassing compute really saves time (no compute-and-discard): the draft step of
-each policy is timed on the device (median of repeats after warm-up) next to one plain step.
+For a set of drafts (bypassed sublayers, draft precision, truncated head; add your own with
+--policy) the draft step is timed on the device (median of repeats after warm-up) next to one
+plain step, with the fraction of the step's weights it still reads. On the CPU each step is also
+split (torch.profiler self times) into the LM head, the kept projections, attention kernels, the
+other tensor ops (norms, rotary, residual adds, casts, cache writes) and the rest of the wall
+time (Python, module calls, dispatch): the part no smaller weight can remove.
 
-    python scripts/draft_cost.py --model smollm2-135m --out results/draft_cost
+    python scripts/draft_cost.py --model smollm2-135m --out results/draft_cost/smollm2-fp32
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import builtin_prompts
+from layerskip.engine.draft import DraftModel
 from layerskip.engine.policy import DraftSettings, SkipPolicy
-from layerskip.engine.vocab import DraftVocabulary
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
-from layerskip.measure.latency import draft_step_seconds, verify_seconds
+from layerskip.measure.latency import draft_step_breakdown, draft_step_seconds, verify_seconds
+
+BREAKDOWN = ("head_ms", "layer_projections_ms", "attention_kernels_ms", "other_ops_ms", "python_and_dispatch_ms")
 
 
-def candidate_policies(layers: int) -> dict[str, SkipPolicy]:
+def candidate_policies(layers: int, cpu: bool) -> dict[str, SkipPolicy]:
     half = list(range(layers // 2, layers))
     odd = [i for i in range(layers) if i % 2]
+    low = "int4" if cpu else "bfloat16"
+    head = DraftSettings(draft_vocab_size=4096)
+    cheap = DraftSettings(draft_vocab_size=4096, precision=low)
     return {
         "nothing skipped": SkipPolicy(),
         "early exit 3/4": SkipPolicy.early_exit(layers, 3 * layers // 4),
@@ -34,66 +44,83 @@ def candidate_policies(layers: int) -> dict[str, SkipPolicy]:
         "attention of deep half": SkipPolicy(skip_attention=tuple(half)),
         "MLP of deep half": SkipPolicy(skip_mlp=tuple(half)),
         "every other layer": SkipPolicy.skip_layers(odd),
-        "nothing skipped, head 4096": SkipPolicy(draft=DraftSettings(draft_vocab_size=4096)),
-        "early exit 1/2, head 4096": SkipPolicy.early_exit(
-            layers, layers // 2, draft=DraftSettings(draft_vocab_size=4096)
-        ),
+        "nothing skipped, head 4096": SkipPolicy(draft=head),
+        "early exit 1/2, head 4096": SkipPolicy.early_exit(layers, layers // 2, draft=head),
+        "nothing skipped, bfloat16": SkipPolicy(draft=DraftSettings(precision="bfloat16")),
+        f"nothing skipped, {low}, head 4096": SkipPolicy(draft=cheap),
+        f"early exit 3/4, {low}, head 4096": SkipPolicy.early_exit(layers, 3 * layers // 4, draft=cheap),
+        f"early exit 1/2, {low}, head 4096": SkipPolicy.early_exit(layers, layers // 2, draft=cheap),
     }
 
 
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
+    parser.add_argument("--policy", action="append", default=[], help="also time this policy's draft (repeatable)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default="results/draft_cost")
     args = parser.parse_args(argv)
+    extra = load_policies(args.policy)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
+    check_policies(extra, model)
+    cpu = next(model.parameters()).device.type == "cpu"
     context = encode_prompt(tokenizer, builtin_prompts()[6].text, loaded.instruct)  # a ~100-token prompt
-    vocabulary = DraftVocabulary.builtin(tokenizer, model)
     plain = verify_seconds(model, context, 1, args.repeats)
     attn, mlp, total = adapters.sublayer_parameter_counts(model)
     head = adapters.lm_head(model).weight
     rows = []
-    for name, policy in candidate_policies(adapters.num_layers(model)).items():
-        vocab_rows = vocabulary.rows_for(policy, context)
-        seconds = draft_step_seconds(model, context, policy.skip_attention, policy.skip_mlp, vocab_rows, args.repeats)
+    draft_models: dict[str, DraftModel] = {}
+    for name, policy in {**candidate_policies(adapters.num_layers(model), cpu), **extra}.items():
+        precision = policy.draft.precision
+        draft_model = draft_models.setdefault(precision, DraftModel(model, precision))
+        head_rows = policy.head_rows(head.shape[0])
+        args_ = (draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows)
+        seconds = draft_step_seconds(*args_, repeats=args.repeats)
         # Compute per token: the layers' weights plus the head rows scored (embedding lookups are free).
         layer_weights = sum(attn) + sum(mlp)
         kept = layer_weights - sum(attn[i] for i in policy.skip_attention) - sum(mlp[i] for i in policy.skip_mlp)
-        head_rows = head.shape[0] if vocab_rows is None else len(vocab_rows)
-        compute = (kept + head_rows * head.shape[1]) / (layer_weights + head.numel())
-        rows.append(
-            {
-                "policy": name,
-                "fraction_of_weights_bypassed": policy.fraction_bypassed(model),
-                "fraction_of_step_compute": compute,
-                "draft_step_ms": seconds * 1000,
-                "relative_to_plain_step": seconds / plain,
-            }
-        )
+        scored = head.shape[0] if head_rows is None else len(set(head_rows) | set(context))
+        row = {
+            "policy": name,
+            "precision": precision,
+            "fraction_of_weights_bypassed": policy.fraction_bypassed(model),
+            "fraction_of_step_compute": (kept + scored * head.shape[1]) / (layer_weights + head.numel()),
+            "draft_step_ms": seconds * 1000,
+            "relative_to_plain_step": seconds / plain,
+        }
+        if cpu:
+            row.update(draft_step_breakdown(*args_, repeats=args.repeats))
+        rows.append(row)
     result = {
+        "command": shlex.join(["python", "scripts/draft_cost.py", *(sys.argv[1:] if argv is None else argv)]),
         "model": loaded.name,
         "dtype": args.dtype,
-        "device": args.device,
+        "device": str(next(model.parameters()).device),
         "plain_step_ms": plain * 1000,
         "total_parameters": total,
+        "draft_memory_mb": {p: m.nbytes / 2**20 for p, m in draft_models.items()},
         "rows": rows,
     }
-    out = Path(args.out)
-    write_json_atomic(out / "draft_cost.json", result)
-    lines = [
-        "| policy | weights bypassed | step compute kept | draft step (ms) | vs plain step |",
-        "|---|---|---|---|---|",
-    ]
+    header = "| policy | weights bypassed | step compute kept | draft step (ms) | vs plain step |"
+    rule = "|---|---|---|---|---|"
+    if cpu:
+        header += " head | projections | attention | other ops | Python & dispatch |"
+        rule += "---|---|---|---|---|"
+    lines = [header, rule]
     for r in rows:
-        lines.append(
+        line = (
             f"| {r['policy']} | {r['fraction_of_weights_bypassed']:.2f} | {r['fraction_of_step_compute']:.2f} "
             f"| {r['draft_step_ms']:.1f} | {r['relative_to_plain_step']:.2f} |"
         )
+        if cpu:
+            line += "".join(f" {r[key]:.1f} |" for key in BREAKDOWN)
+        lines.append(line)
     table = "\n".join(lines)
+    out = Path(args.out)
+    write_json_atomic(out / "draft_cost.json", result)
     write_text_atomic(out / "draft_cost.md", table + "\n")
-    print(f"plain step: {plain * 1000:.1f} ms ({loaded.name}, {args.dtype}, {args.device})")
+    print(f"plain step: {plain * 1000:.1f} ms ({loaded.name}, {args.dtype}, {result['device']})")
     print(table)
     return 0
 

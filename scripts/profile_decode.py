@@ -14,10 +14,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import load_prompts
 from layerskip.engine.policy import SkipPolicy
-from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model
@@ -43,19 +42,13 @@ def _main(argv: list[str] | None) -> int:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     prompts = load_prompts(args.prompts, n=args.n_prompts, per_category=args.per_category, seed=args.seed)
     configs: dict[str, SkipPolicy | None] = {"plain": None}
-    for path in args.policy:
-        policy = SkipPolicy.load(path)
-        configs[Path(path).stem] = policy
+    for label, policy in load_policies(args.policy).items():
+        configs[label] = policy
         if args.ablate:
-            configs.update({f"{Path(path).stem}-{k}": v for k, v in policy.ablations().items()})
+            configs.update({f"{label}-{k}": v for k, v in policy.ablations().items()})
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    for name, policy in configs.items():
-        if policy is not None:
-            try:
-                policy.validate_for(model)
-            except LayerskipError as exc:
-                raise LayerskipError(f"policy {name}: {exc}") from None
+    check_policies(configs, model)
     prompt_ids = [encode_prompt(tokenizer, p.text, loaded.instruct) for p in prompts]
     context = max(prompt_ids, key=len)[:256]  # a realistic cache length for the block timings
     costs = forward_costs(model, context, repeats=args.repeats)
@@ -65,7 +58,6 @@ def _main(argv: list[str] | None) -> int:
         configs,
         eos_token_ids(model, tokenizer),
         args.max_new_tokens,
-        DraftVocabulary.builtin(tokenizer, model),
         progress=not args.no_progress,
     )
     report = profile_report(costs, profiles)

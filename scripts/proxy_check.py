@@ -8,21 +8,23 @@ over its predicted-speedup range by real generation and prints the rank correlat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if not sys.flags.safe_path:
+    # scripts/ holds search.py, which Python would import in place of the installed `search`
+    # package; run again with -P, which keeps the script's folder off the import path.
+    os.execv(sys.executable, [sys.executable, "-P", *sys.orig_argv[1:]])
 
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from layerskip.cli.common import add_model_arguments, run_cli  # noqa: E402
 from layerskip.data import load_prompts  # noqa: E402
-from layerskip.engine.vocab import DraftVocabulary  # noqa: E402
 from layerskip.hf.models import load_model  # noqa: E402
 from layerskip.hf.prompting import encode_prompt, eos_token_ids  # noqa: E402
 from search.objective import confirm, prepare_calibration, spearman  # noqa: E402
-from search.space import policy_from_params  # noqa: E402
+from search.space import trial_policy  # noqa: E402
 from search.study import confirmations, open_storage, record_confirmation  # noqa: E402
 
 
@@ -49,7 +51,6 @@ def _main(argv: list[str] | None) -> int:
         calib,
         progress=False,
     )
-    vocabulary = DraftVocabulary.from_texts(loaded.tokenizer, [p.text for p in prompts], loaded.model)
     trials = sorted(
         study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.user_attrs["predicted_speedup"]
     )
@@ -58,10 +59,8 @@ def _main(argv: list[str] | None) -> int:
     done = confirmations(study)
     for trial in chosen:
         if trial.number not in done:
-            policy = policy_from_params(trial.params, int(attrs["model_num_layers"]))
-            record_confirmation(
-                study, trial, confirm(loaded.model, calibration, policy, args.max_new_tokens, vocabulary.rows_for)
-            )
+            policy = trial_policy(study, trial)
+            record_confirmation(study, trial, confirm(loaded.model, calibration, policy, args.max_new_tokens))
     done = confirmations(study)
     pairs = [
         (t.user_attrs["predicted_speedup"], done[t.number]["speedup"], t.number) for t in trials if t.number in done

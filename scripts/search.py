@@ -1,11 +1,12 @@
 """Search a skip policy with Optuna: see ``--help`` (same as ``layerskip-search``)."""
 
+import os
 import sys
-from pathlib import Path
 
-# This file is named like the `search` package; drop its own folder from the import path so
-# `import search` finds the package, not this script.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if not sys.flags.safe_path:
+    # This folder holds this file, search.py, which Python would import in place of the
+    # installed `search` package; run again with -P, which keeps the script's folder off the path.
+    os.execv(sys.executable, [sys.executable, "-P", *sys.orig_argv[1:]])
 
 from search.cli import main  # noqa: E402
 

@@ -22,10 +22,10 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from search.export import choose_trial, export_policy
+from search.export import export_policy, verdict
 from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibration
 from search.plots import write_plots
-from search.space import SearchSpace, policy_from_params
+from search.space import RANKING_ATTR, SearchSpace, trial_policy
 from search.study import (
     check_storage_url,
     check_study_matches,
@@ -55,6 +55,10 @@ def _float_list(text: str) -> tuple[float, ...]:
         return tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="choices for padding short verify blocks to N tokens (0 = never), e.g. 0,4",
     )
     parser.add_argument(
+        "--draft-precision",
+        type=_str_list,
+        default=("model",),
+        help="draft weight precisions to search: model, bfloat16, int8, int4 (int8/int4: CPU), e.g. model,int4",
+    )
+    parser.add_argument(
         "--require-skip-draft",
         action="store_true",
         help="every trial drafts with its skip policy (lookup, if on, leads where the context repeats)",
@@ -143,19 +153,24 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _summary(study, objective: str, top: list) -> str:
     confirmed = confirmations(study)
-    layers = int(study.user_attrs["model_num_layers"])
     lines = [
-        "| trial | attention skipped | MLP skipped | k | acceptance (tf) | predicted "
+        "| trial | attention skipped | MLP skipped | draft | acceptance (tf) | predicted "
         "| measured speedup | tau | identical |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for trial in top:
-        policy = policy_from_params(trial.params, layers)
+        policy = trial_policy(study, trial)
         c = confirmed.get(trial.number)
         measured = (
             f"{c['speedup']:.2f}x | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}" if c else "- | - | -"
         )
         k = f"{policy.draft.max_draft_tokens}{' adaptive' if policy.draft.adaptive else ''}"
+        if policy.draft.precision != "model" and policy.draft.use_skip_draft:
+            k += f", {policy.draft.precision}"
+        if policy.draft.draft_vocab_size and policy.draft.use_skip_draft:
+            k += f", head {policy.draft.draft_vocab_size}"
+        if not policy.draft.use_skip_draft:
+            k = f"lookup only ({policy.draft.lookup_min_ngram}-{policy.draft.lookup_max_ngram}-gram)"
         lines.append(
             f"| {trial.number} | {list(policy.skip_attention)} | {list(policy.skip_mlp)} | {k} "
             f"| {trial.user_attrs.get('acceptance', 0):.3f} | {trial.user_attrs.get('predicted_speedup', 0):.2f}x "
@@ -201,6 +216,7 @@ def _main(argv: list[str] | None) -> int:
         lookup_confidence_choices=args.lookup_confidence,
         lookup_min_ngram_choices=args.lookup_min,
         verify_pad_choices=args.verify_pad,
+        precision_choices=args.draft_precision,
         require_skip_draft=args.require_skip_draft,
     )
     chat = loaded.instruct if args.chat is None else args.chat
@@ -226,7 +242,12 @@ def _main(argv: list[str] | None) -> int:
     check_study_matches(existing_study_attrs(storage, study_name), study_name, identity)
     seed = args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name)
     study = open_study(storage, study_name, args.objective, seed, metadata, space.warm_starts())
-    vocabulary = DraftVocabulary.from_texts(tokenizer, [p.text for p in prompts], model)
+    if RANKING_ATTR not in study.user_attrs:
+        # Truncated draft heads start from the calibration text's tokens (then the lowest ids);
+        # stored once, so every trial of the study (and every worker) scores the same rows.
+        ranking = DraftVocabulary.from_texts(tokenizer, [p.text for p in prompts], model).top(max(args.draft_vocab))
+        study.set_user_attr(RANKING_ATTR, list(ranking))
+    ranking = study.user_attrs[RANKING_ATTR]
     progress = not args.no_progress
     print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
     calibration = prepare_calibration(
@@ -239,7 +260,7 @@ def _main(argv: list[str] | None) -> int:
         progress,
         max_block=max((*args.lookup_tokens, *args.verify_pad, 0)) + 1,
     )
-    objective = CheapObjective(model, calibration, space, args.objective, vocabulary.rows_for)
+    objective = CheapObjective(model, calibration, space, args.objective, ranking)
     run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)
 
     top = finalists(study, args.objective, max(args.confirm_top, 1))
@@ -247,10 +268,8 @@ def _main(argv: list[str] | None) -> int:
     for trial in top[: args.confirm_top]:
         # Real generation with a hopeless draft is slow and tells nothing new: skip those.
         if trial.number not in done and trial.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED:
-            policy = policy_from_params(trial.params, space.num_layers)
-            record_confirmation(
-                study, trial, confirm(model, calibration, policy, args.max_new_tokens, vocabulary.rows_for, progress)
-            )
+            policy = trial_policy(study, trial)
+            record_confirmation(study, trial, confirm(model, calibration, policy, args.max_new_tokens, progress))
     out = Path(args.out or f"{study_name}.policy.json")
     policy = export_policy(study, out, args.export_trial)
     if args.plots:
@@ -258,14 +277,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"wrote {path}", file=sys.stderr)
     print(f"\nstudy '{study_name}': {counted_trials(study)} trials (complete + pruned)")
     print(_summary(study, args.objective, top))
-    chosen = choose_trial(study, args.export_trial)
-    confirmed = policy.measured.get("confirmed")
-    verdict = ""
-    if confirmed:
-        verdict = f"; measured {confirmed['speedup']:.2f}x vs HF generate" + (
-            " (no speedup on this model and device)" if confirmed["speedup"] < 1.0 else ""
-        )
-    print(f"\nexported trial {chosen.number} to {out}: {policy.describe()}{verdict}")
+    print(f"\nexported trial {policy.provenance['trial']} to {out}: {policy.describe()}; {verdict(policy)}")
     return 0
 
 

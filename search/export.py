@@ -1,4 +1,11 @@
-"""Turn a trial of a study into a policy file ready for ``layerskip-generate --policy``."""
+"""Turn a trial of a study into a policy file ready for ``layerskip-generate --policy``.
+
+The exported policy is the one the trial evaluated (stored on the trial), with the study's
+model identity, provenance and the figures measured for it. Only *exportable* trials are
+offered (``search.space.exportable``): a skip draft that bypasses nothing is the full model
+drafting for itself and is never exported. Whether the choice beats plain decoding is reported
+by ``verdict``, plainly.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +17,19 @@ from optuna.trial import FrozenTrial, TrialState
 
 from layerskip.engine.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
-from search.space import policy_from_params
+from search.space import exportable, trial_policy
 from search.study import confirmations
 
 CHEAP_FIGURES = ("acceptance", "draft_seconds", "draft_cost", "verify_cost", "predicted_speedup", "skip_fraction")
 
 
+def exportable_trials(study: optuna.Study) -> list[FrozenTrial]:
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return [t for t in complete if exportable(trial_policy(study, t))]
+
+
 def choose_trial(study: optuna.Study, trial_number: int | None = None) -> FrozenTrial:
-    """The chosen trial, else the best *measured* speedup, else the best predicted one."""
+    """The chosen trial, else the exportable trial with the best *measured* speedup, else the best predicted one."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
         raise LayerskipError(f"study '{study.study_name}' has no completed trial yet; run more trials first")
@@ -26,11 +38,17 @@ def choose_trial(study: optuna.Study, trial_number: int | None = None) -> Frozen
             if trial.number == trial_number:
                 return trial
         raise LayerskipError(f"trial {trial_number} is not a completed trial of study '{study.study_name}'")
+    candidates = exportable_trials(study)
+    if not candidates:
+        raise LayerskipError(
+            f"study '{study.study_name}' has no trial that bypasses a sublayer or drafts by lookup; "
+            "run more trials (or allow more skips: --max-skip-fraction)"
+        )
     confirmed = confirmations(study)
-    measured = [t for t in complete if t.number in confirmed]
+    measured = [t for t in candidates if t.number in confirmed]
     if measured:
         return max(measured, key=lambda t: confirmed[t.number]["speedup"])
-    return max(complete, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0))
+    return max(candidates, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0))
 
 
 def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
@@ -41,7 +59,6 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
         num_layers=int(attrs.get("model_num_layers", 0)),
         fingerprint=attrs.get("model_fingerprint", ""),
     )
-    policy = policy_from_params(trial.params, identity.num_layers)
     measured = {key: trial.user_attrs[key] for key in CHEAP_FIGURES if key in trial.user_attrs}
     confirmed = confirmations(study).get(trial.number)
     if confirmed is not None:
@@ -56,7 +73,22 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
         "dtype": attrs.get("dtype"),
         "command": attrs.get("command"),
     }
-    return replace(policy, model=identity, provenance=provenance, measured=measured)
+    return replace(trial_policy(study, trial), model=identity, provenance=provenance, measured=measured)
+
+
+def verdict(policy: SkipPolicy) -> str:
+    """One plain sentence on whether the exported policy beats plain decoding."""
+    confirmed = policy.measured.get("confirmed")
+    if confirmed is not None:
+        speed = confirmed["speedup"]
+        if speed < 1.0:
+            return f"measured {speed:.2f}x vs HF generate: nothing found beats plain decoding on this model and device"
+        return f"measured {speed:.2f}x vs HF generate"
+    predicted = policy.measured.get("predicted_speedup")
+    if predicted is None:
+        return "not measured"
+    note = ": predicted not to beat plain decoding" if predicted < 1.0 else ""
+    return f"predicted {predicted:.2f}x (not confirmed by real generation){note}"
 
 
 def export_policy(study: optuna.Study, out: str | Path, trial_number: int | None = None) -> SkipPolicy:

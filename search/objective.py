@@ -1,33 +1,35 @@
 """Scoring a candidate policy, at two fidelities.
 
-cheap: acceptance estimated by teacher-forced agreement over the calibration references, and
-       the draft step's latency *measured* on the device; predicted speedup from both
-       (DESIGN.md: E[tokens/step] / (k * c + v), c and v relative to one plain step).
-real:  actual self-speculative generation against HF ``generate`` on the same prompts,
-       interleaved after a warm-up; measured speedup, tau and acceptance.
+cheap: the draft's teacher-forced predictions over the calibration references (its bypassed
+       sublayers, precision and head included), replayed through the engine's own drafting
+       rules (``measure.agreement.simulate_greedy``), priced with the draft step's latency and
+       every verify block length *measured* on the device: a predicted speedup.
+real:  actual self-speculative generation against HF ``generate`` on the same prompts, timed
+       as the benchmark times (``measure.timing``); measured speedup, tau and acceptance.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import optuna
-import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from layerskip.engine.decoding import DecodeSettings, decode_speculative
+from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.engine.draft import DraftModel
 from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.stats import GenerationStats
+from layerskip.hf import adapters
 from layerskip.hf.baselines import hf_generate
-from layerskip.measure.agreement import Reference, build_references, draft_predictions, simulate_greedy
+from layerskip.measure.agreement import Reference, TeacherForcedDraft, build_references, simulate_greedy
 from layerskip.measure.latency import block_cost, draft_step_seconds, verify_seconds
-from search.space import SearchSpace
+from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup
+from search.space import POLICY_ATTR, SearchSpace, policy_attr, with_vocabulary
 
 OBJECTIVES = ("pareto", "speedup")
-VocabRows = Callable[[SkipPolicy, Sequence[int]], "torch.Tensor | None"]
 
 
 @dataclass
@@ -87,7 +89,8 @@ class CheapObjective:
 
     ``pareto``: (maximise acceptance, minimise draft-step seconds).
     ``speedup``: maximise predicted speedup; the acceptance estimate is reported prompt by
-    prompt so a pruner can stop hopeless trials early.
+    prompt so a pruner can stop hopeless trials early. ``ranking`` orders the vocabulary for
+    truncated draft heads (the policy of a trial keeps its first ``draft_vocab_size`` ids).
     """
 
     def __init__(
@@ -96,38 +99,43 @@ class CheapObjective:
         calibration: Calibration,
         space: SearchSpace,
         mode: str,
-        vocab_rows: VocabRows | None = None,
+        ranking: Sequence[int] = (),
         latency_repeats: int = 5,
     ) -> None:
         self.model = model
         self.calibration = calibration
         self.space = space
         self.mode = mode
-        self.vocab_rows = vocab_rows or (lambda policy, prompt: None)
+        self.ranking = tuple(ranking)
         self.latency_repeats = latency_repeats
+        self.draft_models: dict[str, DraftModel] = {}  # one per precision, every sublayer kept
+
+    def draft_model(self, precision: str) -> DraftModel:
+        if precision not in self.draft_models:
+            self.draft_models[precision] = DraftModel(self.model, precision)
+        return self.draft_models[precision]
 
     def score(self, policy: SkipPolicy, trial: optuna.Trial | None = None) -> CheapScore:
         cal = self.calibration
         k = policy.draft.max_draft_tokens
-        draft_cost = 0.0
-        draft = 0.0
+        draft_cost = draft = 0.0
+        draft_model = self.draft_model(policy.draft.precision)
+        head_rows = policy.head_rows(adapters.lm_head(self.model).weight.shape[0])
+        attention, mlp = policy.skip_attention, policy.skip_mlp
         if policy.draft.use_skip_draft:
-            rows = self.vocab_rows(policy, cal.latency_context)
-            draft = draft_step_seconds(
-                self.model, cal.latency_context, policy.skip_attention, policy.skip_mlp, rows, self.latency_repeats
-            )
+            context = cal.latency_context
+            draft = draft_step_seconds(draft_model, context, attention, mlp, head_rows, self.latency_repeats)
             draft_cost = draft / cal.plain_step_seconds
         matches = total = tokens = drafted = accepted = 0
         cost = 0.0
         for step, reference in enumerate(cal.references):
-            rows = self.vocab_rows(policy, reference.prompt)
-            predicted, confidence = draft_predictions(
-                self.model, reference, policy.skip_attention, policy.skip_mlp, rows, with_confidence=True
-            )
-            target = torch.tensor(reference.continuation, device=predicted.device)
-            matches += int((predicted == target).sum())
-            total += len(reference.continuation)
-            replay = simulate_greedy(reference, predicted.tolist(), confidence.tolist(), policy.draft)
+            predictor = None
+            if policy.draft.use_skip_draft:
+                view = TeacherForcedDraft(draft_model, reference, attention, mlp, head_rows)
+                m, n = view.agreement()
+                matches, total = matches + m, total + n
+                predictor = view.predict
+            replay = simulate_greedy(reference, policy.draft, predictor)
             tokens += replay.tokens
             drafted += replay.drafted
             accepted += replay.accepted
@@ -144,7 +152,8 @@ class CheapObjective:
         return CheapScore(acceptance, draft, draft_cost, cal.verify_cost(k + 1), tokens / cost if cost else 0.0)
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
-        policy = self.space.suggest(trial)
+        policy = with_vocabulary(self.space.suggest(trial), self.ranking)
+        trial.set_user_attr(POLICY_ATTR, policy_attr(policy))  # what is scored is what gets exported
         score = self.score(policy, trial)
         for key, value in asdict(score).items():
             trial.set_user_attr(key, value)
@@ -167,50 +176,33 @@ class Confirmation:
     max_new_tokens: int
 
 
-@torch.inference_mode()
 def confirm(
     model: nn.Module,
     calibration: Calibration,
     policy: SkipPolicy,
     max_new_tokens: int,
-    vocab_rows: VocabRows | None = None,
     progress: bool = False,
 ) -> Confirmation:
-    """Greedy self-speculative generation vs HF generate, interleaved prompt by prompt, after a warm-up."""
-    vocab_rows = vocab_rows or (lambda p, prompt: None)
-    settings = DecodeSettings(max_new_tokens=max_new_tokens, eos_token_ids=calibration.eos_token_ids)
-    first = calibration.prompts[0]
-    decode_speculative(
-        model,
-        first,
-        policy,
-        DecodeSettings(8, eos_token_ids=calibration.eos_token_ids),
-        vocab_rows=vocab_rows(policy, first),
-    )
-    hf_generate(model, first, 8, calibration.eos_token_ids)
-    ours_tokens = ours_seconds = base_tokens = base_seconds = 0.0
-    steps = drafted = accepted = identical = 0
-    for prompt in tqdm(calibration.prompts, desc="confirm", disable=not progress, leave=False):
-        tokens, stats = decode_speculative(model, prompt, policy, settings, vocab_rows=vocab_rows(policy, prompt))
-        reference, seconds = hf_generate(model, prompt, max_new_tokens, calibration.eos_token_ids)
-        ours_tokens += len(tokens)
-        ours_seconds += stats.total_seconds
-        base_tokens += len(reference)
-        base_seconds += seconds
-        steps += stats.steps
-        drafted += stats.drafted
-        accepted += stats.accepted
-        identical += tokens == reference
-    ours_tps = ours_tokens / ours_seconds
-    base_tps = base_tokens / base_seconds
+    """Greedy self-speculative generation vs HF generate on the calibration prompts, timed and
+    compared as the benchmark does (``measure.timing``: interleaved, aggregate throughput)."""
+    decoder = Decoder(model, policy)
+    eos = calibration.eos_token_ids
+    runners: dict[str, Runner] = {
+        "ours": lambda ids, n: decoder.decode(ids, DecodeSettings(max_new_tokens=n, eos_token_ids=eos)),
+        "hf": lambda ids, n: (hf_generate(model, ids, n, eos), None),
+    }
+    device = next(model.parameters()).device
+    runs = run_interleaved(runners, calibration.prompts, max_new_tokens, device, 8, progress, "confirm")
+    ours, hf = [r["ours"] for r in runs], [r["hf"] for r in runs]
+    stats = GenerationStats.combined([r.stats for r in ours])
     return Confirmation(
-        speedup=ours_tps / base_tps,
-        tokens_per_second=ours_tps,
-        baseline_tokens_per_second=base_tps,
-        mean_accepted=ours_tokens / steps,
-        acceptance_rate=accepted / drafted if drafted else 0.0,
-        identical_fraction=identical / len(calibration.prompts),
-        prompts=len(calibration.prompts),
+        speedup=speedup(ours, hf) or 0.0,
+        tokens_per_second=aggregate_throughput(ours),
+        baseline_tokens_per_second=aggregate_throughput(hf),
+        mean_accepted=stats.mean_accepted,
+        acceptance_rate=stats.acceptance_rate,
+        identical_fraction=sum(r["ours"].tokens == r["hf"].tokens for r in runs) / len(runs),
+        prompts=len(runs),
         max_new_tokens=max_new_tokens,
     )
 

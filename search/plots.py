@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from search.space import policy_from_params  # noqa: E402
+from search.space import trial_policy  # noqa: E402
 
 
 def _complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -64,12 +64,12 @@ def skip_frequency(study: optuna.Study, top_fraction: float = 0.25) -> np.ndarra
     """``[num_layers, 2]`` how often each (attention, MLP) sublayer is skipped among the best trials."""
     layers = int(study.user_attrs.get("model_num_layers", 0))
     # Lookup-only trials skip nothing by construction; they would only dilute the map.
-    skip_drafts = [t for t in _complete(study) if t.params.get("use_skip_draft", True)]
+    skip_drafts = [t for t in _complete(study) if trial_policy(study, t).draft.use_skip_draft]
     trials = sorted(skip_drafts, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0), reverse=True)
     good = trials[: max(1, int(len(trials) * top_fraction))]
     counts = np.zeros((layers, 2))
     for trial in good:
-        policy = policy_from_params(trial.params, layers)
+        policy = trial_policy(study, trial)
         counts[list(policy.skip_attention), 0] += 1
         counts[list(policy.skip_mlp), 1] += 1
     return counts / max(1, len(good))

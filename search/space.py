@@ -1,17 +1,23 @@
 """The search space: one on/off switch per attention and per MLP sublayer, plus draft settings.
 
 Parameter names are stable (``attn_07``, ``mlp_07``, ``max_draft_tokens`` ...) so a study can
-be resumed, shared between workers and warm-started with enqueued candidates.
+be resumed, shared between workers and warm-started with enqueued candidates. The policy a
+trial evaluated is stored on the trial itself (``POLICY_ATTR``) and read back from there by
+confirmation, export, summaries, plots and the proxy check: nothing rebuilds it from the
+parameters, so a knob with a single choice (not an Optuna parameter) is never lost.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import optuna
+from optuna.trial import FrozenTrial
 
 from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 
 
@@ -31,6 +37,7 @@ class SearchSpace:
     lookup_confidence_choices: tuple[float, ...] = (0.0,)  # cut runs below this chance (0 = never)
     lookup_min_ngram_choices: tuple[int, ...] = (2,)  # shortest n-gram a lookup may match
     verify_pad_choices: tuple[int, ...] = (0,)  # pad short verify blocks to this length (0 = never)
+    precision_choices: tuple[str, ...] = ("model",)  # the draft's weight precision (engine/precision.py)
     require_skip_draft: bool = False  # never try lookup-only drafting (lookup may still lead)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -52,6 +59,9 @@ class SearchSpace:
             raise LayerskipError("--lookup-min choices must be >= 1")
         if not self.verify_pad_choices or min(self.verify_pad_choices) < 0:
             raise LayerskipError("--verify-pad choices must be >= 0 (0 = no padding)")
+        bad_precision = [p for p in self.precision_choices if p not in PRECISIONS]
+        if not self.precision_choices or bad_precision:
+            raise LayerskipError(f"--draft-precision {bad_precision} unknown; choose from {', '.join(PRECISIONS)}")
 
     @property
     def searchable_layers(self) -> list[int]:
@@ -98,7 +108,10 @@ class SearchSpace:
         if lookup and not self.require_skip_draft:
             use_skip = trial.suggest_categorical("use_skip_draft", [True, False])
         pad = _pick(trial, "min_verify_block", self.verify_pad_choices)
-        return draft_settings(k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram, pad)
+        precision = _pick(trial, "precision", self.precision_choices) if use_skip else "model"
+        return draft_settings(
+            k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram, pad, precision
+        )
 
     def params_for(
         self,
@@ -118,6 +131,8 @@ class SearchSpace:
         if self.tune_adaptive:
             params["adaptive"] = False
         params["draft_vocab_size"] = self.draft_vocab_choices[0]
+        if len(self.precision_choices) > 1 and use_skip_draft:
+            params["precision"] = self.precision_choices[-1]  # the cheapest precision the user listed
         if len(self.verify_pad_choices) > 1:
             params["min_verify_block"] = self.verify_pad_choices[0]
         params["lookup_max_ngram"] = lookup if lookup in self.lookup_ngram_choices else self.lookup_ngram_choices[0]
@@ -164,25 +179,42 @@ def _pick(trial: optuna.Trial, name: str, choices: tuple[Any, ...]) -> Any:
     return trial.suggest_categorical(name, list(choices)) if len(choices) > 1 else choices[0]
 
 
-def policy_from_params(params: dict[str, Any], num_layers: int) -> SkipPolicy:
-    """Rebuild the policy a finished trial evaluated, from its parameters."""
-    attention = [i for i in range(num_layers) if params.get(f"attn_{i:02d}", False)]
-    mlp = [i for i in range(num_layers) if params.get(f"mlp_{i:02d}", False)]
-    if not params.get("use_skip_draft", True):
-        attention, mlp = [], []  # lookup-only drafting: the skip switches were never used
-    draft = draft_settings(
-        int(params.get("max_draft_tokens", 4)),
-        bool(params.get("adaptive", False)),
-        float(params.get("target_acceptance", 0.7)),
-        int(params.get("draft_vocab_size", 0)),
-        int(params.get("lookup_max_ngram", 0)),
-        bool(params.get("use_skip_draft", True)),
-        params.get("lookup_max_tokens"),
-        float(params.get("lookup_confidence", 0.0)),
-        int(params.get("lookup_min_ngram", 2)),
-        int(params.get("min_verify_block", 0)),
-    )
-    return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
+POLICY_ATTR = "policy"
+RANKING_ATTR = "draft_vocab_ranking"
+
+
+def with_vocabulary(policy: SkipPolicy, ranking: Sequence[int]) -> SkipPolicy:
+    """The policy with its truncated head's rows: the first ``draft_vocab_size`` of ``ranking``."""
+    size = policy.draft.draft_vocab_size if policy.draft.use_skip_draft else 0
+    return replace(policy, draft_vocabulary=tuple(ranking[:size]))
+
+
+def policy_attr(policy: SkipPolicy) -> dict[str, Any]:
+    """What a trial stores: the evaluated policy, less its head rows (the study's ranking, stored once)."""
+    data = policy.to_dict()
+    data["draft_vocabulary"] = []
+    return data
+
+
+def trial_policy(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
+    """The policy ``trial`` evaluated, head rows included."""
+    data = trial.user_attrs.get(POLICY_ATTR)
+    if data is None:
+        raise LayerskipError(
+            f"trial {trial.number} of study '{study.study_name}' stores no policy (made by an older layerskip); "
+            "run the study anew under another --study-name"
+        )
+    return with_vocabulary(SkipPolicy.from_dict(data), study.user_attrs.get(RANKING_ATTR, ()))
+
+
+def exportable(policy: SkipPolicy) -> bool:
+    """A policy worth offering: lookup-only, or a skip draft that bypasses something.
+
+    A skip draft that bypasses nothing is the full model drafting for itself: whatever its
+    precision or head, it is not a skip policy, so the search never exports it (it can still
+    be run by hand, and the benchmark's ``no-bypass`` ablation measures it).
+    """
+    return not policy.draft.use_skip_draft or policy.bypasses_anything
 
 
 def draft_settings(
@@ -196,6 +228,7 @@ def draft_settings(
     lookup_confidence: float = 0.0,
     lookup_min_ngram: int = 2,
     min_verify_block: int = 0,
+    precision: str = "model",
 ) -> DraftSettings:
     """The draft settings one point of the space stands for."""
     return DraftSettings(
@@ -210,4 +243,5 @@ def draft_settings(
         lookup_confidence=lookup_confidence if lookup else 0.0,
         min_verify_block=min_verify_block,
         use_skip_draft=use_skip_draft,
+        precision=precision,
     )

@@ -26,6 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from layerskip.errors import LayerskipError
 from search.objective import Confirmation
+from search.space import exportable, trial_policy
 
 COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
 CONFIRMED_PREFIX = "confirmed:"
@@ -308,9 +309,11 @@ class _CheckedTrial:
 
 
 def finalists(study: optuna.Study, objective: str, top_k: int) -> list[FrozenTrial]:
-    """Trials worth confirming by real generation: best predicted speedups (of the Pareto set)."""
+    """Trials worth confirming by real generation: the best predicted speedups (of the Pareto set)
+    among trials the search may export (``search.space.exportable``)."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     pool = study.best_trials if objective == "pareto" else complete
+    pool = [t for t in pool if exportable(trial_policy(study, t))]
     ranked = sorted(pool, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0), reverse=True)
     return ranked[:top_k]
 

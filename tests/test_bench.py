@@ -21,10 +21,9 @@ from tiny_models import LAYERS, VOCAB, random_prompt, save_checkpoint, tiny_mode
 
 from layerskip.data import Prompt
 from layerskip.engine.policy import DraftSettings, ModelIdentity, SkipPolicy
-from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.measure import bench
-from layerskip.measure.bench import BenchConfig, Method, Run, build_methods, run_benchmark, summarise
+from layerskip.measure.bench import BenchConfig, Method, build_methods, run_benchmark, summarise
 from layerskip.measure.report import COLUMNS, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +60,7 @@ def benchmark(model: torch.nn.Module) -> dict:
     def recorded(method: Method) -> Method:
         inner = method.run
 
-        def run(ids: list[int], max_new: int) -> Run:
+        def run(ids: list[int], max_new: int):
             calls.append((method.name, max_new))
             return inner(ids, max_new)
 
@@ -124,6 +123,7 @@ def test_ablate_adds_each_ingredient_off(model: torch.nn.Module) -> None:
         "self-spec:h-no-lookup",
         "self-spec:h-lookup-only",
         "self-spec:h-full-head",
+        "self-spec:h-no-bypass",
     ]
     assert methods["self-spec:h-no-lookup"].draft.lookup_max_ngram == 0
     assert methods["self-spec:h-no-lookup"].skip_attention == (1,)
@@ -131,6 +131,8 @@ def test_ablate_adds_each_ingredient_off(model: torch.nn.Module) -> None:
     assert not only.draft.use_skip_draft and not only.bypasses_anything and only.draft.lookup_max_ngram == 3
     assert methods["self-spec:h-full-head"].draft.draft_vocab_size == 0
     assert methods["self-spec:h-full-head"].draft.lookup_max_ngram == 3
+    bare = methods["self-spec:h-no-bypass"]
+    assert not bare.bypasses_anything and bare.draft == hybrid.draft  # same head and precision, nothing bypassed
     # A plain skip policy has no ingredient to remove.
     plain = [m.name for m in build_methods(model, ["self-spec"], (), {"p": _policy()}, ablate=True)]
     assert plain == ["hf-ar", "self-spec"]
@@ -209,13 +211,16 @@ def test_summary_figures(benchmark: dict) -> None:
     assert spec["acceptance_rate"] == pytest.approx(sum(r.accepted for r in rows) / sum(r.drafted for r in rows))
     assert spec["mean_accepted"] > 1.0 and 0 < spec["acceptance_rate"] < 1
     assert summary["hf-pld"]["overall"]["mean_accepted"] is None  # HF does not expose its forward count
-    # Speedup is mean tok/s over the baseline's mean tok/s, on the same prompts.
-    tps = {r.method: [] for r in benchmark["rows"]}
-    for r in benchmark["rows"]:
-        tps[r.method].append(r.tokens_per_second)
+    # Speedup is aggregate throughput (total tokens / total seconds) over the baseline's, same prompts.
+    def aggregate(name: str, category: str | None = None) -> float:
+        rows = [r for r in benchmark["rows"] if r.method == name and category in (None, r.category)]
+        return sum(r.new_tokens for r in rows) / sum(r.seconds for r in rows)
+
     for name in METHOD_NAMES:
-        expected = (sum(tps[name]) / 2) / (sum(tps["hf-ar"]) / 2)
-        assert summary[name]["overall"]["speedup"] == pytest.approx(expected)
+        assert summary[name]["overall"]["speedup"] == pytest.approx(aggregate(name) / aggregate("hf-ar"))
+        for category in ("a", "b"):
+            expected = aggregate(name, category) / aggregate("hf-ar", category)
+            assert summary[name]["by_category"][category]["speedup"] == pytest.approx(expected)
 
 
 def test_time_profile(benchmark: dict) -> None:
@@ -241,11 +246,11 @@ def test_a_divergence_is_recorded_with_the_top2_gap(model: torch.nn.Module) -> N
     """A method that leaves the reference is flagged, with the position and the full model's top-2 gap there."""
     baseline = build_methods(model, ["hf-ar"], (), {})
 
-    def wrong(ids: list[int], max_new: int) -> Run:
-        tokens = baseline[0].run(ids, max_new).tokens
+    def wrong(ids: list[int], max_new: int):
+        tokens, _ = baseline[0].run(ids, max_new)
         if len(tokens) > 3:  # not in the 2-token warm-up
             tokens[3] = (tokens[3] + 1) % VOCAB
-        return Run(tokens, 0.01, steps=max_new, drafted=0, accepted=0)
+        return tokens, None
 
     config = BenchConfig(max_new_tokens=6, warmup_tokens=2, progress=False)
     rows = run_benchmark(model, [*baseline, Method("broken", wrong)], PROMPTS[:1], PROMPT_IDS[:1], config)
@@ -257,24 +262,34 @@ def test_a_divergence_is_recorded_with_the_top2_gap(model: torch.nn.Module) -> N
     assert figures["identical_fraction"] == 0.0 and figures["divergences"] == [broken.divergence]
 
 
-def test_truncated_head_policy_in_the_benchmark(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A policy with draft_vocab_size gets its rows from the vocabulary (ranking + prompt ids) and stays lossless."""
-    vocabulary = DraftVocabulary(torch.arange(VOCAB).flip(0))
-    truncated = SkipPolicy(skip_attention=(1,), draft=DraftSettings(draft_vocab_size=32))
-    asked: list[int] = []
-    real_rows = vocabulary.rows
-
-    def rows(size: int, prompt_ids=()):
-        asked.append(size)
-        return real_rows(size, prompt_ids)
-
-    monkeypatch.setattr(vocabulary, "rows", rows)
-    methods = build_methods(model, ["self-spec"], (), {"full": _policy(), "truncated": truncated}, vocabulary)
+def test_truncated_head_policy_in_the_benchmark(model: torch.nn.Module) -> None:
+    """A policy with draft_vocab_size runs its own rows in the benchmark and stays lossless."""
+    truncated = SkipPolicy(
+        skip_attention=(1,), draft=DraftSettings(draft_vocab_size=32), draft_vocabulary=tuple(range(VOCAB - 1, 0, -1))
+    )
+    methods = build_methods(model, ["self-spec"], (), {"full": _policy(), "truncated": truncated})
     assert [m.name for m in methods] == ["hf-ar", "self-spec:full", "self-spec:truncated"]
-    reference = methods[0].run(PROMPT_IDS[0], NEW_TOKENS).tokens
+    reference, _ = methods[0].run(PROMPT_IDS[0], NEW_TOKENS)
     for method in methods[1:]:
-        assert method.run(PROMPT_IDS[0], NEW_TOKENS).tokens == reference, method.name
-    assert asked == [0, 32]  # the full-head policy asks for 0 rows (= no truncation)
+        tokens, stats = method.run(PROMPT_IDS[0], NEW_TOKENS)
+        assert tokens == reference, method.name
+        assert stats.drafted > 0
+
+
+def test_one_outside_clock_for_every_method(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every method is timed by the same clock around the whole call: for our engine the row's
+    seconds enclose everything its own stats clock saw (set-up included), never less."""
+    from layerskip.engine.stats import DeviceClock
+
+    ticks = iter(range(100_000))
+    monkeypatch.setattr(DeviceClock, "now", lambda self: float(next(ticks)))  # every reading one tick later
+    methods = build_methods(model, ["ar", "self-spec"], (), {"p": _policy()})
+    config = BenchConfig(max_new_tokens=4, warmup_tokens=2, progress=False)
+    rows = run_benchmark(model, methods, PROMPTS[:1], PROMPT_IDS[:1], config)
+    for row in rows:
+        assert row.seconds >= 1
+        if row.stats is not None:
+            assert row.seconds > row.stats.total_seconds > 0
 
 
 # -- report files ------------------------------------------------------------------------------------

@@ -18,17 +18,24 @@ def test_match_prefers_the_longest_then_the_latest_ngram() -> None:
     assert find_lookup([5, 6, 7], 1, 3, 4) == []
 
 
+def _score(cut: LookupRunLength, match: LookupMatch, actual: list[int]) -> None:
+    """Track ``match`` at the end of a history, then let the history continue with ``actual``."""
+    history = [0, 0, 0]
+    cut.track(match, len(history))
+    cut.observe(history + actual)
+
+
 def test_run_length_learns_where_runs_fail() -> None:
     cut = LookupRunLength(0.2)
     match = LookupMatch([10, 11, 12, 13, 14, 15], 2)
     # Uniform prior: 1/2, 1/4 pass 0.2, 1/8 does not.
     assert cut.cut(match) == [10, 11]
-    for _ in range(6):  # the first token of 2-gram runs is always rejected
-        cut.update(2, drafted=2, accepted=0)
+    for _ in range(6):  # the first token of 2-gram runs is always wrong
+        _score(cut, LookupMatch([10, 11], 2), [99, 11])
     assert cut.cut(match) == []
     assert cut.cut(LookupMatch([10, 11, 12], 3)) == [10, 11]  # other n-gram lengths keep their prior
-    for _ in range(20):  # 3-gram runs are accepted whole
-        cut.update(3, drafted=3, accepted=3)
+    for _ in range(20):  # 3-gram runs are right three tokens long
+        _score(cut, LookupMatch([10, 11, 12], 3), [10, 11, 12])
     # Positions 0-2 at 21/22 each, then never-reached positions at the prior 1/2: 0.87, 0.43, 0.22, 0.11.
     assert cut.cut(LookupMatch([10, 11, 12, 13, 14, 15], 3)) == [10, 11, 12, 13, 14]
     assert LookupRunLength(0.0).cut(match) == match.tokens  # 0: never cut
@@ -36,8 +43,31 @@ def test_run_length_learns_where_runs_fail() -> None:
 
 def test_only_reached_positions_are_counted() -> None:
     cut = LookupRunLength(0.1)
-    cut.update(1, drafted=4, accepted=1)
-    assert cut.reached == {(1, 0): 1, (1, 1): 1} and cut.accepted == {(1, 0): 1}
+    _score(cut, LookupMatch([5, 6, 7, 8], 1), [5, 9, 7, 8])  # right, then wrong: positions 2, 3 never reached
+    assert cut.reached == {(1, 0): 1, (1, 1): 1} and cut.right == {(1, 0): 1}
+    assert cut.pending == []  # settled at the first wrong token
+
+
+def test_matches_are_scored_as_the_history_grows() -> None:
+    cut = LookupRunLength(0.1)
+    cut.track(LookupMatch([5, 6, 7], 2), 3)
+    cut.observe([0, 0, 0, 5])  # one token known so far
+    assert cut.reached == {(2, 0): 1} and len(cut.pending) == 1
+    cut.observe([0, 0, 0, 5, 6, 7])
+    assert cut.right == {(2, 0): 1, (2, 1): 1, (2, 2): 1} and cut.pending == []
+
+
+def test_a_cut_to_nothing_does_not_switch_an_ngram_length_off() -> None:
+    """Runs cut to zero tokens are still scored against what the model produced, so when the
+    context starts repeating, the n-gram length is proposed again (a cut that only learned from
+    proposed tokens would never propose it again in this generation)."""
+    cut = LookupRunLength(0.3)
+    for _ in range(3):
+        _score(cut, LookupMatch([10, 11], 2), [99, 98])  # wrong runs: the cut drops the length to nothing
+    assert cut.cut(LookupMatch([10, 11], 2)) == []
+    for _ in range(8):  # matches that would have been right (at first not even proposed)
+        _score(cut, LookupMatch([10, 11], 2), [10, 11])
+    assert cut.cut(LookupMatch([10, 11], 2)) == [10, 11]
 
 
 @pytest.mark.parametrize("confidence", [0.0, 0.3])
@@ -53,7 +83,7 @@ def test_replay_of_lookup_drafting_is_exact(confidence: float) -> None:
     reference, _ = decode_autoregressive(model, prompt, settings)
     tokens, stats = decode_speculative(model, prompt, SkipPolicy(draft=draft), settings)
     assert tokens == reference
-    replay = simulate_greedy(Reference(tuple(prompt), tuple(reference)), reference, [1.0] * len(reference), draft)
+    replay = simulate_greedy(Reference(tuple(prompt), tuple(reference)), draft)
     assert replay.tokens == len(reference)
     assert (replay.drafted, replay.accepted) == (stats.drafted, stats.accepted)
     assert len(replay.blocks) == stats.steps  # the prompt's forward counts as the first step in both

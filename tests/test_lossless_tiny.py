@@ -15,8 +15,8 @@ import torch
 from compare import assert_same_tokens, hf_greedy, mismatch_message
 from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model, tiny_tokenizer
 
-from layerskip.engine import drafters
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.engine.draft import DraftModel
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
@@ -209,17 +209,17 @@ def test_bypass_with_a_bad_index_restores_what_it_patched() -> None:
 
 def test_bypass_is_restored_when_drafting_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model("llama")
-    real = drafters.draft_logits
+    real = DraftModel.logits
     calls = []
 
-    def failing(*args: object, **kwargs: object) -> torch.Tensor:
+    def failing(self: DraftModel, *args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         if len(calls) == 3:
             assert adapters.is_bypassed(model)
             raise RuntimeError("draft failed")
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(drafters, "draft_logits", failing)
+    monkeypatch.setattr(DraftModel, "logits", failing)
     with pytest.raises(RuntimeError, match="draft failed"):
         decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=NEW_TOKENS))
     assert not adapters.is_bypassed(model)

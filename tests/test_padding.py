@@ -55,8 +55,8 @@ def test_sampled_output_is_unchanged_by_padding() -> None:
 def test_replay_charges_the_padded_block() -> None:
     reference = Reference((1, 2, 3, 1, 2, 3), (1, 2, 9, 9, 9))
     draft = DraftSettings(lookup_max_ngram=2, lookup_min_ngram=1, lookup_max_tokens=2, use_skip_draft=False)
-    plain = simulate_greedy(reference, [0] * 5, [1.0] * 5, draft)
-    padded = simulate_greedy(reference, [0] * 5, [1.0] * 5, replace(draft, min_verify_block=PAD))
+    plain = simulate_greedy(reference, draft)
+    padded = simulate_greedy(reference, replace(draft, min_verify_block=PAD))
     assert (padded.tokens, padded.drafted, padded.accepted) == (plain.tokens, plain.drafted, plain.accepted)
     assert padded.blocks == [b if b == 1 else max(b, PAD) for b in plain.blocks] and padded.blocks != plain.blocks
 

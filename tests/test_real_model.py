@@ -44,7 +44,7 @@ def reference(smollm2):
         if prompt_id not in cache:
             ids = encode_prompt(smollm2.tokenizer, _prompt_text(prompt_id), chat=True)
             eos = eos_token_ids(smollm2.model, smollm2.tokenizer)
-            tokens, _ = hf_generate(smollm2.model, ids, NEW_TOKENS, eos)
+            tokens = hf_generate(smollm2.model, ids, NEW_TOKENS, eos)
             cache[prompt_id] = (ids, eos, tokens)
         return cache[prompt_id]
 

@@ -104,6 +104,25 @@ def test_search_writes_policy_resumes_and_policy_is_lossless(tiny_llama, tmp_pat
     assert report["new_tokens"] > 0
 
 
+# -- what is scored is what is exported ------------------------------------------------------------------------------
+def test_single_choice_knobs_and_head_rows_reach_the_exported_policy(tiny_llama, tmp_path):
+    """Knobs given one value are no Optuna parameters, yet the trials score them and the export keeps them;
+    the truncated head's rows in the file are the study's ranking, the rows every trial was scored with."""
+    db, out = tmp_path / "k.db", tmp_path / "p.json"
+    knobs = ["--verify-pad", "5", "--lookup", "3", "--lookup-min", "1", "--lookup-confidence", "0.2"]
+    draft = ["--draft-vocab", "32", "--draft-precision", "bfloat16", "--require-skip-draft"]
+    storage = ["--storage", f"sqlite:///{db}", "--study-name", "k", "--out", str(out)]
+    ok(run_search(tiny_llama, "--n-trials", "3", *knobs, *draft, *storage))
+    policy = SkipPolicy.load(out)
+    d = policy.draft
+    assert (d.min_verify_block, d.lookup_max_ngram, d.lookup_min_ngram, d.lookup_confidence) == (5, 3, 1, 0.2)
+    assert d.precision == "bfloat16" and d.draft_vocab_size == 32 and d.use_skip_draft
+    study = load_study(f"sqlite:///{db}", "k")
+    assert list(policy.draft_vocabulary) == study.user_attrs["draft_vocab_ranking"][:32]
+    assert policy.bypasses_anything  # trial 0 (nothing bypassed) is never exported
+    assert policy.provenance["trial"] != 0
+
+
 # -- journal storage, Pareto objective, plots, --total-trials ---------------------------------------------------------
 def test_journal_storage_pareto_plots_and_total_trials(tiny_llama, tmp_path):
     journal, out, plots = tmp_path / "j.log", tmp_path / "p.json", tmp_path / "plots"

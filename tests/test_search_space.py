@@ -1,4 +1,4 @@
-"""The search space: what a trial can propose, and that a finished trial's parameters rebuild its policy."""
+"""The search space: what a trial can propose, and that a finished trial gives back the very policy it evaluated."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import optuna
 import pytest
 
 from layerskip.errors import LayerskipError
-from search.space import SearchSpace, policy_from_params
+from search.space import POLICY_ATTR, SearchSpace, exportable, policy_attr, trial_policy, with_vocabulary
 
 LAYERS = 6
 
@@ -49,7 +49,7 @@ def test_lookup_run_length_has_its_own_choices() -> None:
 
 
 @pytest.mark.parametrize("require", [False, True])
-def test_params_rebuild_the_policy(require: bool) -> None:
+def test_trials_give_back_the_policy_they_evaluated(require: bool) -> None:
     space = SearchSpace(
         num_layers=LAYERS,
         lookup_ngram_choices=(0, 3),
@@ -57,10 +57,53 @@ def test_params_rebuild_the_policy(require: bool) -> None:
         lookup_confidence_choices=(0.0, 0.2),
         lookup_min_ngram_choices=(1, 2),
         draft_vocab_choices=(0, 64),
+        precision_choices=("model", "bfloat16"),
         require_skip_draft=require,
     )
-    for params, policy in _sampled(space):
-        assert policy_from_params(params, LAYERS) == policy
+    ranking = tuple(range(99, -1, -1))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    study.set_user_attr("draft_vocab_ranking", list(ranking))
+    evaluated = {}
+    for _ in range(30):
+        trial = study.ask()
+        try:
+            policy = with_vocabulary(space.suggest(trial), ranking)
+        except optuna.TrialPruned:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            continue
+        trial.set_user_attr(POLICY_ATTR, policy_attr(policy))
+        study.tell(trial, 1.0)
+        evaluated[trial.number] = policy
+    for frozen in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,)):
+        assert trial_policy(study, frozen) == evaluated[frozen.number]
+    assert any(p.draft_vocabulary == ranking[:64] for p in evaluated.values())
+    assert {p.draft.precision for p in evaluated.values() if p.draft.use_skip_draft} == {"model", "bfloat16"}
+
+
+def test_single_choice_knobs_reach_the_policy() -> None:
+    """A knob given one value is no Optuna parameter, yet the evaluated policy carries it."""
+    space = SearchSpace(
+        num_layers=LAYERS,
+        lookup_ngram_choices=(3,),
+        lookup_min_ngram_choices=(1,),
+        lookup_confidence_choices=(0.2,),
+        verify_pad_choices=(5,),
+        precision_choices=("int4",),
+    )
+    for params, policy in _sampled(space, 10):
+        assert "min_verify_block" not in params and "lookup_min_ngram" not in params
+        d = policy.draft
+        assert (d.min_verify_block, d.lookup_min_ngram, d.lookup_confidence) == (5, 1, 0.2)
+        assert d.precision == ("int4" if d.use_skip_draft else "model")
+
+
+def test_exportable() -> None:
+    from layerskip.engine.policy import DraftSettings, SkipPolicy
+
+    assert not exportable(SkipPolicy(draft=DraftSettings(precision="int4", draft_vocab_size=64)))  # bypasses nothing
+    assert exportable(SkipPolicy(skip_mlp=(2,)))
+    assert exportable(SkipPolicy(draft=DraftSettings(use_skip_draft=False, lookup_max_ngram=3)))  # lookup only
+    assert not exportable(SkipPolicy(draft=DraftSettings(lookup_max_ngram=3)))  # lookup + the full model drafting
 
 
 def test_lookup_cut_and_shortest_ngram_are_searched() -> None:

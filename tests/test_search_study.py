@@ -194,3 +194,71 @@ def test_total_trials_already_reached_runs_nothing():
     run_trials(study, lambda t: t.suggest_float("x", 0, 1), 10, 2, None, progress=False)
     run_trials(study, lambda t: t.suggest_float("x", 0, 1), 10, 5, None, progress=False)
     assert len(study.trials) == 5
+
+
+# -- export: the evaluated policy, never the full model drafting for itself -----------------------------------------
+def _trial_with(study: optuna.Study, policy, predicted: float) -> int:
+    from search.space import POLICY_ATTR, policy_attr
+
+    trial = study.ask()
+    trial.set_user_attr(POLICY_ATTR, policy_attr(policy))
+    trial.set_user_attr("predicted_speedup", predicted)
+    study.tell(trial, predicted)
+    return trial.number
+
+
+def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
+    from layerskip.engine.policy import DraftSettings, SkipPolicy
+    from search.export import choose_trial, export_policy, verdict
+    from search.study import finalists
+
+    study = optuna.create_study(direction="maximize")
+    bare = _trial_with(study, SkipPolicy(draft=DraftSettings(max_draft_tokens=4)), 2.0)
+    skip = _trial_with(study, SkipPolicy(skip_mlp=(1,)), 0.8)
+    assert [t.number for t in finalists(study, "speedup", 5)] == [skip]
+    study.set_user_attr(f"confirmed:{bare}", {"speedup": 1.5})  # even a better measurement does not count
+    study.set_user_attr(f"confirmed:{skip}", {"speedup": 0.9})
+    assert choose_trial(study).number == skip
+    policy = export_policy(study, tmp_path / "p.json")
+    assert policy.skip_mlp == (1,) and policy.measured["confirmed"]["speedup"] == 0.9
+    assert "nothing found beats plain decoding" in verdict(policy)
+
+
+def test_export_refuses_a_study_without_an_exportable_trial():
+    from layerskip.engine.policy import SkipPolicy
+    from search.export import choose_trial
+
+    study = optuna.create_study(direction="maximize")
+    _trial_with(study, SkipPolicy(), 1.0)
+    with pytest.raises(LayerskipError, match="bypasses a sublayer"):
+        choose_trial(study)
+
+
+def test_confirm_uses_the_benchmark_timing_and_speedup(monkeypatch):
+    """confirm() times through measure.timing and reports aggregate throughput, as the benchmark does."""
+    from tiny_models import random_prompt, tiny_model
+
+    from layerskip.engine.policy import SkipPolicy
+    from layerskip.measure.timing import TimedRun
+    from search import objective
+
+    calls = []
+
+    def fake_runs(runners, prompts, max_new, device, warmup, progress, desc):
+        calls.append((list(runners), len(prompts)))
+        real = [{name: runner(ids, 4) for name, runner in runners.items()} for ids in prompts]
+        # Prompt 1: 4 tokens in 1 s vs 2 s; prompt 2: 4 tokens in 4 s vs 2 s. Mean of ratios 1.25, aggregate 0.8.
+        seconds = [{"ours": 1.0, "hf": 2.0}, {"ours": 4.0, "hf": 2.0}]
+        return [
+            {name: TimedRun(run[0], seconds[i][name], run[1]) for name, run in by_name.items()}
+            for i, by_name in enumerate(real)
+        ]
+
+    monkeypatch.setattr(objective, "run_interleaved", fake_runs)
+    model = tiny_model("llama")
+    prompts = [random_prompt(seed=0), random_prompt(seed=1)]
+    calibration = objective.Calibration(prompts, [], 1.0, {}, prompts[0])
+    confirmation = objective.confirm(model, calibration, SkipPolicy(skip_attention=(0,)), 4)
+    assert calls == [(["ours", "hf"], 2)]
+    assert confirmation.speedup == pytest.approx((8 / 5) / (8 / 4))
+    assert confirmation.identical_fraction == 1.0

@@ -20,6 +20,7 @@ from tiny_models import VOCAB, random_prompt, tiny_model, tiny_tokenizer
 
 from layerskip.engine import decoding, drafters
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.engine.head import DraftHead
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling, sample, verify_sampled
 from layerskip.engine.vocab import DraftVocabulary
@@ -60,18 +61,23 @@ def _policy(combo: str, rows: torch.Tensor) -> tuple[SkipPolicy, torch.Tensor | 
     raise ValueError(combo)
 
 
-def _spy_on_skip_drafts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every token the skip draft proposes (lookup proposals are not model outputs)."""
-    proposed: list[int] = []
+def _spy_on_skip_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[set[int], list[int]]]:
+    """Every skip draft (lookup proposals are not model outputs), with the tokens of the history then."""
+    proposed: list[tuple[set[int], list[int]]] = []
     real = drafters.SkipDrafter.propose
 
     def propose(self: drafters.SkipDrafter, request: drafters.DraftRequest) -> drafters.Draft:
         draft = real(self, request)
-        proposed.extend(draft.tokens)
+        proposed.append((set(request.history), list(draft.tokens)))
         return draft
 
     monkeypatch.setattr(drafters.SkipDrafter, "propose", propose)
     return proposed
+
+
+def _fixed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Truncated heads keep their starting rows (no prompt or emitted tokens added)."""
+    monkeypatch.setattr(DraftHead, "add", lambda self, tokens: None)
 
 
 # -- greedy: lossless ---------------------------------------------------------------------------------------
@@ -101,29 +107,65 @@ def test_greedy_matches_hf_generate(arch: str, combo: str, monkeypatch: pytest.M
         assert not proposed
     if vocab_rows is not None:
         allowed = set(rows.tolist())
-        assert set(proposed) <= allowed, sorted(set(proposed) - allowed)  # the head really is truncated
+        for history, tokens in proposed:  # the head really is truncated: its rows, the prompt, tokens emitted
+            assert set(tokens) <= allowed | history, sorted(set(tokens) - allowed - history)
         assert set(ref) - allowed  # some reference tokens can only come from the verify
 
 
-def test_generate_builds_the_rows_from_the_builtin_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``generate`` with a draft_vocab_size policy truncates the head itself and stays lossless."""
+def test_generate_uses_the_policy_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``generate`` with a draft_vocab_size policy truncates the head to the policy's rows (or the
+    lowest ids when it has none), then adds the prompt's tokens, and stays lossless."""
     model, tokenizer = _model("llama"), tiny_tokenizer()
-    heads: list[torch.Tensor | None] = []
-    real = adapters.draft_head
+    heads: list[DraftHead] = []
+    real = DraftHead.__init__
 
-    def draft_head(model: torch.nn.Module, rows: torch.Tensor | None = None) -> adapters.DraftHead:
-        heads.append(rows)
-        return real(model, rows)
+    def init(self: DraftHead, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)
+        heads.append(self)
 
-    monkeypatch.setattr(adapters, "draft_head", draft_head)
+    monkeypatch.setattr(DraftHead, "__init__", init)
     prompt = "hello world w1 w2 w3 w4 w5 hello"
-    policy = SkipPolicy(**SKIP, draft=DraftSettings(draft_vocab_size=8))
-    plain = generate(model, tokenizer, prompt, max_new_tokens=16)
-    truncated = generate(model, tokenizer, prompt, policy, max_new_tokens=16)
-    assert truncated.tokens == plain.tokens
-    assert len(heads) == 1 and heads[0] is not None
     prompt_ids = tokenizer(prompt)["input_ids"]
-    assert set(prompt_ids) <= set(heads[0].tolist()) and len(heads[0]) <= 8 + len(set(prompt_ids))
+    plain = generate(model, tokenizer, prompt, max_new_tokens=16)
+    ranking = (100, 90, 80, 70, 60, 50, 40, 30, 20)
+    for ranked, start in (((), set(range(8))), (ranking, set(ranking[:8]))):
+        heads.clear()
+        policy = SkipPolicy(**SKIP, draft=DraftSettings(draft_vocab_size=8), draft_vocabulary=ranked)
+        truncated = generate(model, tokenizer, prompt, policy, max_new_tokens=16)
+        assert truncated.tokens == plain.tokens
+        assert len(heads) == 1 and heads[0].truncated
+        rows = set(heads[0].current_rows.tolist())
+        assert start | set(prompt_ids) <= rows <= start | set(prompt_ids) | set(plain.tokens)
+
+
+# -- the growing head ---------------------------------------------------------------------------------
+
+
+def test_draft_head_grows_and_maps_back_to_vocabulary_ids() -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(VOCAB, 16), torch.randn(VOCAB)
+    head = DraftHead(weight, bias, None, torch.tensor([9, 3, 3, 40]), growth=3)
+    assert head.current_rows.tolist() == [3, 9, 40]  # sorted, no duplicates
+    hidden = torch.randn(16)
+    torch.testing.assert_close(head(hidden), (weight @ hidden + bias)[[3, 9, 40]])
+    head.add([40, 7, 7, 120, 5])  # 40 is known; room for 3 new rows: 5, 7, 120
+    assert head.current_rows.tolist() == [3, 9, 40, 5, 7, 120]
+    head.add([11])  # full: nothing more is added
+    assert head.count == 6
+    logits = head(hidden)
+    torch.testing.assert_close(logits, (weight @ hidden + bias)[[3, 9, 40, 5, 7, 120]])
+    assert head.token_ids(torch.tensor(4)).item() == 7
+    full = head.to_full_vocab(torch.full((6,), 1 / 6))
+    assert full.shape == (VOCAB,) and float(full.sum()) == pytest.approx(1.0)
+    assert full[[3, 9, 40, 5, 7, 120]].tolist() == [pytest.approx(1 / 6)] * 6
+
+
+def test_full_head_ignores_add() -> None:
+    weight = torch.randn(VOCAB, 16)
+    head = DraftHead(weight, None, None, None)
+    head.add([1, 2, 3])
+    assert head.current_rows is None and head(torch.randn(16)).shape == (VOCAB,)
+    assert DraftHead(weight, None, None, torch.arange(VOCAB)).current_rows is None  # all rows: the full head
 
 
 # -- DraftVocabulary --------------------------------------------------------------------------------------
@@ -144,34 +186,19 @@ def test_ranking_drops_ids_beyond_the_head() -> None:
     assert vocabulary.ranking.tolist() == [2, *[i for i in range(64) if i != 2]]
 
 
-def test_builtin_ranking_is_a_permutation() -> None:
-    ranking = DraftVocabulary.builtin(tiny_tokenizer(), _model("llama")).ranking.tolist()
-    assert sorted(ranking) == list(range(VOCAB))
-    assert ranking[0] == 0  # nearly every word of the built-in prompts is [UNK] for the tiny tokenizer
+def test_top_rows() -> None:
+    vocabulary = DraftVocabulary(torch.tensor([5, 2, 9, 0, 1, 3, 4, 6, 7, 8]))
+    assert vocabulary.top(3) == (5, 2, 9) and vocabulary.top(0) == ()
 
 
-@pytest.mark.parametrize("size", [1, 5, 40, VOCAB - 1])
-def test_rows(size: int) -> None:
-    ranking = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(size))
-    vocabulary = DraftVocabulary(ranking)
-    prompt = [5, 99, 5, 17, 120, 99]
-    rows = vocabulary.rows(size, prompt)
-    values = rows.tolist()
-    assert values == sorted(set(values))  # sorted, no duplicates
-    assert set(prompt) <= set(values)
-    assert set(ranking[:size].tolist()) <= set(values)
-    assert set(values) == set(ranking[:size].tolist()) | set(prompt)  # nothing else
-    assert vocabulary.rows(size).tolist() == sorted(ranking[:size].tolist())
-    assert rows.dtype == torch.long
+def test_policy_head_rows() -> None:
+    def policy(size: int, ranked: tuple[int, ...] = ()) -> SkipPolicy:
+        return SkipPolicy(**SKIP, draft=DraftSettings(draft_vocab_size=size), draft_vocabulary=ranked)
 
-
-def test_rows_for_the_full_head_is_none() -> None:
-    vocabulary = DraftVocabulary(torch.arange(VOCAB))
-    assert vocabulary.rows(0) is None
-    assert vocabulary.rows(0, [1, 2, 3]) is None
-    assert vocabulary.rows(VOCAB) is None and vocabulary.rows(VOCAB + 5) is None  # K >= V: the full head
-    assert vocabulary.rows_for(SkipPolicy(**SKIP), [1, 2]) is None
-    assert vocabulary.rows_for(SkipPolicy(draft=DraftSettings(draft_vocab_size=4)), [9]).tolist() == [0, 1, 2, 3, 9]
+    assert policy(0).head_rows(VOCAB) is None
+    assert policy(VOCAB).head_rows(VOCAB) is None and policy(VOCAB + 5).head_rows(VOCAB) is None  # K >= V: full
+    assert policy(4).head_rows(VOCAB) == (0, 1, 2, 3)  # no ranking: the lowest ids
+    assert policy(3, (50, 7, 9, 11)).head_rows(VOCAB) == (50, 7, 9)
 
 
 # -- sampling with a truncated head: synthetic distributions ---------------------------------------------
@@ -279,6 +306,7 @@ def _e2e_setup() -> tuple[list[int], torch.Tensor, torch.Tensor, SkipPolicy]:
 
 def test_sampled_truncated_draft_proposes_from_the_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a truncated head the draft's q is a distribution over the rows: zero elsewhere, summing to 1."""
+    _fixed_rows(monkeypatch)
     prompt, _, rows, policy = _e2e_setup()
     policy = SkipPolicy(**SKIP, draft=DraftSettings(max_draft_tokens=3, draft_vocab_size=len(rows)))
     seen: list[tuple[list[int], torch.Tensor]] = []
@@ -335,6 +363,7 @@ def test_end_to_end_sampling_with_a_truncated_head_follows_the_model() -> None:
 
 def test_end_to_end_with_always_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check catches a verify that keeps every draft: no token outside the rows ever comes out."""
+    _fixed_rows(monkeypatch)
     monkeypatch.setattr(decoding, "verify_sampled", always_accept)
     model = _e2e_model()
     prompt, law, rows, policy = _e2e_setup()

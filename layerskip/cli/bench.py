@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import load_prompts
-from layerskip.engine.policy import SkipPolicy
-from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
@@ -62,26 +59,14 @@ def _main(argv: list[str] | None) -> int:
     prompts = load_prompts(
         args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field, seed=args.seed
     )
-    policies: dict[str, SkipPolicy] = {}
-    for path in args.policy:
-        label = Path(path).stem
-        if label in policies:  # two files of the same name: keep both, told apart by position
-            label = f"{label}-{len(policies) + 1}"
-        policies[label] = SkipPolicy.load(path)
+    policies = load_policies(args.policy)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    for label, policy in policies.items():
-        try:
-            policy.validate_for(model)
-        except LayerskipError as exc:
-            raise LayerskipError(f"policy {label}: {exc}") from None
+    check_policies(policies, model)
     assistant = load_model(args.assistant_model, args.dtype, args.device).model if args.assistant_model else None
     chat = loaded.instruct if args.chat is None else args.chat
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
-    vocabulary = DraftVocabulary.builtin(tokenizer, model)
-    methods = build_methods(
-        model, names, eos_token_ids(model, tokenizer), policies, vocabulary, assistant, ablate=args.ablate
-    )
+    methods = build_methods(model, names, eos_token_ids(model, tokenizer), policies, assistant, ablate=args.ablate)
     rows = run_benchmark(
         model, methods, prompts, prompt_ids, BenchConfig(args.max_new_tokens, progress=not args.no_progress)
     )
@@ -96,6 +81,7 @@ def _main(argv: list[str] | None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
         "policies": {label: policy.to_dict() for label, policy in policies.items()},
+        "draft_memory_mb": {m.name: m.draft_memory_mb for m in methods if m.draft_memory_mb is not None},
         "methods": summarise(rows),
         "per_prompt": rows_as_dicts(rows),
         "environment": env,

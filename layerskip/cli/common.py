@@ -6,7 +6,9 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
+from layerskip.engine.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 
 EXIT_BAD_INPUT = 2
@@ -55,3 +57,27 @@ def read_prompt(text: str | None, path: str | None) -> str:
     if text is None:
         raise LayerskipError("no prompt given; pass --prompt TEXT or --prompt-file PATH")
     return text
+
+
+def load_policies(paths: list[str]) -> dict[str, SkipPolicy]:
+    """Policy files by label (the file's stem; a repeated stem gets ``-2``, ``-3``: nothing is dropped)."""
+    policies: dict[str, SkipPolicy] = {}
+    for path in paths:
+        stem = label = Path(path).stem
+        number = 2
+        while label in policies:
+            label = f"{stem}-{number}"
+            number += 1
+        policies[label] = SkipPolicy.load(path)
+    return policies
+
+
+def check_policies(policies: dict[str, SkipPolicy | None], model: object) -> None:
+    """Every policy can drive ``model``; the error names the policy that cannot."""
+    for label, policy in policies.items():
+        if policy is None:
+            continue
+        try:
+            policy.validate_for(model)
+        except LayerskipError as exc:
+            raise LayerskipError(f"policy {label}: {exc}") from None

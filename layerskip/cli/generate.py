@@ -7,14 +7,14 @@ import json
 import sys
 
 from layerskip.cli.common import add_model_arguments, read_prompt, run_cli
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.sampling import Sampling
-from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.hf.baselines import hf_generate
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup, throughput
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,34 +72,36 @@ def _main(argv: list[str] | None) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    if policy is not None:
-        policy.validate_for(model)
+    decoder = Decoder(model, policy)  # checks the policy against the model, prepares its draft once
     chat = loaded.instruct if args.chat is None else args.chat
     ids = encode_prompt(tokenizer, prompt, chat)
-    settings = DecodeSettings(args.max_new_tokens, sampling, args.seed, eos_token_ids(model, tokenizer))
+    eos = eos_token_ids(model, tokenizer)
 
-    rows = None
-    if policy is not None and policy.draft.draft_vocab_size:
-        rows = DraftVocabulary.builtin(tokenizer, model).rows_for(policy, ids)
+    def settings(max_new: int) -> DecodeSettings:
+        return DecodeSettings(max_new, sampling, args.seed, eos)
 
-    def run(stream: object | None = None) -> tuple[list[int], object]:
-        if policy is None:
-            return decode_autoregressive(model, ids, settings, tokenizer=tokenizer, on_tokens=stream)
-        return decode_speculative(model, ids, policy, settings, tokenizer=tokenizer, on_tokens=stream, vocab_rows=rows)
-
-    if args.compare:  # warm both paths up so neither pays first-call costs in the timing
-        warm = DecodeSettings(4, sampling, args.seed, settings.eos_token_ids)
-        decode_autoregressive(model, ids, warm)
-        hf_generate(model, ids, 4, settings.eos_token_ids, sampling, args.seed)
-
-    tokens, stats = run(None if args.json else _TextStreamer(tokenizer))
+    if args.compare:
+        # Both sides timed alike after a warm-up (measure.timing); nothing streams while timed.
+        runners: dict[str, Runner] = {
+            "ours": lambda prompt_ids, n: decoder.decode(prompt_ids, settings(n), tokenizer=tokenizer),
+            "hf": lambda prompt_ids, n: (hf_generate(model, prompt_ids, n, eos, sampling, args.seed), None),
+        }
+        runs = run_interleaved(runners, [ids], args.max_new_tokens, decoder.device, warmup_tokens=4)[0]
+        ours, base = runs["ours"], runs["hf"]
+        tokens, stats, seconds = ours.tokens, ours.stats, ours.seconds
+        if not args.json:
+            print(tokenizer.decode(tokens, skip_special_tokens=True), end="")
+    else:
+        stream = None if args.json else _TextStreamer(tokenizer)
+        tokens, stats = decoder.decode(ids, settings(args.max_new_tokens), tokenizer=tokenizer, on_tokens=stream)
+        seconds = stats.total_seconds
     report = {
         "model": loaded.name,
         "policy": args.policy,
         "text": tokenizer.decode(tokens, skip_special_tokens=True),
         "new_tokens": len(tokens),
-        "seconds": stats.total_seconds,
-        "tokens_per_second": stats.tokens_per_second,
+        "seconds": seconds,
+        "tokens_per_second": throughput(len(tokens), seconds),
         "steps": stats.steps,
         "mean_accepted": stats.mean_accepted,
         "acceptance_rate": stats.acceptance_rate,
@@ -107,20 +109,16 @@ def _main(argv: list[str] | None) -> int:
         "verify_seconds": stats.verify_seconds,
     }
     if args.compare:
-        base_tokens, base_seconds = hf_generate(
-            model, ids, args.max_new_tokens, settings.eos_token_ids, sampling, args.seed
-        )
-        base_tps = len(base_tokens) / base_seconds if base_seconds > 0 else 0.0
-        report["baseline_tokens_per_second"] = base_tps
-        report["speedup"] = stats.tokens_per_second / base_tps if base_tps else 0.0
+        report["baseline_tokens_per_second"] = aggregate_throughput([base])
+        report["speedup"] = speedup([ours], [base])
         # Sampled outputs differ run to run by design; identity is a greedy property.
-        report["identical"] = tokens == base_tokens if sampling is None else None
+        report["identical"] = tokens == base.tokens if sampling is None else None
     if args.json:
         print(json.dumps(report))
         return 0
     print(file=sys.stdout)
     line = (
-        f"[{report['new_tokens']} tokens in {stats.total_seconds:.2f} s, {stats.tokens_per_second:.1f} tok/s; "
+        f"[{report['new_tokens']} tokens in {seconds:.2f} s, {report['tokens_per_second']:.1f} tok/s; "
         f"{stats.steps} steps, mean accepted {stats.mean_accepted:.2f}"
     )
     if policy is not None:

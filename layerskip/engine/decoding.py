@@ -1,39 +1,41 @@
-"""The decode loops: plain autoregressive and self-speculative, greedy and sampling, batch size 1.
+"""The decode loop, batch size 1: self-speculative with a drafter, plain with none; greedy or sampling.
 
-Self-speculative step (cache holds every token but ``pending``, the last one chosen):
+One step (the cache holds every token but ``pending``, the last one chosen):
 
-    draft:   bypassed model proposes d1..dk, feeding pending, d1, .. (writes K/V only in
-             layers it does not bypass)
+    draft:   the drafter proposes d1..dk (a skip draft feeds pending, d1, .. through the
+             bypassed model, writing K/V only in layers it does not bypass; lookup reads the
+             history; plain decoding proposes nothing)
     rollback every layer to ``committed`` (= tokens in the cache before drafting)
     verify:  full model over [pending, d1..dk] -> logits [k+1, V]
     accept:  the longest prefix d1..dn the full model agrees with, plus its own token at n
     rollback every layer to committed + 1 + n; the new pending is the full model's token
 
 Greedy output is the full model's argmax chain; sampling uses rejection sampling, so the
-output distribution is the full model's.
+output distribution is the full model's. Plain decoding is the same loop with a drafter that
+proposes nothing (blocks of one token).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from layerskip.engine.cache import RollbackCache
-from layerskip.engine.drafters import DraftRequest, make_drafter
+from layerskip.engine.draft import DraftModel
+from layerskip.engine.drafters import Draft, Drafter, DraftRequest, NoDrafter, make_drafter
 from layerskip.engine.forward import full_logits
 from layerskip.engine.policy import SkipPolicy
-from layerskip.engine.sampling import Sampling, sample, verify_sampled
+from layerskip.engine.sampling import Sampling, verify_greedy, verify_sampled
 from layerskip.engine.stats import DeviceClock, GenerationResult, GenerationStats
-from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 
 TokenCallback = Callable[[list[int]], None]
+CacheObserver = Callable[[RollbackCache, int], None]
 
 
 @dataclass(frozen=True)
@@ -73,18 +75,18 @@ class _Output:
         # Checked once per accepted token: count, don't slice a copy of the output.
         return self.settings.max_new_tokens - (len(self.history) - self.prompt_length)
 
-    def emit(self, tokens: list[int]) -> bool:
-        """Append accepted tokens, cut at the first stop condition; returns True when finished."""
-        kept: list[int] = []
+    def emit(self, tokens: list[int]) -> int:
+        """Append accepted tokens, cut at the first stop condition; returns how many were kept."""
+        kept = 0
         for token in tokens:
-            kept.append(token)
+            kept += 1
             self.history.append(token)
             if token in self.settings.eos_token_ids or self.remaining <= 0 or self._hit_stop_string():
                 self.done = True
                 break
         if kept and self.on_tokens is not None:
-            self.on_tokens(kept)
-        return self.done
+            self.on_tokens(tokens[:kept])
+        return kept
 
     def _hit_stop_string(self) -> bool:
         if not self.settings.stop_strings:
@@ -101,13 +103,6 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator | None
     return generator
 
 
-def _choose(logits: torch.Tensor, sampling: Sampling | None, generator: torch.Generator | None) -> int:
-    """One token from ``[V]`` logits."""
-    if sampling is None:
-        return int(logits.argmax())
-    return int(sample(sampling.probs(logits), generator))
-
-
 def _as_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
     if not ids:
@@ -115,46 +110,147 @@ def _as_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return ids
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+class Decoder:
+    """Decodes with ``model``: self-speculatively with ``policy``, plainly without one.
+
+    Built once per model and policy: it checks the policy against the model and prepares the
+    draft (a low-precision copy of the projections it keeps, if the policy asks for one), then
+    serves any number of ``decode`` calls. ``vocab_rows`` overrides the truncated draft head's
+    starting rows (default: the policy's).
+    """
+
+    def __init__(self, model: nn.Module, policy: SkipPolicy | None = None, vocab_rows: torch.Tensor | None = None):
+        self.model = model
+        self.policy = policy
+        self.device = next(model.parameters()).device
+        self.vocab_size = adapters.lm_head(model).weight.shape[0]
+        self.draft_model: DraftModel | None = None
+        if policy is not None:
+            policy.validate_for(model)
+            if policy.draft.use_skip_draft:
+                kept = [
+                    (i, kind)
+                    for i in range(adapters.num_layers(model))
+                    for kind, skipped in (("attention", policy.skip_attention), ("mlp", policy.skip_mlp))
+                    if i not in skipped
+                ]
+                self.draft_model = DraftModel(model, policy.draft.precision, kept)
+        if vocab_rows is None and policy is not None:
+            rows = policy.head_rows(self.vocab_size)
+            vocab_rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
+        self.vocab_rows = vocab_rows
+
+    def _drafter(self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None) -> Drafter:
+        if self.policy is None:
+            return NoDrafter()
+        head = None
+        if self.draft_model is not None:
+            head = self.draft_model.head(self.vocab_rows, growth=prompt_length + settings.max_new_tokens)
+        return make_drafter(self.policy, self.draft_model, head, self.vocab_size, settings.sampling, generator)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        settings: DecodeSettings,
+        *,
+        tokenizer: object | None = None,
+        on_tokens: TokenCallback | None = None,
+        cache_observer: CacheObserver | None = None,
+        drafter: Drafter | None = None,
+    ) -> tuple[list[int], GenerationStats]:
+        """Generate up to ``settings.max_new_tokens`` after ``input_ids``. Returns (new tokens, stats).
+
+        ``cache_observer(cache, committed)`` is called after every step (tests check lengths);
+        ``drafter`` replaces the policy's (on-the-fly selection passes its own).
+        """
+        clock = DeviceClock(self.device)
+        start = clock.now()  # everything this call does is timed, set-up included
+        settings.validate()
+        prompt = _as_ids(input_ids)
+        stats = GenerationStats()
+        output = _Output(prompt, settings, tokenizer, on_tokens)
+        generator = _generator(settings.seed, self.device)
+        cache = RollbackCache(adapters.sliding_windows(self.model))
+        drafter = drafter or self._drafter(len(prompt), settings, generator)
+        sampling = settings.sampling
+        pad_to = self.policy.draft.min_verify_block if self.policy is not None else 0
+        limit = adapters.max_positions(self.model)
+
+        committed = 0  # tokens in the cache; the history's last token is pending
+        block_ids = prompt  # the prefill is the first verify, with nothing drafted
+        draft = None
+        while True:
+            t0 = clock.now()
+            block = torch.tensor([block_ids], device=self.device)  # [1, prompt] or [1, k+1 (+ fillers)]
+            drafted = draft.tokens if draft is not None else []
+            keep = 1 if draft is None else len(block_ids)
+            logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
+            if sampling is None:
+                accepted, next_token = verify_greedy(drafted, logits)
+            else:
+                q = draft.q if draft is not None else None
+                accepted, next_token = verify_sampled(drafted, sampling.probs(logits), q, generator)
+            committed += (len(prompt) if draft is None else 1) + accepted
+            cache.rollback(committed)
+            t1 = clock.now()
+            kept = output.emit([*drafted[:accepted], next_token])
+            accepted = min(accepted, kept)  # drafts past an EOS or the budget were not used
+            if draft is None:
+                stats.prefill_seconds = t1 - start
+                stats.record_step(0, 0)
+            else:
+                stats.verify_seconds += t1 - t0
+                stats.record_step(len(drafted), accepted)
+                stats.record_block(len(block_ids))
+                if draft.from_lookup and drafted:
+                    stats.lookup_steps += 1
+                drafter.update(draft, accepted)
+            if cache_observer is not None:
+                cache_observer(cache, committed)
+            if output.done:
+                break
+
+            # The verify always adds one token of its own, so draft at most remaining - 1.
+            t2 = clock.now()
+            budget = output.remaining - 1
+            request = DraftRequest(output.history, cache, budget, self.device)
+            draft = drafter.propose(request) if budget > 0 else Draft([])
+            if draft.source != "none":  # plain decoding drafts nothing: its loop time is "other"
+                stats.draft_seconds += clock.now() - t2
+            cache.rollback(committed)
+            block_ids = [output.history[-1], *draft.tokens]
+            if draft.tokens and len(block_ids) < pad_to and (limit is None or committed + pad_to <= limit):
+                # Filler positions after the draft: causal attention keeps them out of every
+                # earlier position's logits, their logits are dropped, their K/V rolled back.
+                block_ids += [block_ids[-1]] * (pad_to - len(block_ids))
+
+        stats.total_seconds = clock.now() - start
+        stats.new_tokens = len(output.generated)
+        return output.generated, stats
 
 
-class _Begun(NamedTuple):
-    prompt: list[int]
-    device: torch.device
-    clock: DeviceClock
-    stats: GenerationStats
-    output: _Output
-    generator: torch.Generator | None
-    cache: RollbackCache
-
-
-def _begin(
+def decode(
     model: nn.Module,
     input_ids: Sequence[int] | torch.Tensor,
+    policy: SkipPolicy | None,
     settings: DecodeSettings,
-    tokenizer: object | None,
-    on_tokens: TokenCallback | None,
-    policy: SkipPolicy | None = None,
-) -> _Begun:
-    """What both decode loops start from: checked settings (and policy), the prompt, a fresh shared cache."""
-    settings.validate()
-    if policy is not None:
-        policy.validate_for(model)
-    prompt = _as_ids(input_ids)
-    device = _model_device(model)
-    return _Begun(
-        prompt,
-        device,
-        DeviceClock(device),
-        GenerationStats(),
-        _Output(prompt, settings, tokenizer, on_tokens),
-        _generator(settings.seed, device),
-        RollbackCache(adapters.sliding_windows(model)),
+    *,
+    tokenizer: object | None = None,
+    on_tokens: TokenCallback | None = None,
+    vocab_rows: torch.Tensor | None = None,
+    cache_observer: CacheObserver | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """One generation: self-speculative with ``policy``, plain without. Returns (new tokens, stats).
+
+    Prepares the draft on every call; to decode many prompts with one policy, build a
+    ``Decoder`` once and call its ``decode``.
+    """
+    return Decoder(model, policy, vocab_rows).decode(
+        input_ids, settings, tokenizer=tokenizer, on_tokens=on_tokens, cache_observer=cache_observer
     )
 
 
-@torch.inference_mode()
 def decode_autoregressive(
     model: nn.Module,
     input_ids: Sequence[int] | torch.Tensor,
@@ -164,30 +260,9 @@ def decode_autoregressive(
     on_tokens: TokenCallback | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Plain decoding: one full forward per token. Returns (new tokens, stats)."""
-    prompt, device, clock, stats, output, generator, cache = _begin(model, input_ids, settings, tokenizer, on_tokens)
-
-    start = clock.now()
-    ids = torch.tensor([prompt], device=device)  # [1, prompt_len]
-    position = 0
-    while True:
-        logits = full_logits(model, ids, cache, position, keep=1)  # [1, V]
-        token = _choose(logits[-1], settings.sampling, generator)
-        stats.record_step(0, 0)
-        if stats.steps == 1:
-            stats.prefill_seconds = clock.now() - start
-        else:
-            stats.record_block(1)
-        if output.emit([token]):
-            break
-        position += ids.shape[1]
-        ids = torch.tensor([[token]], device=device)
-    stats.total_seconds = clock.now() - start
-    stats.verify_seconds = stats.total_seconds - stats.prefill_seconds
-    stats.new_tokens = len(output.generated)
-    return output.generated, stats
+    return decode(model, input_ids, None, settings, tokenizer=tokenizer, on_tokens=on_tokens)
 
 
-@torch.inference_mode()
 def decode_speculative(
     model: nn.Module,
     input_ids: Sequence[int] | torch.Tensor,
@@ -197,98 +272,18 @@ def decode_speculative(
     tokenizer: object | None = None,
     on_tokens: TokenCallback | None = None,
     vocab_rows: torch.Tensor | None = None,
-    cache_observer: Callable[[RollbackCache, int], None] | None = None,
+    cache_observer: CacheObserver | None = None,
 ) -> tuple[list[int], GenerationStats]:
-    """Self-speculative decoding with ``policy``. Returns (new tokens, stats).
-
-    ``vocab_rows`` are the token ids a truncated draft head scores (None = full head);
-    ``cache_observer(cache, committed)`` is called after every step (tests check lengths).
-    """
-    prompt, device, clock, stats, output, generator, cache = _begin(
-        model, input_ids, settings, tokenizer, on_tokens, policy
-    )
-    drafter = make_drafter(model, policy, settings.sampling, generator, vocab_rows)
-    sampling = settings.sampling
-    pad_to = policy.draft.min_verify_block
-    limit = adapters.max_positions(model)
-
-    start = clock.now()
-    logits = full_logits(model, torch.tensor([prompt], device=device), cache, 0, keep=1)
-    first = _choose(logits[-1], sampling, generator)
-    stats.record_step(0, 0)
-    stats.prefill_seconds = clock.now() - start
-    done = output.emit([first])
-    committed = len(prompt)  # tokens in the cache; the history's last token is pending
-    if cache_observer is not None:
-        cache_observer(cache, committed)
-
-    while not done:
-        # The verify always adds one token of its own, so draft at most remaining - 1.
-        budget = output.remaining - 1
-        t0 = clock.now()
-        draft = drafter.propose(DraftRequest(output.history, cache, budget)) if budget > 0 else None
-        drafted = draft.tokens if draft is not None else []
-        t1 = clock.now()
-
-        cache.rollback(committed)
-        block_ids = [output.history[-1], *drafted]
-        if drafted and len(block_ids) < pad_to and (limit is None or committed + pad_to <= limit):
-            # Filler positions after the draft: causal attention keeps them out of every
-            # earlier position's logits, their own logits are dropped, their K/V rolled back.
-            block_ids += [block_ids[-1]] * (pad_to - len(block_ids))
-        block = torch.tensor([block_ids], device=device)  # [1, k+1 (+ fillers)]
-        logits = full_logits(model, block, cache, committed, keep=block.shape[1])[: len(drafted) + 1]  # [k+1, V]
-        stats.record_block(block.shape[1])
-        if sampling is None:
-            targets = logits.argmax(dim=-1).tolist()  # the full model's token after each block position
-            accepted = 0
-            while accepted < len(drafted) and drafted[accepted] == targets[accepted]:
-                accepted += 1
-            next_token = targets[accepted]
-        else:
-            q = draft.q if draft is not None else None  # no draft when one token remains
-            accepted, next_token = verify_sampled(drafted, sampling.probs(logits), q, generator)
-        committed += 1 + accepted
-        cache.rollback(committed)
-        t2 = clock.now()
-
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
-        stats.record_step(len(drafted), accepted)
-        if draft is not None and draft.from_lookup and drafted:
-            stats.lookup_steps += 1
-        drafter.update(len(drafted), accepted)
-        done = output.emit([*drafted[:accepted], next_token])
-        if cache_observer is not None:
-            cache_observer(cache, committed)
-
-    stats.total_seconds = clock.now() - start
-    stats.new_tokens = len(output.generated)
-    return output.generated, stats
-
-
-def decode(
-    model: nn.Module,
-    input_ids: Sequence[int] | torch.Tensor,
-    policy: SkipPolicy | None,
-    settings: DecodeSettings,
-    *,
-    vocabulary: DraftVocabulary | None = None,
-    vocab_rows: torch.Tensor | None = None,
-    tokenizer: object | None = None,
-    on_tokens: TokenCallback | None = None,
-) -> tuple[list[int], GenerationStats]:
-    """Plain decoding without a policy, self-speculative with one.
-
-    A truncated draft head scores ``vocab_rows``, or else the rows ``vocabulary`` picks for the
-    policy and this prompt.
-    """
-    if policy is None:
-        return decode_autoregressive(model, input_ids, settings, tokenizer=tokenizer, on_tokens=on_tokens)
-    if vocab_rows is None and vocabulary is not None:
-        vocab_rows = vocabulary.rows_for(policy, _as_ids(input_ids))
-    return decode_speculative(
-        model, input_ids, policy, settings, tokenizer=tokenizer, on_tokens=on_tokens, vocab_rows=vocab_rows
+    """Self-speculative decoding with ``policy``. Returns (new tokens, stats)."""
+    return decode(
+        model,
+        input_ids,
+        policy,
+        settings,
+        tokenizer=tokenizer,
+        on_tokens=on_tokens,
+        vocab_rows=vocab_rows,
+        cache_observer=cache_observer,
     )
 
 
@@ -304,11 +299,12 @@ def generate(
     seed: int | None = None,
     stop_strings: Sequence[str] = (),
     stream: TokenCallback | None = None,
-    vocab_rows: torch.Tensor | None = None,
+    decoder: Decoder | None = None,
 ) -> GenerationResult:
     """Generate from text: self-speculatively with ``policy``, plainly without one.
 
     Greedy unless ``sampling`` is given. ``stream`` receives token ids as they are accepted.
+    Pass a prepared ``decoder`` (``Decoder(model, policy)``) to reuse its draft across calls.
     """
     ids = encode_prompt(tokenizer, prompt, chat)
     settings = DecodeSettings(
@@ -318,18 +314,7 @@ def generate(
         eos_token_ids=eos_token_ids(model, tokenizer),
         stop_strings=tuple(stop_strings),
     )
-    vocabulary = None
-    if policy is not None and vocab_rows is None and policy.draft.draft_vocab_size:
-        vocabulary = DraftVocabulary.builtin(tokenizer, model)
-    tokens, stats = decode(
-        model,
-        ids,
-        policy,
-        settings,
-        vocabulary=vocabulary,
-        vocab_rows=vocab_rows,
-        tokenizer=tokenizer,
-        on_tokens=stream,
-    )
+    decoder = decoder or Decoder(model, policy)
+    tokens, stats = decoder.decode(ids, settings, tokenizer=tokenizer, on_tokens=stream)
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     return GenerationResult(tokens=tokens, text=text, prompt_tokens=len(ids), stats=stats)

@@ -1,30 +1,36 @@
-"""How candidate tokens are proposed: skip draft, prompt lookup, or both (hybrid).
+"""How candidate tokens are proposed: skip draft, prompt lookup, both (hybrid), or none (plain decoding).
 
 Every drafter has two methods, after Hugging Face's candidate generators: ``propose`` returns
 up to ``max_tokens`` candidates (with their proposal distribution q when sampling), and
-``update`` learns from how many of them the full model accepted.
+``update(draft, accepted)`` learns from how many of them the full model accepted. What a
+drafter needs to learn from a draft travels in the ``Draft`` itself (its source, the n-gram
+that matched), so no drafter remembers its previous call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from layerskip.engine.cache import RollbackCache
-from layerskip.engine.forward import draft_logits
+from layerskip.engine.draft import DraftModel
+from layerskip.engine.head import DraftHead
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling, sample
-from layerskip.hf import adapters
 
 
 @dataclass
 class Draft:
     tokens: list[int]
     q: torch.Tensor | None = None  # [k, V] proposal probabilities (sampling only)
-    from_lookup: bool = False
+    source: str = "none"  # "skip", "lookup" or "none"
+    ngram: int = 0  # lookup: length of the n-gram that matched
+
+    @property
+    def from_lookup(self) -> bool:
+        return self.source == "lookup"
 
 
 @dataclass
@@ -34,6 +40,7 @@ class DraftRequest:
     history: list[int]  # prompt + generated tokens; the last one is ``pending``
     cache: RollbackCache
     max_tokens: int
+    device: torch.device
 
     @property
     def pending(self) -> int:
@@ -47,79 +54,108 @@ class DraftRequest:
 class Drafter(Protocol):
     def propose(self, request: DraftRequest) -> Draft: ...
 
-    def update(self, drafted: int, accepted: int) -> None: ...
+    def update(self, draft: Draft, accepted: int) -> None: ...
+
+
+class NoDrafter:
+    """Plain decoding: nothing proposed, so every step verifies just the pending token."""
+
+    def propose(self, request: DraftRequest) -> Draft:
+        return Draft([])
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        pass
+
+
+def top2_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """How clearly the draft's top token beats its runner-up: ``(p1 - p2) / (p1 + p2)``, in [0, 1).
+
+    It equals ``tanh((top1 - top2) / 2)`` of ``[..., n]`` logits, so unlike a softmax over the
+    head's rows it does not depend on how many rows a truncated head scores: one threshold
+    means the same with any head size.
+    """
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return torch.tanh((top[..., 0] - top[..., 1]) / 2)
+
+
+class AdaptiveStop:
+    """Draft & Verify's rule: stop drafting when the draft's confidence falls below a threshold
+    that moves after every verify so the smoothed acceptance rate tracks a target (+step when
+    acceptance is under target, -step otherwise). The search's replay uses the same class."""
+
+    THRESHOLD_STEP = 0.01
+    ACCEPTANCE_MOMENTUM = 0.5
+
+    def __init__(self, initial_threshold: float, target_acceptance: float) -> None:
+        self.threshold = initial_threshold
+        self.target = target_acceptance
+        self.smoothed_acceptance = target_acceptance
+
+    def stop(self, confidence: float) -> bool:
+        return confidence < self.threshold
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        momentum = self.ACCEPTANCE_MOMENTUM
+        self.smoothed_acceptance = momentum * self.smoothed_acceptance + (1 - momentum) * accepted / drafted
+        step = self.THRESHOLD_STEP if self.smoothed_acceptance < self.target else -self.THRESHOLD_STEP
+        self.threshold = min(1.0, max(0.0, self.threshold + step))
 
 
 class SkipDrafter:
     """Drafts with the same model, some sublayers bypassed, sharing the verify cache.
 
-    With ``settings.adaptive`` it stops drafting once the draft's top-1 probability falls below
-    a threshold that is nudged after every verify so the acceptance rate tracks a target
-    (Draft & Verify's rule: +step when acceptance is under target, -step otherwise).
+    ``attention`` / ``mlp`` are the bypassed sublayers; they may change between calls (on-the-fly
+    selection does that). The head learns every token the generation emits before each draft.
     """
-
-    THRESHOLD_STEP = 0.01
-    ACCEPTANCE_MOMENTUM = 0.5
 
     def __init__(
         self,
-        model: nn.Module,
-        policy: SkipPolicy,
+        draft_model: DraftModel,
+        attention: tuple[int, ...],
+        mlp: tuple[int, ...],
+        settings: DraftSettings,
+        head: DraftHead,
         sampling: Sampling | None,
         generator: torch.Generator | None,
-        vocab_rows: torch.Tensor | None = None,
     ) -> None:
-        self.model = model
-        self.policy = policy
-        self.settings: DraftSettings = policy.draft
+        self.draft_model = draft_model
+        self.attention = attention
+        self.mlp = mlp
+        self.settings = settings
+        self.head = head
         self.sampling = sampling
         self.generator = generator
-        self.head = adapters.draft_head(model, vocab_rows)  # full or truncated to [K] rows
-        self.vocab_rows = vocab_rows
-        self.vocab_size = adapters.lm_head(model).weight.shape[0]
-        self.threshold = self.settings.initial_threshold
-        self.smoothed_acceptance = self.settings.target_acceptance
-
-    def _to_full_vocab(self, probs: torch.Tensor) -> torch.Tensor:
-        if self.vocab_rows is None:
-            return probs
-        full = probs.new_zeros(self.vocab_size)
-        return full.index_copy_(0, self.vocab_rows, probs)
+        self.stop = AdaptiveStop(settings.initial_threshold, settings.target_acceptance) if settings.adaptive else None
+        self._known = 0  # how much of the history the head has been given
 
     def propose(self, request: DraftRequest) -> Draft:
-        device = request.cache.layers[0].keys.device if request.cache.layers else None
-        token = torch.tensor([[request.pending]], device=device)  # [1, 1]
+        self.head.add(request.history[self._known :])
+        self._known = len(request.history)
+        token = torch.tensor([[request.pending]], device=request.device)  # [1, 1]
         tokens: list[torch.Tensor] = []
         q_rows: list[torch.Tensor] = []
-        with adapters.bypass(self.model, self.policy.skip_attention, self.policy.skip_mlp):
+        with self.draft_model.active(self.attention, self.mlp):
             for i in range(min(request.max_tokens, self.settings.max_draft_tokens)):
-                logits = draft_logits(self.model, token, request.cache, request.position + i, self.head)
+                logits = self.draft_model.logits(token, request.cache, request.position + i, self.head)  # [n]
                 if self.sampling is None:
                     index = logits.argmax()
-                    if self.settings.adaptive:
-                        confidence = logits.float().softmax(-1)[index]
                 else:
                     probs = self.sampling.probs(logits)
                     index = sample(probs, self.generator)
-                    confidence = probs[index]
-                    q_rows.append(self._to_full_vocab(probs))
+                    q_rows.append(self.head.to_full_vocab(probs))
                 chosen = self.head.token_ids(index)
                 tokens.append(chosen)
-                if self.settings.adaptive and float(confidence) < self.threshold:
+                if self.stop is not None and self.stop.stop(float(top2_confidence(logits))):
                     break
                 token = chosen.view(1, 1)
         ids = torch.stack(tokens).tolist() if tokens else []
-        return Draft(tokens=ids, q=torch.stack(q_rows) if q_rows else None)
+        return Draft(tokens=ids, q=torch.stack(q_rows) if q_rows else None, source="skip")
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if not self.settings.adaptive or drafted == 0:
-            return
-        momentum = self.ACCEPTANCE_MOMENTUM
-        self.smoothed_acceptance = momentum * self.smoothed_acceptance + (1 - momentum) * accepted / drafted
-        step = (
-            self.THRESHOLD_STEP if self.smoothed_acceptance < self.settings.target_acceptance else -self.THRESHOLD_STEP
-        )
-        self.threshold = min(1.0, max(0.0, self.threshold + step))
+    def update(self, draft: Draft, accepted: int) -> None:
+        if self.stop is not None:
+            self.stop.update(len(draft.tokens), accepted)
 
 
 @dataclass
@@ -149,21 +185,33 @@ def find_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: 
     return match_lookup(history, min_ngram, max_ngram, max_tokens).tokens
 
 
+@dataclass
+class _Pending:
+    start: int  # history index the match's first token would take
+    ngram: int
+    tokens: list[int]
+    next: int = 0  # first position not yet compared with the history
+
+
+@dataclass
 class LookupRunLength:
     """Cuts lookup runs where they stop paying, learning within one generation.
 
-    A verify block costs a little more per extra token (a few % of a step on CPU), so a long
-    run of unlikely tokens is a loss while a short run of likely ones is almost free. For each
-    matched n-gram length ``n`` and run position ``i`` this counts how often position ``i`` was
-    reached (every earlier token accepted) and accepted; ``p(n, i) = (accepted + 1) / (reached + 2)``
-    (a uniform prior, so unseen positions are tried). A run keeps token ``i`` while
-    ``prod_{j <= i} p(n, j) >= confidence``. ``confidence = 0`` keeps every run whole.
+    A long run of unlikely tokens costs verify time for nothing, while a short run of likely
+    ones is almost free. For each matched n-gram length ``n`` and run position ``i`` this counts
+    how often position ``i`` was reached (every earlier token right) and right;
+    ``p(n, i) = (right + 1) / (reached + 2)`` (a uniform prior, so unseen positions are tried).
+    A run keeps token ``i`` while ``prod_{j <= i} p(n, j) >= confidence``; 0 keeps every run whole.
+
+    Every match is scored against the tokens the generation really produced (``observe``), not
+    only the part that was proposed: a run cut to nothing still teaches, so a cut can never
+    switch an n-gram length off for the rest of the generation.
     """
 
-    def __init__(self, confidence: float) -> None:
-        self.confidence = confidence
-        self.reached: dict[tuple[int, int], int] = {}
-        self.accepted: dict[tuple[int, int], int] = {}
+    confidence: float
+    reached: dict[tuple[int, int], int] = field(default_factory=dict)
+    right: dict[tuple[int, int], int] = field(default_factory=dict)
+    pending: list[_Pending] = field(default_factory=list)
 
     def cut(self, match: LookupMatch) -> list[int]:
         if self.confidence <= 0.0:
@@ -171,17 +219,32 @@ class LookupRunLength:
         chance = 1.0
         for i in range(len(match.tokens)):
             key = (match.ngram, i)
-            chance *= (self.accepted.get(key, 0) + 1) / (self.reached.get(key, 0) + 2)
+            chance *= (self.right.get(key, 0) + 1) / (self.reached.get(key, 0) + 2)
             if chance < self.confidence:
                 return match.tokens[:i]
         return match.tokens
 
-    def update(self, ngram: int, drafted: int, accepted: int) -> None:
-        for i in range(min(drafted, accepted + 1)):
-            key = (ngram, i)
-            self.reached[key] = self.reached.get(key, 0) + 1
-            if i < accepted:
-                self.accepted[key] = self.accepted.get(key, 0) + 1
+    def track(self, match: LookupMatch, start: int) -> None:
+        """Score ``match`` (its first token at history index ``start``) as the history grows."""
+        if self.confidence > 0.0 and match.tokens:
+            self.pending.append(_Pending(start, match.ngram, list(match.tokens)))
+
+    def observe(self, history: list[int]) -> None:
+        """Compare the tracked matches with the tokens produced since; forget the settled ones."""
+        still: list[_Pending] = []
+        for item in self.pending:
+            settled = False
+            while item.next < len(item.tokens) and item.start + item.next < len(history):
+                key = (item.ngram, item.next)
+                self.reached[key] = self.reached.get(key, 0) + 1
+                if item.tokens[item.next] != history[item.start + item.next]:
+                    settled = True
+                    break
+                self.right[key] = self.right.get(key, 0) + 1
+                item.next += 1
+            if not settled and item.next < len(item.tokens):
+                still.append(item)
+        self.pending = still
 
 
 class LookupDrafter:
@@ -192,26 +255,24 @@ class LookupDrafter:
         self.vocab_size = vocab_size
         self.sampling = sampling
         self.run_length = LookupRunLength(settings.lookup_confidence)
-        self._last_ngram = 0
 
     def propose(self, request: DraftRequest) -> Draft:
         s = self.settings
+        self.run_length.observe(request.history)
         match = match_lookup(
             request.history, s.lookup_min_ngram, s.lookup_max_ngram, min(s.lookup_max_tokens, request.max_tokens)
         )
+        self.run_length.track(match, len(request.history))
         tokens = self.run_length.cut(match)
-        self._last_ngram = match.ngram
         q = None
         if tokens and self.sampling is not None:
             # A deterministic proposal: q is one-hot on the proposed token.
-            device = request.cache.layers[0].keys.device
-            q = torch.zeros(len(tokens), self.vocab_size, device=device)
+            q = torch.zeros(len(tokens), self.vocab_size, device=request.device)
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return Draft(tokens=tokens, q=q, from_lookup=True)
+        return Draft(tokens=tokens, q=q, source="lookup", ngram=match.ngram)
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.run_length.update(self._last_ngram, drafted, accepted)
+    def update(self, draft: Draft, accepted: int) -> None:
+        pass  # it learns from the history itself (``LookupRunLength.observe``)
 
 
 class HybridDrafter:
@@ -220,33 +281,33 @@ class HybridDrafter:
     def __init__(self, lookup: LookupDrafter, skip: SkipDrafter | None) -> None:
         self.lookup = lookup
         self.skip = skip
-        self._last_from_lookup = False
 
     def propose(self, request: DraftRequest) -> Draft:
         draft = self.lookup.propose(request)
         if not draft.tokens and self.skip is not None:
             draft = self.skip.propose(request)
-        self._last_from_lookup = draft.from_lookup
         return draft
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if self._last_from_lookup:
-            self.lookup.update(drafted, accepted)
-        elif self.skip is not None:
-            self.skip.update(drafted, accepted)
+    def update(self, draft: Draft, accepted: int) -> None:
+        if draft.source == "skip" and self.skip is not None:
+            self.skip.update(draft, accepted)
 
 
 def make_drafter(
-    model: nn.Module,
     policy: SkipPolicy,
+    draft_model: DraftModel | None,
+    head: DraftHead | None,
+    vocab_size: int,
     sampling: Sampling | None,
     generator: torch.Generator | None,
-    vocab_rows: torch.Tensor | None = None,
 ) -> Drafter:
+    """The drafter a policy describes; ``draft_model`` and ``head`` are needed when it uses a skip draft."""
     settings = policy.draft
-    skip = SkipDrafter(model, policy, sampling, generator, vocab_rows) if settings.use_skip_draft else None
+    skip = None
+    if settings.use_skip_draft:
+        assert draft_model is not None and head is not None
+        skip = SkipDrafter(draft_model, policy.skip_attention, policy.skip_mlp, settings, head, sampling, generator)
     if not settings.lookup_max_ngram:
         assert skip is not None
         return skip
-    vocab_size = adapters.lm_head(model).weight.shape[0]
     return HybridDrafter(LookupDrafter(settings, vocab_size, sampling), skip)

@@ -1,4 +1,4 @@
-"""Model forward passes over the shared cache with explicit positions.
+"""Full-model forward passes over the shared cache with explicit positions.
 
 Positions are always passed explicitly: the cache's past length is the longest layer's, but
 being explicit means no code path ever infers a position from a layer that was bypassed.
@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from layerskip.engine.cache import RollbackCache
-from layerskip.hf import adapters
 
 
-def _positions(start: int, count: int, device: torch.device) -> torch.Tensor:
+def positions(start: int, count: int, device: torch.device) -> torch.Tensor:
     return torch.arange(start, start + count, device=device).unsqueeze(0)  # [1, count]
 
 
@@ -25,24 +24,8 @@ def full_logits(model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache,
     out = model(
         input_ids=input_ids,
         past_key_values=cache,
-        position_ids=_positions(start, input_ids.shape[1], input_ids.device),
+        position_ids=positions(start, input_ids.shape[1], input_ids.device),
         use_cache=True,
         logits_to_keep=keep,
     )
     return out.logits[0]
-
-
-def draft_logits(
-    model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache, start: int, head: adapters.DraftHead
-) -> torch.Tensor:
-    """The draft's logits for the last input position, ``[V]`` or ``[K]`` for a truncated head.
-
-    Called inside ``adapters.bypass``; runs the decoder stack, then only the head rows needed.
-    """
-    hidden = adapters.base_model(model)(
-        input_ids=input_ids,
-        past_key_values=cache,
-        position_ids=_positions(start, input_ids.shape[1], input_ids.device),
-        use_cache=True,
-    ).last_hidden_state  # [1, q, hidden]
-    return head(hidden[0, -1])

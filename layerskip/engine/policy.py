@@ -6,7 +6,8 @@ A policy file is JSON:
      "skip_attention": [..], "skip_mlp": [..],
      "draft": {"max_draft_tokens": 4, "adaptive": true, ...},
      "model": {"name": .., "architecture": .., "num_layers": .., "fingerprint": ..},
-     "provenance": {...}, "measured": {...}}
+     "provenance": {...}, "measured": {...},
+     "draft_vocabulary": [..]}   # ranked rows of a truncated draft head (optional)
 
 Whole-layer skips are a layer index in both lists; an early-exit draft of depth d skips
 both sublayers of every layer >= d.
@@ -22,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from layerskip.engine.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
@@ -55,6 +57,10 @@ class DraftSettings:
     # (0 = never). Pays where a few-row matmul is slower than a larger one: on the project's
     # 2-core CPU a 2- or 3-row LM head costs 2-3x a 4-row one (docs/benchmarks.md#profile).
     min_verify_block: int = 0
+    # The draft's kept projections (and its head) run from a copy in this precision: "model"
+    # (the model's own weights), "bfloat16", or on CPU "int8" / "int4" (engine/precision.py).
+    # The verify always uses the model's own weights, so the output does not change.
+    precision: str = "model"
 
     def validate(self) -> None:
         if self.max_draft_tokens < 1:
@@ -71,6 +77,8 @@ class DraftSettings:
             raise LayerskipError("draft.lookup_min_ngram must be between 1 and lookup_max_ngram")
         if not self.use_skip_draft and not self.lookup_max_ngram:
             raise LayerskipError("a policy with use_skip_draft false needs lookup_max_ngram > 0")
+        if self.precision not in PRECISIONS:
+            raise LayerskipError(f"draft.precision must be one of {', '.join(PRECISIONS)}; fix the policy file")
 
 
 @dataclass(frozen=True)
@@ -98,10 +106,15 @@ class SkipPolicy:
     model: ModelIdentity = field(default_factory=ModelIdentity)
     provenance: dict[str, Any] = field(default_factory=dict)  # how it was found
     measured: dict[str, Any] = field(default_factory=dict)  # figures measured for it
+    # The truncated draft head's rows, most useful first (the search ranks them on its
+    # calibration text); the head scores the first ``draft.draft_vocab_size``. Empty: the
+    # lowest token ids, which BPE vocabularies assign to their most frequent merges.
+    draft_vocabulary: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip_attention", tuple(sorted(set(int(i) for i in self.skip_attention))))
         object.__setattr__(self, "skip_mlp", tuple(sorted(set(int(i) for i in self.skip_mlp))))
+        object.__setattr__(self, "draft_vocabulary", tuple(int(i) for i in self.draft_vocabulary))
 
     # -- constructors -------------------------------------------------------------------
     @classmethod
@@ -122,7 +135,9 @@ class SkipPolicy:
         """The same policy with each drafting ingredient it uses turned off, by a short label.
 
         ``no-lookup``: the skip draft alone; ``lookup-only``: prompt lookup alone; ``full-head``:
-        the skip draft scores the whole vocabulary. Used to show what each ingredient contributes.
+        the skip draft scores the whole vocabulary; ``model-precision``: the draft uses the model's
+        own weights; ``no-bypass``: the same draft precision and head with nothing bypassed.
+        Used to show what each ingredient contributes.
         """
         d = self.draft
         variants: dict[str, SkipPolicy] = {}
@@ -133,6 +148,11 @@ class SkipPolicy:
             )
         if d.draft_vocab_size and d.use_skip_draft:
             variants["full-head"] = replace(self, draft=replace(d, draft_vocab_size=0))
+        if d.precision != "model" and d.use_skip_draft:
+            variants["model-precision"] = replace(self, draft=replace(d, precision="model"))
+        if self.bypasses_anything and d.use_skip_draft and (d.precision != "model" or d.draft_vocab_size):
+            # The same cheap draft with nothing bypassed: what skipping itself adds.
+            variants["no-bypass"] = replace(self, skip_attention=(), skip_mlp=())
         return variants
 
     @property
@@ -186,7 +206,17 @@ class SkipPolicy:
             parts.append(f"lookup n={d.lookup_min_ngram}..{d.lookup_max_ngram} up to {d.lookup_max_tokens}{cut}")
         if d.min_verify_block:
             parts.append(f"verify padded to {d.min_verify_block}")
+        if d.precision != "model" and d.use_skip_draft:
+            parts.append(f"draft in {d.precision}")
         return ", ".join(parts)
+
+    def head_rows(self, vocab_size: int) -> tuple[int, ...] | None:
+        """The vocabulary rows the truncated draft head starts from (None: the full head)."""
+        size = self.draft.draft_vocab_size
+        if not size or size >= vocab_size:
+            return None
+        ranked = self.draft_vocabulary or range(size)
+        return tuple(t for t in ranked[:size] if t < vocab_size)
 
     # -- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -199,6 +229,7 @@ class SkipPolicy:
             "model": asdict(self.model),
             "provenance": self.provenance,
             "measured": self.measured,
+            "draft_vocabulary": list(self.draft_vocabulary),
         }
 
     @classmethod
@@ -212,8 +243,9 @@ class SkipPolicy:
             model = _dataclass_from(ModelIdentity, data.get("model", {}))
             attention = data.get("skip_attention", [])
             mlp = data.get("skip_mlp", [])
-            if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp]):
-                raise TypeError("skip lists must hold integers")
+            vocabulary = data.get("draft_vocabulary", [])
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp, *vocabulary]):
+                raise TypeError("skip lists and draft_vocabulary must hold integers")
             policy = cls(
                 skip_attention=tuple(attention),
                 skip_mlp=tuple(mlp),
@@ -221,6 +253,7 @@ class SkipPolicy:
                 model=model,
                 provenance=dict(data.get("provenance", {})),
                 measured=dict(data.get("measured", {})),
+                draft_vocabulary=tuple(vocabulary),
             )
         except (TypeError, ValueError) as exc:
             raise LayerskipError(

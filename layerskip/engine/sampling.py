@@ -1,4 +1,5 @@
-"""Token choice: greedy, the temperature / top-k / top-p transform, and rejection sampling.
+"""Token choice and verification: greedy acceptance, the temperature / top-k / top-p transform, and
+rejection sampling.
 
 The same ``Sampling.probs`` transform is applied to the target's logits (p) and the draft's (q);
 rejection sampling then makes the output distribution exactly p whatever q is.
@@ -47,6 +48,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """One token id per row of ``[..., V]`` probabilities -> ``[...]`` long tensor."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def verify_greedy(drafted: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    """Greedy acceptance. ``logits [k+1, V]``: the full model's at each block position.
+
+    Returns (number of drafts accepted n, the full model's own token after them): the longest
+    prefix of ``drafted`` that equals the full model's argmax chain, then its argmax at n.
+    """
+    targets = logits.argmax(dim=-1).tolist()  # the full model's token after each block position
+    accepted = 0
+    while accepted < len(drafted) and drafted[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted, targets[accepted]
 
 
 def verify_sampled(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -56,6 +57,20 @@ class GenerationStats:
 
     def record_block(self, length: int) -> None:
         self.block_histogram[length] = self.block_histogram.get(length, 0) + 1
+
+    @classmethod
+    def combined(cls, items: Sequence[GenerationStats]) -> GenerationStats:
+        """The sum of several generations' records (counts, seconds and histograms added up)."""
+        total = cls()
+        for item in items:
+            for f in fields(cls):
+                mine, theirs = getattr(total, f.name), getattr(item, f.name)
+                if isinstance(mine, dict):
+                    for key, value in theirs.items():
+                        mine[key] = mine.get(key, 0) + value
+                else:
+                    setattr(total, f.name, mine + theirs)
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

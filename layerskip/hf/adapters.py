@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,38 +111,6 @@ def final_logit_softcap(model: nn.Module) -> float | None:
     return getattr(model.config, "final_logit_softcapping", None)
 
 
-@dataclass(frozen=True)
-class DraftHead:
-    """The LM head, optionally cut to a subset of vocabulary rows (the truncated draft head).
-
-    The rows' weights are gathered once here, not per token: a draft step then multiplies
-    ``[hidden] x [hidden, K]`` instead of the full ``[hidden, V]``.
-    """
-
-    weight: torch.Tensor  # [K or V, hidden]
-    bias: torch.Tensor | None
-    rows: torch.Tensor | None  # [K] token ids of the weight's rows, None for the full head
-    softcap: float | None
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(hidden, self.weight, self.bias)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Map positions in this head's output to vocabulary ids."""
-        return index if self.rows is None else self.rows[index]
-
-
-def draft_head(model: nn.Module, rows: torch.Tensor | None = None) -> DraftHead:
-    head = lm_head(model)
-    if rows is None:
-        return DraftHead(head.weight, head.bias, None, final_logit_softcap(model))
-    bias = None if head.bias is None else head.bias.index_select(0, rows)
-    return DraftHead(head.weight.index_select(0, rows), bias, rows, final_logit_softcap(model))
-
-
 def max_positions(model: nn.Module) -> int | None:
     """The longest sequence the model's position scheme allows (None if the config does not say)."""
     config = model.config.get_text_config(decoder=True)
@@ -217,22 +185,27 @@ def _zero_mlp(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> t
     return torch.zeros_like(hidden_states)
 
 
+def _pass_through(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    # A whole decoder layer bypassed: in transformers 5.x every layer here returns its hidden
+    # states, and with both sublayers contributing zero (Gemma's post-norms map zero to zero)
+    # the layer's output is its input, exactly. Skipping the call also skips its norms and
+    # Python overhead, so the draft costs what it keeps.
+    return hidden_states
+
+
 @contextlib.contextmanager
-def bypass(model: nn.Module, attention: Iterable[int] = (), mlp: Iterable[int] = ()) -> Iterator[None]:
-    """Bypass the given attention / MLP sublayers inside the ``with`` block; always restored.
+def patched_forwards(replacements: Iterable[tuple[nn.Module, Callable[..., object]]]) -> Iterator[None]:
+    """Run each module with a replacement ``forward`` inside the ``with`` block; always restored.
 
     The replacement is an instance attribute shadowing the class's ``forward``; deleting it
     restores the original, so nothing of the model is left changed, even on an exception.
     """
     patched: list[nn.Module] = []
     try:
-        for index in attention:
-            module = attention_module(model, index)
-            module.forward = _zero_attention
-            patched.append(module)
-        for index in mlp:
-            module = mlp_module(model, index)
-            module.forward = _zero_mlp
+        for module, forward in replacements:
+            if "forward" in module.__dict__:
+                raise RuntimeError(f"{type(module).__name__} is already patched; nested patches of one module")
+            module.forward = forward
             patched.append(module)
         yield
     finally:
@@ -241,13 +214,54 @@ def bypass(model: nn.Module, attention: Iterable[int] = (), mlp: Iterable[int] =
                 del module.forward
 
 
+def bypass_replacements(
+    model: nn.Module, attention: Iterable[int] = (), mlp: Iterable[int] = ()
+) -> list[tuple[nn.Module, Callable[..., object]]]:
+    """(module, zero forward) pairs that bypass the given sublayers; a layer losing both is skipped whole."""
+    attention, mlp = set(attention), set(mlp)
+    layers = decoder_layers(model)
+    spec = spec_for(model)
+    replacements: list[tuple[nn.Module, Callable[..., object]]] = []
+    for index in sorted(attention | mlp):
+        layer = layers[index]
+        if index in attention and index in mlp:
+            replacements.append((layer, _pass_through))
+            continue
+        if index in attention:
+            replacements.append((getattr(layer, spec.attention), _zero_attention))
+        if index in mlp:
+            replacements.append((getattr(layer, spec.mlp), _zero_mlp))
+    return replacements
+
+
+@contextlib.contextmanager
+def bypass(model: nn.Module, attention: Iterable[int] = (), mlp: Iterable[int] = ()) -> Iterator[None]:
+    """Bypass the given attention / MLP sublayers inside the ``with`` block; always restored."""
+    with patched_forwards(bypass_replacements(model, attention, mlp)):
+        yield
+
+
 def is_bypassed(model: nn.Module) -> bool:
-    """True if any sublayer is currently bypassed (tests use it to check restoration)."""
-    for i in range(num_layers(model)):
-        for module in (attention_module(model, i), mlp_module(model, i)):
-            if "forward" in module.__dict__:
-                return True
-    return False
+    """True if any layer, sublayer or projection is currently patched (tests use it to check restoration)."""
+    return any("forward" in module.__dict__ for module in decoder_layers(model).modules())
+
+
+def projection_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight [out, in], bias [out] | None)`` of a linear projection, or None for any other module.
+
+    GPT-2's ``Conv1D`` stores its weight as ``[in, out]``; it computes the same affine map.
+    """
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return module.weight.t(), module.bias
+    return None
+
+
+def sublayer_projections(model: nn.Module, index: int, kind: str) -> list[nn.Module]:
+    """The linear projections inside one sublayer (``kind`` = "attention" or "mlp") of layer ``index``."""
+    sublayer = attention_module(model, index) if kind == "attention" else mlp_module(model, index)
+    return [module for module in sublayer.modules() if projection_weight(module) is not None]
 
 
 def check_indices(model: nn.Module, attention: Sequence[int], mlp: Sequence[int]) -> None:

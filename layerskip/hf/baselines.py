@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from layerskip.engine.sampling import Sampling
-from layerskip.engine.stats import DeviceClock
 
 
 @torch.inference_mode()
@@ -21,8 +20,8 @@ def hf_generate(
     sampling: Sampling | None = None,
     seed: int | None = None,
     **extra: Any,
-) -> tuple[list[int], float]:
-    """Run ``model.generate`` on one prompt; returns (new tokens, device-synchronised seconds).
+) -> list[int]:
+    """Run ``model.generate`` on one prompt; returns the new tokens (callers time it: ``measure.timing``).
 
     ``extra`` passes HF's own speculative options (``prompt_lookup_num_tokens``,
     ``assistant_early_exit``, ``assistant_model``) straight through.
@@ -44,8 +43,5 @@ def hf_generate(
         if seed is not None:
             torch.manual_seed(seed)
     kwargs.update(extra)
-    clock = DeviceClock(device)
-    start = clock.now()
     out = model.generate(ids, **kwargs)
-    seconds = clock.now() - start
-    return out[0, ids.shape[1] :].tolist(), seconds
+    return out[0, ids.shape[1] :].tolist()

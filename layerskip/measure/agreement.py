@@ -1,9 +1,12 @@
-"""Teacher-forced agreement: the cheap estimate of how often a draft would be accepted.
+"""Teacher-forced agreement and an exact-as-possible replay of decoding: the search's cheap proxy.
 
 The full model writes a greedy reference continuation for each prompt once. A candidate draft
-(some sublayers bypassed) then runs once, in parallel, over prompt + reference; the fraction
-of reference positions where its top-1 token equals the reference token estimates the
-per-token acceptance rate alpha of greedy self-speculative decoding.
+(some sublayers bypassed, its precision, its head) then runs once, in parallel, over prompt +
+reference. Its top-1 token at each reference position, among the rows its head scores at that
+point of a generation, estimates what it would propose while decoding; the fraction that
+equals the reference estimates the per-token acceptance alpha. ``simulate_greedy`` replays
+greedy self-speculative decoding step by step with the engine's own rules (draft length,
+adaptive stop, lookup with its learned cut, padding) over those predictions.
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive
-from layerskip.engine.drafters import LookupRunLength, match_lookup
+from layerskip.engine.draft import DraftModel
+from layerskip.engine.drafters import AdaptiveStop, LookupRunLength, match_lookup, top2_confidence
 from layerskip.engine.policy import DraftSettings
 from layerskip.hf import adapters
+
+# (start, stop, known) -> the draft's tokens and confidences at continuation positions start..stop-1
+# when its head has been given the first ``known`` continuation tokens.
+Predictor = Callable[[int, int, int], tuple[list[int], list[float]]]
 
 
 @dataclass(frozen=True)
@@ -38,45 +46,83 @@ def build_references(
     return references
 
 
-@torch.inference_mode()
-def draft_predictions(
-    model: nn.Module,
-    reference: Reference,
-    skip_attention: Sequence[int] = (),
-    skip_mlp: Sequence[int] = (),
-    vocab_rows: torch.Tensor | None = None,
-    with_confidence: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The draft's top-1 token at each reference position, ``[len(continuation)]``
-    (and its probability, when ``with_confidence``)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([[*reference.prompt, *reference.continuation[:-1]]], device=device)  # [1, P+C-1]
-    with adapters.bypass(model, skip_attention, skip_mlp):
-        hidden = adapters.base_model(model)(input_ids=ids, use_cache=False).last_hidden_state
-    # Position P-1 predicts continuation[0]; the last position predicts continuation[-1].
-    hidden = hidden[0, len(reference.prompt) - 1 :]  # [C, hidden]
-    head = adapters.draft_head(model, vocab_rows)
-    logits = head(hidden)
-    tokens = head.token_ids(logits.argmax(dim=-1))
-    if with_confidence:
-        return tokens, logits.float().softmax(dim=-1).max(dim=-1).values
-    return tokens
+class TeacherForcedDraft:
+    """The draft's logits at every position of one reference, from one parallel forward.
+
+    ``head_rows`` None: the full head. Otherwise the head starts from ``head_rows`` plus the
+    prompt and learns each continuation token once it has been emitted, as in the engine; the
+    logits are kept over the union of every row it could ever score, ``[C, |U|]``.
+    """
+
+    def __init__(
+        self,
+        draft_model: DraftModel,
+        reference: Reference,
+        attention: Sequence[int] = (),
+        mlp: Sequence[int] = (),
+        head_rows: Sequence[int] | None = None,
+    ) -> None:
+        device = draft_model.device
+        self.continuation = torch.tensor(reference.continuation, device=device)  # [C]
+        ids = torch.tensor([[*reference.prompt, *reference.continuation[:-1]]], device=device)  # [1, P+C-1]
+        with torch.inference_mode(), draft_model.active(attention, mlp):
+            # Position P-1 predicts continuation[0]; the last position predicts continuation[-1].
+            hidden = draft_model.hidden(ids, None, 0)[0, len(reference.prompt) - 1 :]  # [C, hidden]
+            if head_rows is None:
+                self.rows = None
+                logits = draft_model.head(None)(hidden).float()  # [C, V]
+                top = torch.topk(logits, 2, dim=-1)
+                self.tokens = top.indices[:, 0]
+                self.confidence = top2_confidence(logits)
+                return
+            base = torch.tensor(sorted({*head_rows, *reference.prompt}), dtype=torch.long, device=device)
+            self.rows = torch.unique(torch.cat([base, self.continuation]))  # U, sorted
+            self.logits = draft_model.head(self.rows)(hidden).float()  # [C, |U|]
+        # When each row becomes scorable: 0 for the base rows, else 1 + its first continuation index.
+        never = len(reference.continuation) + 1
+        first_seen = torch.full((len(self.rows),), never, dtype=torch.long, device=device)
+        for index in range(len(reference.continuation) - 1, -1, -1):
+            first_seen[torch.searchsorted(self.rows, self.continuation[index])] = index + 1
+        first_seen[torch.isin(self.rows, base)] = 0
+        self.first_seen = first_seen
+
+    def predict(self, start: int, stop: int, known: int) -> tuple[list[int], list[float]]:
+        if self.rows is None:
+            return self.tokens[start:stop].tolist(), self.confidence[start:stop].tolist()
+        allowed = self.first_seen <= known  # [|U|]
+        logits = self.logits[start:stop].masked_fill(~allowed, float("-inf"))
+        top = torch.topk(logits, min(2, int(allowed.sum())), dim=-1)
+        tokens = self.rows[top.indices[:, 0]]
+        if top.values.shape[-1] < 2:
+            confidence = torch.ones(len(tokens), device=tokens.device)
+        else:
+            confidence = torch.tanh((top.values[:, 0] - top.values[:, 1]) / 2)  # as drafters.top2_confidence
+        return tokens.tolist(), confidence.tolist()
+
+    def agreement(self) -> tuple[int, int]:
+        """(matches, positions): top-1 equal to the reference, each position with the rows known before it."""
+        if self.rows is None:
+            return int((self.tokens == self.continuation).sum()), len(self.continuation)
+        count = len(self.continuation)
+        known = torch.arange(count, device=self.rows.device)[:, None]  # position j knows continuation[:j]
+        allowed = self.first_seen[None, :] <= known  # [C, |U|]
+        predicted = self.rows[self.logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1)]
+        return int((predicted == self.continuation).sum()), count
 
 
 def teacher_forced_agreement(
-    model: nn.Module,
+    draft_model: DraftModel,
     references: Sequence[Reference],
-    skip_attention: Sequence[int] = (),
-    skip_mlp: Sequence[int] = (),
-    vocab_rows: torch.Tensor | None = None,
+    attention: Sequence[int] = (),
+    mlp: Sequence[int] = (),
+    head_rows: Sequence[int] | None = None,
 ) -> float:
     """Fraction of reference positions where the draft's top-1 equals the full model's token."""
     matches = total = 0
     for reference in references:
-        predicted = draft_predictions(model, reference, skip_attention, skip_mlp, vocab_rows)
-        target = torch.tensor(reference.continuation, device=predicted.device)
-        matches += int((predicted == target).sum())
-        total += len(reference.continuation)
+        m, n = TeacherForcedDraft(draft_model, reference, attention, mlp, head_rows).agreement()
+        matches += m
+        total += n
     return matches / total if total else 0.0
 
 
@@ -84,13 +130,14 @@ def single_sublayer_agreement(
     model: nn.Module, references: Sequence[Reference], progress: bool = False
 ) -> dict[str, list[float]]:
     """Agreement with exactly one sublayer bypassed: {"attention": [per layer], "mlp": [per layer]}."""
+    draft_model = DraftModel(model)
     count = adapters.num_layers(model)
     result: dict[str, list[float]] = {"attention": [], "mlp": []}
     bar = tqdm(total=2 * count, desc="single-sublayer agreement", disable=not progress)
     for i in range(count):
-        result["attention"].append(teacher_forced_agreement(model, references, skip_attention=[i]))
+        result["attention"].append(teacher_forced_agreement(draft_model, references, attention=[i]))
         bar.update()
-        result["mlp"].append(teacher_forced_agreement(model, references, skip_mlp=[i]))
+        result["mlp"].append(teacher_forced_agreement(draft_model, references, mlp=[i]))
         bar.update()
     bar.close()
     return result
@@ -111,16 +158,15 @@ class SimulatedRun:
         return self.draft_forwards * draft_cost + sum(verify_cost(block) for block in self.blocks)
 
 
-def simulate_greedy(
-    reference: Reference, predicted: Sequence[int], confidence: Sequence[float], draft: DraftSettings
-) -> SimulatedRun:
+def simulate_greedy(reference: Reference, draft: DraftSettings, predictor: Predictor | None = None) -> SimulatedRun:
     """Replay greedy self-speculative decoding over a reference continuation.
 
     While the draft's earlier tokens are accepted, its autoregressive proposal at a position is
-    its teacher-forced prediction there, so the accepted count of each step is the run of
-    matching predictions (capped at k; with the adaptive rule, cut where confidence drops
-    below the initial threshold). Prompt lookup, when on, is replayed exactly. Approximate only
-    in the K/V the draft reads (full-model K/V in real decoding), which favours real decoding.
+    its teacher-forced prediction there (``predictor``; needed when the policy has a skip
+    draft), so the accepted count of each step is the run of matching predictions, capped at k
+    and cut by the same adaptive rule as the engine's. Prompt lookup, its learned cut and
+    padding are replayed exactly. Approximate only in the K/V the draft reads (full-model K/V
+    here, the draft's own in real decoding), which favours the replay.
     """
     run = SimulatedRun()
     continuation = list(reference.continuation)
@@ -131,35 +177,37 @@ def simulate_greedy(
     run.tokens, run.blocks = 1, [1]
     position = 1
     run_length = LookupRunLength(draft.lookup_confidence)
+    stop = AdaptiveStop(draft.initial_threshold, draft.target_acceptance) if draft.adaptive else None
     while position < len(continuation):
-        remaining = len(continuation) - position
+        budget = len(continuation) - position - 1  # the verify adds one token of its own
         proposal: list[int] = []
-        if draft.lookup_max_ngram:
+        drafted = accepted = 0
+        if draft.lookup_max_ngram and budget > 0:
+            run_length.observe(history)
             match = match_lookup(
-                history, draft.lookup_min_ngram, draft.lookup_max_ngram, min(draft.lookup_max_tokens, remaining - 1)
+                history, draft.lookup_min_ngram, draft.lookup_max_ngram, min(draft.lookup_max_tokens, budget)
             )
+            run_length.track(match, len(history))
             proposal = run_length.cut(match)
         if proposal:
-            accepted = 0
-            while accepted < len(proposal) and proposal[accepted] == continuation[position + accepted]:
-                accepted += 1
             drafted = len(proposal)
-            run_length.update(match.ngram, drafted, accepted)
-        elif draft.use_skip_draft and remaining > 1:
-            drafted = 0
-            accepted = 0
-            limit = min(draft.max_draft_tokens, remaining - 1)
+            while accepted < drafted and proposal[accepted] == continuation[position + accepted]:
+                accepted += 1
+        elif draft.use_skip_draft and budget > 0:
+            assert predictor is not None, "a skip draft needs the draft's predictions"
+            limit = min(draft.max_draft_tokens, budget)
+            tokens, confidence = predictor(position, position + limit, position)
             # Draft forwards continue past a wrong token until k or a low-confidence stop.
             while drafted < limit:
-                index = position + drafted
+                index = drafted
                 drafted += 1
-                if accepted == drafted - 1 and predicted[index] == continuation[index]:
+                if accepted == index and tokens[index] == continuation[position + index]:
                     accepted += 1
-                if draft.adaptive and confidence[index] < draft.initial_threshold:
+                if stop is not None and stop.stop(confidence[index]):
                     break
             run.draft_forwards += drafted
-        else:
-            drafted = accepted = 0
+            if stop is not None:
+                stop.update(drafted, accepted)
         step = accepted + 1
         run.tokens += step
         run.blocks.append(max(drafted + 1, draft.min_verify_block) if drafted else 1)
@@ -168,3 +216,9 @@ def simulate_greedy(
         history.extend(continuation[position : position + step])
         position += step
     return run
+
+
+def list_predictor(tokens: Sequence[int], confidence: Sequence[float] | None = None) -> Predictor:
+    """A predictor from fixed per-position predictions (tests, and drafts whose head never changes)."""
+    confidence = list(confidence) if confidence is not None else [1.0] * len(tokens)
+    return lambda start, stop, known: (list(tokens[start:stop]), confidence[start:stop])

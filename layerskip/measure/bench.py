@@ -1,83 +1,75 @@
 """Benchmark harness: every method on the same prompts, interleaved, in one process.
 
-For each prompt the methods run back to back (their order rotates from prompt to prompt so
-none always runs first), after a warm-up of every method. ``hf-ar`` (HF ``generate``, greedy)
-is the baseline: speedup = a method's mean tokens/s over prompts / hf-ar's. Greedy outputs are
-compared with hf-ar's token for token; at a divergence the full model's top-2 logit gap there
-is recorded, so a near-tie can be told apart from a bug.
+Timing and the speedup definition are ``measure.timing``'s: each call timed from the outside,
+methods back to back per prompt in a rotating order after a warm-up; speedup is aggregate
+throughput against ``hf-ar`` (HF ``generate``, greedy). Greedy outputs are compared with
+hf-ar's token for token; at a divergence the full model's top-2 logit gap there is recorded, so
+a near-tie can be told apart from a bug.
 """
 
 from __future__ import annotations
 
 import platform
 import resource
-import statistics
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from layerskip.data import Prompt
-from layerskip.engine.decoding import DecodeSettings, decode
-from layerskip.engine.policy import SkipPolicy
-from layerskip.engine.vocab import DraftVocabulary
+from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.stats import GenerationStats
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.baselines import hf_generate
-
-T = TypeVar("T")
+from layerskip.measure.timing import Runner, run_interleaved, throughput
 
 BASELINE = "hf-ar"
 METHODS = ("hf-ar", "ar", "self-spec", "self-spec-lookup", "hf-pld", "hf-early-exit", "hf-assistant")
 
 
 @dataclass
-class Run:
-    """One method on one prompt."""
-
-    tokens: list[int]
-    seconds: float
-    steps: int | None = None  # full-model forwards (None where HF does not expose it)
-    drafted: int | None = None
-    accepted: int | None = None
-    peak_memory_mb: float | None = None
-    # Where our engine's time went (None for HF methods): see GenerationStats.
-    prefill_seconds: float | None = None
-    draft_seconds: float | None = None
-    verify_seconds: float | None = None
-    lookup_steps: int | None = None
-
-
-@dataclass
 class Method:
     name: str
-    run: Callable[[list[int], int], Run]  # (prompt ids, max new tokens) -> Run
+    run: Runner  # (prompt ids, max new tokens) -> (new tokens, stats or None)
     policy: SkipPolicy | None = None
+    draft_memory_mb: float | None = None  # the draft's low-precision copies, if any
 
 
 @dataclass
 class PromptResult:
+    """One method on one prompt: what the timing helper measured plus our engine's own record."""
+
     prompt_id: str
     category: str
     method: str
     new_tokens: int
     seconds: float
-    tokens_per_second: float
-    steps: int | None
-    drafted: int | None
-    accepted: int | None
     identical: bool | None
     divergence: dict[str, Any] | None = None
     peak_memory_mb: float | None = None
-    prefill_seconds: float | None = None
-    draft_seconds: float | None = None
-    verify_seconds: float | None = None
-    lookup_steps: int | None = None
+    stats: GenerationStats | None = None  # None for HF methods (they expose no step counts)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return throughput(self.new_tokens, self.seconds)
+
+    @property
+    def steps(self) -> int | None:
+        return None if self.stats is None else self.stats.steps
+
+    @property
+    def drafted(self) -> int | None:
+        return None if self.stats is None else self.stats.drafted
+
+    @property
+    def accepted(self) -> int | None:
+        return None if self.stats is None else self.stats.accepted
 
 
 @dataclass
@@ -86,17 +78,6 @@ class BenchConfig:
     warmup_tokens: int = 16
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _peak_memory_mb(device: torch.device) -> float | None:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return None
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def check_methods(names: Sequence[str], has_policy: bool, has_assistant: bool) -> None:
@@ -110,12 +91,14 @@ def check_methods(names: Sequence[str], has_policy: bool, has_assistant: bool) -
         raise LayerskipError("method hf-assistant needs --assistant-model")
 
 
+LOOKUP_ONLY = SkipPolicy(draft=DraftSettings(use_skip_draft=False, lookup_max_ngram=3, lookup_min_ngram=1))
+
+
 def build_methods(
     model: nn.Module,
     names: Sequence[str],
     eos_token_ids: tuple[int, ...],
     policies: dict[str, SkipPolicy],
-    vocabulary: DraftVocabulary | None = None,
     assistant: nn.Module | None = None,
     lookup_tokens: int = 10,
     ablate: bool = False,
@@ -123,37 +106,22 @@ def build_methods(
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
     With ``ablate``, each policy also runs with each of its drafting ingredients turned off
-    (``self-spec:NAME-no-lookup`` ...; see ``SkipPolicy.ablations``)."""
-    device = next(model.parameters()).device
+    (``self-spec:NAME-no-lookup`` ...; see ``SkipPolicy.ablations``). Each policy's draft is
+    prepared here, once (like loading a model), not inside the timed calls."""
     check_methods(names, bool(policies), assistant is not None)
 
-    def settings(max_new: int) -> DecodeSettings:
-        return DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos_token_ids)
+    def ours(policy: SkipPolicy | None) -> tuple[Runner, float | None]:
+        decoder = Decoder(model, policy)
 
-    def ours(policy: SkipPolicy | None) -> Callable[[list[int], int], Run]:
-        def run(ids: list[int], max_new: int) -> Run:
-            _reset_peak(device)
-            tokens, stats = decode(model, ids, policy, settings(max_new), vocabulary=vocabulary)
-            return Run(
-                tokens,
-                stats.total_seconds,
-                stats.steps,
-                stats.drafted,
-                stats.accepted,
-                _peak_memory_mb(device),
-                stats.prefill_seconds,
-                stats.draft_seconds,
-                stats.verify_seconds,
-                stats.lookup_steps,
-            )
+        def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
+            return decoder.decode(ids, DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos_token_ids))
 
-        return run
+        memory = decoder.draft_model.nbytes / 2**20 if decoder.draft_model is not None else None
+        return run, memory
 
-    def hf(**extra: Any) -> Callable[[list[int], int], Run]:
-        def run(ids: list[int], max_new: int) -> Run:
-            _reset_peak(device)
-            tokens, seconds = hf_generate(model, ids, max_new, eos_token_ids, **extra)
-            return Run(tokens, seconds, peak_memory_mb=_peak_memory_mb(device))
+    def hf(**extra: Any) -> Runner:
+        def run(ids: list[int], max_new: int) -> tuple[list[int], None]:
+            return hf_generate(model, ids, max_new, eos_token_ids, **extra), None
 
         return run
 
@@ -162,7 +130,7 @@ def build_methods(
         if name == "hf-ar":
             methods.append(Method(name, hf()))
         elif name == "ar":
-            methods.append(Method(name, ours(None)))
+            methods.append(Method(name, ours(None)[0]))
         elif name == "self-spec":
             variants = {}
             for label, policy in policies.items():
@@ -171,22 +139,14 @@ def build_methods(
                     variants.update({f"{label}-{suffix}": v for suffix, v in policy.ablations().items()})
             for label, policy in variants.items():
                 full = name if len(variants) == 1 else f"{name}:{label}"
-                methods.append(Method(full, ours(policy), policy))
+                run, memory = ours(policy)
+                methods.append(Method(full, run, policy, memory))
         elif name == "self-spec-lookup":
-            lookup = SkipPolicy.from_dict(
-                {
-                    "format": "layerskip-policy",
-                    "version": 1,
-                    "draft": {
-                        "use_skip_draft": False,
-                        "lookup_max_ngram": 3,
-                        "lookup_min_ngram": 1,
-                        "lookup_max_tokens": lookup_tokens,
-                        "max_draft_tokens": lookup_tokens,
-                    },
-                }
+            lookup = replace(
+                LOOKUP_ONLY,
+                draft=replace(LOOKUP_ONLY.draft, lookup_max_tokens=lookup_tokens, max_draft_tokens=lookup_tokens),
             )
-            methods.append(Method(name, ours(lookup), lookup))
+            methods.append(Method(name, ours(lookup)[0], lookup))
         elif name == "hf-pld":
             methods.append(Method(name, hf(prompt_lookup_num_tokens=lookup_tokens)))
         elif name == "hf-early-exit":
@@ -219,10 +179,12 @@ def top2_gap(model: nn.Module, prompt: list[int], reference: list[int], position
     return float(top[0] - top[1])
 
 
-def rotated(items: Sequence[T], index: int) -> list[T]:
-    """The run order for prompt ``index``: rotated by one per prompt, so no method always runs first."""
-    shift = index % len(items)
-    return [*items[shift:], *items[:shift]]
+def _divergence(model: nn.Module, ids: list[int], tokens: list[int], reference: list[int]) -> dict[str, Any]:
+    position = next(
+        (i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference))
+    )
+    gap = top2_gap(model, ids, reference, position) if position < len(reference) else None
+    return {"position": position, "top2_logit_gap": gap}
 
 
 def run_benchmark(
@@ -233,27 +195,22 @@ def run_benchmark(
     config: BenchConfig,
 ) -> list[PromptResult]:
     """Run every method on every prompt, interleaved; returns one row per (prompt, method)."""
-    for method in tqdm(methods, desc="warm-up", disable=not config.progress, leave=False):
-        method.run(prompt_ids[0], config.warmup_tokens)
+    device = next(model.parameters()).device
+    runs = run_interleaved(
+        {m.name: m.run for m in methods},
+        prompt_ids,
+        config.max_new_tokens,
+        device,
+        config.warmup_tokens,
+        config.progress,
+        desc="benchmark",
+    )
     rows: list[PromptResult] = []
-    bar = tqdm(total=len(prompts) * len(methods), desc="benchmark", disable=not config.progress)
-    for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-        runs: dict[str, Run] = {}
-        for method in rotated(methods, index):
-            runs[method.name] = method.run(ids, config.max_new_tokens)
-            bar.update()
-        reference = runs[BASELINE].tokens
+    for prompt, ids, by_method in zip(prompts, prompt_ids, runs):
+        reference = by_method[BASELINE].tokens
         for method in methods:
-            run = runs[method.name]
+            run = by_method[method.name]
             identical = run.tokens == reference
-            divergence = None
-            if not identical:
-                position = next(
-                    (i for i, (a, b) in enumerate(zip(run.tokens, reference)) if a != b),
-                    min(len(run.tokens), len(reference)),
-                )
-                gap = top2_gap(model, ids, reference, position) if position < len(reference) else None
-                divergence = {"position": position, "top2_logit_gap": gap}
             rows.append(
                 PromptResult(
                     prompt.id,
@@ -261,47 +218,41 @@ def run_benchmark(
                     method.name,
                     len(run.tokens),
                     run.seconds,
-                    len(run.tokens) / run.seconds if run.seconds > 0 else 0.0,
-                    run.steps,
-                    run.drafted,
-                    run.accepted,
                     identical,
-                    divergence,
+                    None if identical else _divergence(model, ids, run.tokens, reference),
                     run.peak_memory_mb,
-                    run.prefill_seconds,
-                    run.draft_seconds,
-                    run.verify_seconds,
-                    run.lookup_steps,
+                    run.stats,
                 )
             )
-    bar.close()
     return rows
 
 
-def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
-    """FIGS per method, overall and by category (speedup against hf-ar on the same prompts)."""
+def _throughput(rows: Sequence[PromptResult]) -> float:
+    return throughput(sum(r.new_tokens for r in rows), sum(r.seconds for r in rows))
 
-    def figures(subset: list[PromptResult], baseline_tps: float) -> dict[str, Any]:
-        tps = statistics.fmean(r.tokens_per_second for r in subset)
-        tokens = sum(r.new_tokens for r in subset)
-        steps = [r.steps for r in subset if r.steps is not None]
-        drafted = sum(r.drafted or 0 for r in subset)
-        accepted = sum(r.accepted or 0 for r in subset)
+
+def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
+    """Figures per method, overall and by category; speedup is aggregate throughput against hf-ar's
+    on the same prompts (``measure.timing``)."""
+
+    def figures(subset: list[PromptResult], baseline: list[PromptResult]) -> dict[str, Any]:
+        tps, base = _throughput(subset), _throughput(baseline)
         is_plain = subset[0].method in ("hf-ar", "ar")
-        mean_accepted = 1.0 if is_plain else (tokens / sum(steps) if len(steps) == len(subset) and sum(steps) else None)
+        ours = [r.stats for r in subset if r.stats is not None]
+        stats = GenerationStats.combined(ours) if len(ours) == len(subset) else None
         divergences = [r.divergence for r in subset if r.divergence]
         memory = [r.peak_memory_mb for r in subset if r.peak_memory_mb is not None]
         return {
             "tokens_per_second": tps,
-            "speedup": tps / baseline_tps if baseline_tps else None,
-            "mean_accepted": mean_accepted,
-            "acceptance_rate": None if is_plain else (accepted / drafted if drafted else None),
+            "speedup": tps / base if base else None,
+            "mean_accepted": 1.0 if is_plain else (stats.mean_accepted if stats is not None else None),
+            "acceptance_rate": None if is_plain or stats is None or not stats.drafted else stats.acceptance_rate,
             "identical_fraction": sum(bool(r.identical) for r in subset) / len(subset),
             "n_prompts": len(subset),
-            "new_tokens": tokens,
+            "new_tokens": sum(r.new_tokens for r in subset),
             "divergences": divergences,
             "peak_memory_mb": max(memory) if memory else None,
-            "profile": time_profile(subset),
+            "profile": None if stats is None else time_profile(stats, sum(r.seconds for r in subset), len(subset)),
         }
 
     by_method: dict[str, list[PromptResult]] = defaultdict(list)
@@ -309,14 +260,12 @@ def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
         by_method[row.method].append(row)
     baseline = by_method[BASELINE]
     categories = sorted({r.category for r in rows})
-    base_overall = statistics.fmean(r.tokens_per_second for r in baseline)
-    base_by_cat = {c: statistics.fmean(r.tokens_per_second for r in baseline if r.category == c) for c in categories}
     summary: dict[str, dict[str, Any]] = {}
     for name, subset in by_method.items():
         summary[name] = {
-            "overall": figures(subset, base_overall),
+            "overall": figures(subset, baseline),
             "by_category": {
-                c: figures([r for r in subset if r.category == c], base_by_cat[c])
+                c: figures([r for r in subset if r.category == c], [r for r in baseline if r.category == c])
                 for c in categories
                 if any(r.category == c for r in subset)
             },
@@ -324,33 +273,28 @@ def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
     return summary
 
 
-def time_profile(subset: Sequence[PromptResult]) -> dict[str, Any] | None:
-    """Where our engine's time went, in ms per generated token (None for HF methods).
+def time_profile(stats: GenerationStats, seconds: float, runs: int) -> dict[str, Any] | None:
+    """Where our engine's time went, in ms per generated token.
 
-    ``prefill`` is the prompt forward; ``draft`` is proposing (skip-draft forwards or the lookup
-    search); ``verify`` is the full-model forward over each block plus acceptance and cache
-    rollback; ``other`` is the rest of the loop (emitting tokens, stop checks). ``lookup_share``
-    is the fraction of verify steps whose draft came from prompt lookup.
+    ``prefill`` is the prompt forward (with the call's set-up); ``draft`` is proposing (skip-draft
+    forwards or the lookup search); ``verify`` is the full-model forward over each block plus
+    acceptance and cache rollback; ``other`` is the rest of the measured time (emitting tokens,
+    stop checks, the call itself). ``lookup_share`` is the fraction of verify steps whose draft
+    came from prompt lookup.
     """
-    if any(r.verify_seconds is None for r in subset):
+    if not stats.new_tokens:
         return None
-    tokens = sum(r.new_tokens for r in subset)
-    if not tokens:
-        return None
-    prefill = sum(r.prefill_seconds or 0.0 for r in subset)
-    draft = sum(r.draft_seconds or 0.0 for r in subset)
-    verify = sum(r.verify_seconds or 0.0 for r in subset)
-    total = sum(r.seconds for r in subset)
-    steps = sum((r.steps or 1) - 1 for r in subset)  # the prefill step is not a verify
-    per_token = 1000.0 / tokens
+    steps = stats.steps - runs  # each run's prefill step is not a verify
+    per_token = 1000.0 / stats.new_tokens
+    accounted = stats.prefill_seconds + stats.draft_seconds + stats.verify_seconds
     return {
-        "prefill_ms": prefill * per_token,
-        "draft_ms": draft * per_token,
-        "verify_ms": verify * per_token,
-        "other_ms": max(0.0, total - prefill - draft - verify) * per_token,
-        "total_ms": total * per_token,
-        "verify_ms_per_step": 1000.0 * verify / steps if steps else None,
-        "lookup_share": sum(r.lookup_steps or 0 for r in subset) / steps if steps else None,
+        "prefill_ms": stats.prefill_seconds * per_token,
+        "draft_ms": stats.draft_seconds * per_token,
+        "verify_ms": stats.verify_seconds * per_token,
+        "other_ms": max(0.0, seconds - accounted) * per_token,
+        "total_ms": seconds * per_token,
+        "verify_ms_per_step": 1000.0 * stats.verify_seconds / steps if steps else None,
+        "lookup_share": stats.lookup_steps / steps if steps else None,
     }
 
 
@@ -380,4 +324,13 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def rows_as_dicts(rows: Sequence[PromptResult]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rows]
+    """One flat record per row: the measured figures, then our engine's stats (if any) in full."""
+    result = []
+    for row in rows:
+        data = asdict(row)
+        data.update(
+            tokens_per_second=row.tokens_per_second, steps=row.steps, drafted=row.drafted, accepted=row.accepted
+        )
+        data["stats"] = None if row.stats is None else row.stats.to_dict()
+        result.append(data)
+    return result

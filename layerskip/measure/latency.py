@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from layerskip.engine.cache import RollbackCache
-from layerskip.engine.forward import draft_logits, full_logits
+from layerskip.engine.draft import DraftModel
+from layerskip.engine.forward import full_logits
 from layerskip.hf import adapters
 
 
@@ -46,22 +47,23 @@ def _prefilled_cache(model: nn.Module, context: Sequence[int]) -> tuple[Rollback
 
 @torch.inference_mode()
 def draft_step_seconds(
-    model: nn.Module,
+    draft_model: DraftModel,
     context: Sequence[int],
-    skip_attention: Sequence[int] = (),
-    skip_mlp: Sequence[int] = (),
-    vocab_rows: torch.Tensor | None = None,
+    attention: Sequence[int] = (),
+    mlp: Sequence[int] = (),
+    head_rows: Sequence[int] | None = None,
     repeats: int = 7,
 ) -> float:
-    """Median seconds of one draft token (bypassed stack + head rows) after ``context``."""
-    cache, device = _prefilled_cache(model, context)
+    """Median seconds of one draft token (bypassed stack in the draft's precision + its head) after ``context``."""
+    cache, device = _prefilled_cache(draft_model.model, context)
     length = len(context)
     token = torch.tensor([[context[-1]]], device=device)
-    head = adapters.draft_head(model, vocab_rows)
+    rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
+    head = draft_model.head(rows)
 
     def step() -> None:
-        with adapters.bypass(model, skip_attention, skip_mlp):
-            draft_logits(model, token, cache, length, head)
+        with draft_model.active(attention, mlp):
+            draft_model.logits(token, cache, length, head)
         cache.rollback(length)
 
     return median_seconds(step, device, repeats)
@@ -98,3 +100,56 @@ def block_cost(seconds: dict[int, float], block: int) -> float:
         upper = min(s for s in sizes if s > block)
     weight = (block - lower) / (upper - lower)
     return seconds[lower] + weight * (seconds[upper] - seconds[lower])
+
+
+PROJECTION_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
+
+
+@torch.inference_mode()
+def draft_step_breakdown(
+    draft_model: DraftModel,
+    context: Sequence[int],
+    attention: Sequence[int] = (),
+    mlp: Sequence[int] = (),
+    head_rows: Sequence[int] | None = None,
+    repeats: int = 15,
+) -> dict[str, float]:
+    """Where one draft step's milliseconds go (CPU): the LM head, the kept projections, attention
+    kernels, the other tensor ops (norms, rotary, residual adds, casts, cache writes), and the rest
+    of the wall time (Python, module calls, op dispatch). Op times are torch.profiler self times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache, device = _prefilled_cache(draft_model.model, context)
+    length = len(context)
+    token = torch.tensor([[context[-1]]], device=device)
+    rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
+    head = draft_model.head(rows)
+
+    def step() -> None:
+        with draft_model.active(attention, mlp):
+            draft_model.logits(token, cache, length, head)
+        cache.rollback(length)
+
+    wall = median_seconds(step, device, repeats)
+    with draft_model.active(attention, mlp):
+        hidden = draft_model.hidden(token, cache, length)[0, -1]
+    cache.rollback(length)
+    head_seconds = median_seconds(lambda: head(hidden), device, repeats)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            step()
+    self_us: dict[str, float] = {}
+    for event in prof.key_averages():
+        self_us[event.key] = self_us.get(event.key, 0.0) + event.self_cpu_time_total
+    total_ops = sum(self_us.values()) / repeats / 1e6
+    projections = sum(self_us.get(op, 0.0) for op in PROJECTION_OPS) / repeats / 1e6
+    attention_ops = sum(self_us.get(op, 0.0) for op in ATTENTION_OPS) / repeats / 1e6
+    return {
+        "total_ms": 1000 * wall,
+        "head_ms": 1000 * head_seconds,
+        "layer_projections_ms": 1000 * max(0.0, projections - head_seconds),
+        "attention_kernels_ms": 1000 * attention_ops,
+        "other_ops_ms": 1000 * max(0.0, total_ops - projections - attention_ops),
+        "python_and_dispatch_ms": 1000 * max(0.0, wall - total_ops),
+    }

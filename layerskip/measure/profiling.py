@@ -16,21 +16,18 @@ from __future__ import annotations
 
 import csv
 import io
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
-from tqdm.auto import tqdm
 
-from layerskip.engine.decoding import DecodeSettings, decode
+from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.stats import GenerationStats
-from layerskip.engine.vocab import DraftVocabulary
 from layerskip.hf import adapters
-from layerskip.measure.bench import rotated
 from layerskip.measure.latency import block_cost, verify_seconds
+from layerskip.measure.timing import Runner, TimedRun, run_interleaved, throughput
 
 
 @dataclass
@@ -70,55 +67,38 @@ def forward_costs(
 
 @dataclass
 class ConfigProfile:
-    """One configuration summed over prompts; times in ms per generated token."""
+    """One configuration's generations, summed; times in ms per generated token."""
 
     name: str
-    runs: int = 0
-    new_tokens: int = 0
-    steps: int = 0  # verify forwards (prefill excluded)
-    seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    lookup_steps: int = 0
-    blocks: Counter[int] = field(default_factory=Counter)  # verify forward length -> steps
-
-    def add(self, stats: GenerationStats) -> None:
-        self.runs += 1
-        self.new_tokens += stats.new_tokens
-        self.seconds += stats.total_seconds
-        self.prefill_seconds += stats.prefill_seconds
-        self.draft_seconds += stats.draft_seconds
-        self.verify_seconds += stats.verify_seconds
-        self.lookup_steps += stats.lookup_steps
-        for length, count in stats.block_histogram.items():
-            self.blocks[length] += count
-            self.steps += count
+    runs: list[TimedRun] = field(default_factory=list)
 
     def summary(self, costs: ForwardCosts) -> dict[str, Any]:
-        per_token = 1000.0 / max(1, self.new_tokens)
-        forward = sum(costs.cost(b) * n for b, n in self.blocks.items())
-        other = self.seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
-        drafted_steps = sum(n for b, n in self.blocks.items() if b > 1)
+        stats = GenerationStats.combined([r.stats for r in self.runs if r.stats is not None])
+        seconds = sum(r.seconds for r in self.runs)
+        steps = sum(stats.block_histogram.values())  # verify forwards (the prefill excluded)
+        per_token = 1000.0 / max(1, stats.new_tokens)
+        forward = sum(costs.cost(b) * n for b, n in stats.block_histogram.items())
+        other = seconds - stats.prefill_seconds - stats.draft_seconds - stats.verify_seconds
+        drafted_steps = sum(n for b, n in stats.block_histogram.items() if b > 1)
         return {
             "name": self.name,
-            "new_tokens": self.new_tokens,
-            "tokens_per_second": self.new_tokens / self.seconds if self.seconds else 0.0,
+            "new_tokens": stats.new_tokens,
+            "tokens_per_second": throughput(stats.new_tokens, seconds),
             # The prompt's forward gives each run's first token; the verifies give the rest.
-            "tokens_per_verify": (self.new_tokens - self.runs) / self.steps if self.steps else None,
-            "steps_with_draft": drafted_steps / self.steps if self.steps else None,
-            "lookup_share": self.lookup_steps / self.steps if self.steps else None,
-            "mean_block": sum(b * n for b, n in self.blocks.items()) / self.steps if self.steps else None,
+            "tokens_per_verify": (stats.new_tokens - len(self.runs)) / steps if steps else None,
+            "steps_with_draft": drafted_steps / steps if steps else None,
+            "lookup_share": stats.lookup_steps / steps if steps else None,
+            "mean_block": sum(b * n for b, n in stats.block_histogram.items()) / steps if steps else None,
             "ms_per_token": {
-                "total": self.seconds * per_token,
-                "prefill": self.prefill_seconds * per_token,
-                "draft": self.draft_seconds * per_token,
+                "total": seconds * per_token,
+                "prefill": stats.prefill_seconds * per_token,
+                "draft": stats.draft_seconds * per_token,
                 "verify_forward": forward * per_token,
-                "verify_rest": (self.verify_seconds - forward) * per_token,
+                "verify_rest": (stats.verify_seconds - forward) * per_token,
                 "loop_other": max(0.0, other) * per_token,
-                "framework_floor": costs.twin_step_seconds * self.steps * per_token,
+                "framework_floor": costs.twin_step_seconds * steps * per_token,
             },
-            "blocks": {str(b): n for b, n in sorted(self.blocks.items())},
+            "blocks": {str(b): n for b, n in sorted(stats.block_histogram.items())},
         }
 
 
@@ -128,27 +108,21 @@ def profile_configs(
     configs: dict[str, SkipPolicy | None],
     eos_token_ids: tuple[int, ...],
     max_new_tokens: int,
-    vocabulary: DraftVocabulary | None = None,
     progress: bool = True,
 ) -> list[ConfigProfile]:
-    """Generate with every configuration on every prompt (order rotating per prompt); None = plain."""
-    settings = DecodeSettings(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
-    profiles = {name: ConfigProfile(name) for name in configs}
-    names = list(configs)
+    """Generate with every configuration on every prompt (interleaved, ``measure.timing``); None = plain."""
+    decoders = {name: Decoder(model, policy) for name, policy in configs.items()}
 
-    def run(name: str, ids: list[int], budget: DecodeSettings) -> GenerationStats:
-        return decode(model, ids, configs[name], budget, vocabulary=vocabulary)[1]
+    def runner(decoder: Decoder) -> Runner:
+        return lambda ids, max_new: decoder.decode(
+            ids, DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos_token_ids)
+        )
 
-    warmup = DecodeSettings(max_new_tokens=16, eos_token_ids=eos_token_ids)
-    for name in names:
-        run(name, prompt_ids[0], warmup)
-    bar = tqdm(total=len(prompt_ids) * len(names), desc="profile", disable=not progress)
-    for index, ids in enumerate(prompt_ids):
-        for name in rotated(names, index):
-            profiles[name].add(run(name, ids, settings))
-            bar.update()
-    bar.close()
-    return list(profiles.values())
+    device = next(model.parameters()).device
+    runs = run_interleaved(
+        {name: runner(d) for name, d in decoders.items()}, prompt_ids, max_new_tokens, device, 16, progress, "profile"
+    )
+    return [ConfigProfile(name, [by_name[name] for by_name in runs]) for name in configs]
 
 
 def profile_report(costs: ForwardCosts, profiles: Sequence[ConfigProfile]) -> dict[str, Any]:

@@ -1,0 +1,115 @@
+"""The model as the draft runs it: bypassed sublayers, kept projections in the draft's precision, its head.
+
+Prepared once per model and precision (quantising weights takes time and memory, like loading a
+model), then used for any number of generations and skip sets. ``active(attention, mlp)``
+patches the model for one draft run and restores it on exit, so the verify between two draft
+runs always sees the unmodified full model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from layerskip.engine.cache import RollbackCache
+from layerskip.engine.forward import positions
+from layerskip.engine.head import DraftHead
+from layerskip.engine.precision import LowPrecisionProjection, check_precision
+from layerskip.hf import adapters
+
+SUBLAYER_KINDS = ("attention", "mlp")
+
+
+class DraftModel:
+    """Runs draft forwards of ``model``: some sublayers bypassed, the rest optionally in lower precision.
+
+    ``keep`` limits which sublayers get low-precision copies (a fixed policy needs only the ones
+    it keeps; on-the-fly selection may keep any): ``{(layer, "attention" | "mlp"), ...}``, None = all.
+    """
+
+    def __init__(
+        self, model: nn.Module, precision: str = "model", keep: Iterable[tuple[int, str]] | None = None
+    ) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        check_precision(precision, self.device)
+        self.precision = precision
+        self.projections: dict[tuple[int, str], list[tuple[nn.Module, LowPrecisionProjection]]] = {}
+        if precision != "model":
+            wanted = (
+                {(i, kind) for i in range(adapters.num_layers(model)) for kind in SUBLAYER_KINDS}
+                if keep is None
+                else set(keep)
+            )
+            for index, kind in sorted(wanted):
+                self.projections[(index, kind)] = [
+                    (module, LowPrecisionProjection(*adapters.projection_weight(module), precision))
+                    for module in adapters.sublayer_projections(model, index, kind)
+                ]
+        head = adapters.lm_head(model)
+        self._head_bias = head.bias
+        self._full_head_copy: torch.Tensor | None = None  # the whole head in the draft dtype, made on first use
+        self._replacements_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._replacements: list[tuple[nn.Module, object]] = []
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype if self.precision == "model" else torch.bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the low-precision copies (0 when the draft uses the model's own weights)."""
+        copies = sum(p.nbytes for pairs in self.projections.values() for _, p in pairs)
+        head = 0 if self._full_head_copy is None else self._full_head_copy.numel() * self._full_head_copy.element_size()
+        return copies + head
+
+    def _head_weight(self, truncated: bool) -> torch.Tensor:
+        weight = adapters.lm_head(self.model).weight
+        if self.precision == "model" or truncated:
+            return weight  # a truncated head gathers its rows and casts them itself
+        if self._full_head_copy is None:
+            self._full_head_copy = weight.detach().to(self.dtype)
+        return self._full_head_copy
+
+    def head(self, rows: torch.Tensor | None, growth: int = 0) -> DraftHead:
+        """A head over ``rows`` (None = every row) in the draft's dtype, with room to grow by ``growth`` rows."""
+        truncated = rows is not None
+        return DraftHead(
+            self._head_weight(truncated),
+            self._head_bias,
+            adapters.final_logit_softcap(self.model),
+            rows,
+            growth,
+            dtype=self.dtype,
+        )
+
+    def replacements(self, attention: Iterable[int], mlp: Iterable[int]) -> list[tuple[nn.Module, object]]:
+        """Forward replacements for one draft run (cached for the last skip set)."""
+        key = (tuple(sorted(set(attention))), tuple(sorted(set(mlp))))
+        if key != self._replacements_key:
+            bypassed = adapters.bypass_replacements(self.model, *key)
+            skipped = {(i, "attention") for i in key[0]} | {(i, "mlp") for i in key[1]}
+            low = [pair for sub, pairs in self.projections.items() if sub not in skipped for pair in pairs]
+            self._replacements_key, self._replacements = key, bypassed + low
+        return self._replacements
+
+    @contextlib.contextmanager
+    def active(self, attention: Iterable[int], mlp: Iterable[int]) -> Iterator[None]:
+        with adapters.patched_forwards(self.replacements(attention, mlp)):
+            yield
+
+    def hidden(self, input_ids: torch.Tensor, cache: RollbackCache | None, start: int) -> torch.Tensor:
+        """The decoder stack's final hidden states ``[1, q, hidden]`` (call inside ``active``)."""
+        return adapters.base_model(self.model)(
+            input_ids=input_ids,
+            past_key_values=cache,
+            position_ids=positions(start, input_ids.shape[1], input_ids.device),
+            use_cache=cache is not None,
+        ).last_hidden_state
+
+    def logits(self, input_ids: torch.Tensor, cache: RollbackCache, start: int, head: DraftHead) -> torch.Tensor:
+        """The draft's logits for the last input position, ``[n]`` over the head's rows (inside ``active``)."""
+        return head(self.hidden(input_ids, cache, start)[0, -1])

@@ -1,0 +1,109 @@
+"""Lower-precision copies of the projections the draft keeps; the full model verifies in its own dtype.
+
+A draft step of a small model on a CPU streams every kept weight from memory once per token,
+so the bytes it reads set its cost. A draft may therefore run its kept linear projections from
+a copy in a narrower format while the verify keeps the model's own weights: the output stays
+exactly the full model's (verify decides every token), only the acceptance may move.
+
+* ``bfloat16``: a bf16 copy of each weight; any device.
+* ``int8``: per-output-channel symmetric int8 weights (``torch.ops.aten._weight_int8pack_mm``,
+  bf16 activations); CPU.
+* ``int4``: groupwise (32 inputs) asymmetric int4 weights, the layout of GGUF's Q4_0/Q4_1/Q4_K
+  blocks (``_weight_int4pack_mm_for_cpu``, bf16 activations); CPU. A projection whose input
+  width is not a multiple of the group falls back to bf16.
+
+Activations are cast to bf16 at each projection and back, so the residual stream, the norms
+and the shared KV cache stay in the model's dtype. The copies cost memory: ``nbytes`` reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from layerskip.errors import LayerskipError
+
+PRECISIONS = ("model", "bfloat16", "int8", "int4")
+CPU_ONLY = ("int8", "int4")
+INT4_GROUP = 32
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    if precision not in PRECISIONS:
+        raise LayerskipError(f"unknown draft precision '{precision}'; use one of {', '.join(PRECISIONS)}")
+    if precision in CPU_ONLY and torch.device(device).type != "cpu":
+        raise LayerskipError(
+            f"draft precision '{precision}' runs on the CPU only; use 'bfloat16' (or 'model') on {device}"
+        )
+
+
+class LowPrecisionProjection:
+    """A callable standing in for one projection's ``forward``: ``x [..., in] -> [..., out]``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> None:
+        weight = weight.detach()
+        out_features, in_features = weight.shape
+        if precision == "int4" and in_features % INT4_GROUP:
+            precision = "bfloat16"
+        self.precision = precision
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        self._matmul = _BUILDERS[precision](weight)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self._tensors)
+
+    def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [tokens, in]
+        out = self._matmul(flat)  # [tokens, out] bf16
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+    @property
+    def _tensors(self) -> list[torch.Tensor]:
+        tensors = list(getattr(self._matmul, "tensors", ()))
+        return tensors + ([self.bias] if self.bias is not None else [])
+
+
+class _Matmul:
+    """``flat [tokens, in] bf16 -> [tokens, out] bf16`` with the tensors it holds (for ``nbytes``)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], *tensors: torch.Tensor) -> None:
+        self.fn = fn
+        self.tensors = tensors
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.fn(flat)
+
+
+def _bfloat16(weight: torch.Tensor) -> _Matmul:
+    w = weight.to(torch.bfloat16).contiguous()
+    return _Matmul(lambda x: nn.functional.linear(x, w), w)
+
+
+def _int8(weight: torch.Tensor) -> _Matmul:
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
+    quantized = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    scales = scales.to(torch.bfloat16)
+    return _Matmul(lambda x: torch.ops.aten._weight_int8pack_mm(x, quantized, scales), quantized, scales)
+
+
+def _int4(weight: torch.Tensor) -> _Matmul:
+    w = weight.float()
+    out_features, in_features = w.shape
+    groups = w.reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, groups]
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features), 1)
+    # The kernel dequantises (q - 8) * scale + zero, so zero = low + 8 * scale; layout [groups, out, 2].
+    scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1).to(torch.bfloat16).contiguous()
+    return _Matmul(
+        lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_and_zeros),
+        packed,
+        scales_and_zeros,
+    )
+
+
+_BUILDERS: dict[str, Callable[[torch.Tensor], _Matmul]] = {"bfloat16": _bfloat16, "int8": _int8, "int4": _int4}
