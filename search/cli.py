@@ -11,6 +11,7 @@ import argparse
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.measure.agreement import sublayer_order
 from search.export import export_policy, verdict
 from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibration
 from search.plots import write_plots
@@ -127,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every trial drafts with its skip policy (lookup, if on, leads where the context repeats)",
     )
+    parser.add_argument(
+        "--space",
+        choices=("ranked", "switches"),
+        default="ranked",
+        help="ranked: bypass the N sublayers whose single bypass changes the draft least (N searched); "
+        "switches: one on/off switch per sublayer",
+    )
     parser.add_argument("--never-skip", type=_int_list, default=(), help="layers never to bypass, e.g. 0,1")
     parser.add_argument("--min-skip-fraction", type=float, default=0.0)
     parser.add_argument("--max-skip-fraction", type=float, default=1.0)
@@ -228,28 +237,11 @@ def _main(argv: list[str] | None) -> int:
         "chat": chat,
         "reference_tokens": args.reference_tokens,
     }
-    metadata = {
-        **identity,
-        "command": command,
-        "calibration": calibration_info,
-        "space": space.to_dict(),
-        "device": str(next(model.parameters()).device),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-    }
     if storage is None:
         storage = open_storage(args.storage)
-    check_study_matches(existing_study_attrs(storage, study_name), study_name, identity)
-    seed = args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name)
-    study = open_study(storage, study_name, args.objective, seed, metadata, space.warm_starts())
-    if RANKING_ATTR not in study.user_attrs:
-        # Truncated draft heads start from the calibration text's tokens (then the lowest ids);
-        # stored once, so every trial of the study (and every worker) scores the same rows.
-        ranking = DraftVocabulary.from_texts(tokenizer, [p.text for p in prompts], model).top(max(args.draft_vocab))
-        study.set_user_attr(RANKING_ATTR, list(ranking))
-    ranking = study.user_attrs[RANKING_ATTR]
+    existing = existing_study_attrs(storage, study_name)
+    check_study_matches(existing, study_name, identity)
     progress = not args.no_progress
-    print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
     calibration = prepare_calibration(
         model,
         prompt_ids,
@@ -260,6 +252,30 @@ def _main(argv: list[str] | None) -> int:
         progress,
         max_block=max((*args.lookup_tokens, *args.verify_pad, 0)) + 1,
     )
+    if args.space == "ranked":
+        # Sublayers ordered by how little bypassing each alone changes the draft's top-1 token;
+        # a resumed study keeps the order it was made with.
+        known = (existing or {}).get("space", {}).get("sublayer_order")
+        order = [tuple(item) for item in known] if known else sublayer_order(model, calibration.references, progress)
+        space = replace(space, sublayer_order=tuple(order))
+    metadata = {
+        **identity,
+        "command": command,
+        "calibration": calibration_info,
+        "space": space.to_dict(),
+        "device": str(next(model.parameters()).device),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+    }
+    seed = args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name)
+    study = open_study(storage, study_name, args.objective, seed, metadata, space.warm_starts())
+    if RANKING_ATTR not in study.user_attrs:
+        # Truncated draft heads start from the calibration text's tokens (then the lowest ids);
+        # stored once, so every trial of the study (and every worker) scores the same rows.
+        ranking = DraftVocabulary.from_texts(tokenizer, [p.text for p in prompts], model).top(max(args.draft_vocab))
+        study.set_user_attr(RANKING_ATTR, list(ranking))
+    ranking = study.user_attrs[RANKING_ATTR]
+    print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
     objective = CheapObjective(model, calibration, space, args.objective, ranking)
     run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)
 

@@ -9,6 +9,7 @@ parameters, so a knob with a single choice (not an Optuna parameter) is never lo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -38,6 +39,9 @@ class SearchSpace:
     lookup_min_ngram_choices: tuple[int, ...] = (2,)  # shortest n-gram a lookup may match
     verify_pad_choices: tuple[int, ...] = (0,)  # pad short verify blocks to this length (0 = never)
     precision_choices: tuple[str, ...] = ("model",)  # the draft's weight precision (engine/precision.py)
+    # Ranked space: sublayers ordered from the least to the most needed (single-sublayer
+    # agreement); a trial bypasses the first ``skip_count`` of them. Empty: one switch per sublayer.
+    sublayer_order: tuple[tuple[int, str], ...] = ()
     require_skip_draft: bool = False  # never try lookup-only drafting (lookup may still lead)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -67,14 +71,33 @@ class SearchSpace:
     def searchable_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if i not in set(self.never_skip)]
 
+    @property
+    def ranked(self) -> list[tuple[int, str]]:
+        """The ranked space's order, never-skip layers left out."""
+        return [(i, kind) for i, kind in self.sublayer_order if i not in set(self.never_skip)]
+
+    @property
+    def skip_count_range(self) -> tuple[int, int]:
+        total = 2 * self.num_layers
+        low = math.ceil(self.min_fraction * total - 1e-9)
+        high = min(len(self.ranked), math.floor(self.max_fraction * total + 1e-9), total - 1)
+        return low, high
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     # -- Optuna ---------------------------------------------------------------------------
     def suggest(self, trial: optuna.Trial) -> SkipPolicy:
         """Sample a policy; prunes a trial whose skipped fraction breaks the user's rules."""
-        attention = [i for i in self.searchable_layers if trial.suggest_categorical(f"attn_{i:02d}", [False, True])]
-        mlp = [i for i in self.searchable_layers if trial.suggest_categorical(f"mlp_{i:02d}", [False, True])]
+        if self.sublayer_order:
+            chosen = self.ranked[: trial.suggest_int("skip_count", *self.skip_count_range)]
+            attention = [i for i, kind in chosen if kind == "attention"]
+            mlp = [i for i, kind in chosen if kind == "mlp"]
+        else:
+            attention = [
+                i for i in self.searchable_layers if trial.suggest_categorical(f"attn_{i:02d}", [False, True])
+            ]
+            mlp = [i for i in self.searchable_layers if trial.suggest_categorical(f"mlp_{i:02d}", [False, True])]
         fraction = (len(attention) + len(mlp)) / (2 * self.num_layers)
         trial.set_user_attr("skip_fraction", fraction)
         if not self.min_fraction <= fraction <= self.max_fraction:
@@ -121,11 +144,15 @@ class SearchSpace:
         lookup: int = 0,
         use_skip_draft: bool = True,
     ) -> dict[str, Any]:
-        """Optuna parameters of a hand-picked candidate (for ``enqueue_trial`` warm starts)."""
+        """Optuna parameters of a hand-picked candidate (for ``enqueue_trial`` warm starts); in the
+        ranked space the candidate bypasses the first ``len(attention) + len(mlp)`` ranked sublayers."""
         params: dict[str, Any] = {}
-        for i in self.searchable_layers:
-            params[f"attn_{i:02d}"] = i in attention
-            params[f"mlp_{i:02d}"] = i in mlp
+        if self.sublayer_order:
+            params["skip_count"] = len(attention) + len(mlp)
+        else:
+            for i in self.searchable_layers:
+                params[f"attn_{i:02d}"] = i in attention
+                params[f"mlp_{i:02d}"] = i in mlp
         k = max_draft_tokens if max_draft_tokens in self.draft_token_choices else self.draft_token_choices[0]
         params["max_draft_tokens"] = k
         if self.tune_adaptive:
@@ -148,16 +175,23 @@ class SearchSpace:
         return params
 
     def warm_starts(self) -> list[dict[str, Any]]:
-        """Sensible first candidates: nothing skipped, early-exit prefixes, every other deep layer."""
+        """Sensible first candidates. Switches: nothing skipped, early-exit prefixes, every other
+        deep layer. Ranked: the first 0, 1, 2, 4 and 8 ranked sublayers."""
         n = self.num_layers
         allowed = set(self.searchable_layers)
         candidates: list[tuple[list[int], list[int]]] = [([], [])]
-        for depth in (3 * n // 4, 2 * n // 3, n // 2):
-            deep = [i for i in range(depth, n) if i in allowed]
-            candidates.append((deep, deep))
         alternate = [i for i in range(n // 2, n) if i % 2 == 1 and i in allowed]
-        candidates.append((alternate, alternate))
-        candidates.append((alternate, []))  # attention only: often the cheapest to lose
+        if self.sublayer_order:
+            low, high = self.skip_count_range
+            counts = sorted({min(max(c, low), high) for c in (0, 1, 2, 4, 8)} - {0})
+            candidates += [(list(range(count)), []) for count in counts]  # only the count matters here
+            alternate = list(range(min(max(1, low), high)))
+        else:
+            for depth in (3 * n // 4, 2 * n // 3, n // 2):
+                deep = [i for i in range(depth, n) if i in allowed]
+                candidates.append((deep, deep))
+            candidates.append((alternate, alternate))
+            candidates.append((alternate, []))  # attention only: often the cheapest to lose
         params = []
         for attention, mlp in candidates:
             fraction = (len(attention) + len(mlp)) / (2 * n)

@@ -129,3 +129,32 @@ def test_lookup_cut_and_shortest_ngram_are_searched() -> None:
 def test_bad_lookup_choices(field: str, value: tuple, flag: str) -> None:
     with pytest.raises(LayerskipError, match=flag):
         SearchSpace(num_layers=LAYERS, **{field: value})
+
+
+ORDER = ((4, "attention"), (1, "mlp"), (5, "attention"), (0, "attention"), (3, "mlp"), (2, "attention"))
+
+
+def test_ranked_space_bypasses_a_prefix_of_the_order() -> None:
+    space = SearchSpace(num_layers=LAYERS, sublayer_order=ORDER, never_skip=(0,))
+    ranked = [item for item in ORDER if item[0] != 0]
+    seen = set()
+    for params, policy in _sampled(space):
+        count = params["skip_count"]
+        chosen = ranked[:count]
+        assert sorted(policy.skip_attention) == sorted(i for i, kind in chosen if kind == "attention")
+        assert sorted(policy.skip_mlp) == sorted(i for i, kind in chosen if kind == "mlp")
+        assert 0 not in policy.skip_attention
+        assert not any(k.startswith(("attn_", "mlp_")) for k in params)
+        seen.add(count)
+    assert len(seen) > 2
+    counts = {w["skip_count"] for w in space.warm_starts()}
+    assert counts >= {0, 1, 2, 4}
+
+
+def test_ranked_space_respects_skip_fraction_bounds() -> None:
+    space = SearchSpace(num_layers=LAYERS, sublayer_order=ORDER, min_fraction=0.25, max_fraction=0.5)
+    low, high = space.skip_count_range
+    assert (low, high) == (3, 6)
+    for params, policy in _sampled(space):
+        assert 3 <= params["skip_count"] <= 6
+        assert 0.25 <= (len(policy.skip_attention) + len(policy.skip_mlp)) / (2 * LAYERS) <= 0.5

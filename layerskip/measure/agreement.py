@@ -143,6 +143,17 @@ def single_sublayer_agreement(
     return result
 
 
+def sublayer_order(
+    model: nn.Module, references: Sequence[Reference], progress: bool = False
+) -> list[tuple[int, str]]:
+    """Every sublayer ``(layer, "attention" | "mlp")``, from the one whose bypass alone keeps the
+    most agreement to the one that keeps the least (ties: attention first, then by layer)."""
+    agreement = single_sublayer_agreement(model, references, progress)
+    items = [(value, i, kind) for kind, values in agreement.items() for i, value in enumerate(values)]
+    items.sort(key=lambda item: (-item[0], item[2] != "attention", item[1]))
+    return [(i, kind) for _, i, kind in items]
+
+
 @dataclass
 class SimulatedRun:
     """Greedy self-speculative decoding of one reference, replayed from teacher-forced predictions."""
