@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -96,9 +97,11 @@ def load_prompts(
     per_category: int | None = None,
     text_field: str | None = None,
     seed: int = 0,
+    categories: Sequence[str] = (),
 ) -> list[Prompt]:
-    """Prompts from ``builtin`` or a path; ``per_category`` takes that many from each category
-    (a seeded random sample), then ``n`` caps the total, spread over categories."""
+    """Prompts from ``builtin`` or a path; ``categories`` keeps only those (e.g. to tune on some
+    and report the others), ``per_category`` takes that many from each category (a seeded random
+    sample), then ``n`` caps the total, spread over categories."""
     if per_category is not None and per_category <= 0:
         raise LayerskipError(f"--per-category must be > 0 (got {per_category})")
     if n is not None and n <= 0:
@@ -115,6 +118,15 @@ def load_prompts(
         prompts = _from_spec_bench_rows(rows, str(path)) if rows is not None else _read_with_datasets(path, text_field)
         if not prompts:
             raise LayerskipError(f"prompts file {path} holds no non-empty prompt")
+    if categories:
+        known = sorted({p.category for p in prompts})
+        unknown = sorted(set(categories) - set(known))
+        if unknown:
+            raise LayerskipError(
+                f"no prompts in categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                f"choose from {', '.join(known)}"
+            )
+        prompts = [p for p in prompts if p.category in set(categories)]
     by_category: dict[str, list[Prompt]] = defaultdict(list)
     for prompt in prompts:
         by_category[prompt.category].append(prompt)

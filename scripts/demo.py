@@ -24,7 +24,11 @@ OUT = Path("results/demo")
 
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    print("== 1. searching a skip policy for smollm2-135m (16 trials, lookup drafting allowed) ==", flush=True)
+    print(
+        "== 1. searching a skip policy for smollm2-135m (16 trials: ranked sublayer bypasses, int4 or fp32 "
+        "draft weights, truncated head, prompt lookup in front or not) ==",
+        flush=True,
+    )
     code = search_main(
         [
             "--model",
@@ -41,6 +45,13 @@ def main() -> int:
             "2",
             "--lookup",
             "0,3",
+            # Every trial drafts with bypassed sublayers (lookup may lead where the context repeats),
+            # so the exported policy bypasses something; the verdict says if it beats plain decoding.
+            "--require-skip-draft",
+            "--draft-precision",
+            "model,int4",
+            "--draft-vocab",
+            "4096,16384",
             "--storage",
             f"sqlite:///{OUT / 'study.db'}",
             "--study-name",

@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
     parser.add_argument("--n-prompts", type=int, default=6, help="calibration prompts (spread over categories)")
     parser.add_argument("--per-category", type=int, help="sample this many prompts from each category first")
+    parser.add_argument("--categories", type=_str_list, default=(), help="only these prompt categories, e.g. qa,rag")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--n-trials", type=int, default=60, help="trials this process runs")
     parser.add_argument("--total-trials", type=int, help="stop when the study (all workers) has this many trials")
@@ -193,7 +194,12 @@ def _main(argv: list[str] | None) -> int:
     _check_numbers(args)
     command = shlex.join(["layerskip-search", *(sys.argv[1:] if argv is None else argv)])
     prompts = load_prompts(
-        args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field, seed=args.seed
+        args.prompts,
+        n=args.n_prompts,
+        per_category=args.per_category,
+        text_field=args.text_field,
+        seed=args.seed,
+        categories=args.categories,
     )
     study_name = args.study_name or f"{Path(args.model).stem}-{args.objective}"
     # A database server is contacted now, so an unreachable one fails before the model loads; a

@@ -94,9 +94,7 @@ class SearchSpace:
             attention = [i for i, kind in chosen if kind == "attention"]
             mlp = [i for i, kind in chosen if kind == "mlp"]
         else:
-            attention = [
-                i for i in self.searchable_layers if trial.suggest_categorical(f"attn_{i:02d}", [False, True])
-            ]
+            attention = [i for i in self.searchable_layers if trial.suggest_categorical(f"attn_{i:02d}", [False, True])]
             mlp = [i for i in self.searchable_layers if trial.suggest_categorical(f"mlp_{i:02d}", [False, True])]
         fraction = (len(attention) + len(mlp)) / (2 * self.num_layers)
         trial.set_user_attr("skip_fraction", fraction)

@@ -211,6 +211,7 @@ def test_summary_figures(benchmark: dict) -> None:
     assert spec["acceptance_rate"] == pytest.approx(sum(r.accepted for r in rows) / sum(r.drafted for r in rows))
     assert spec["mean_accepted"] > 1.0 and 0 < spec["acceptance_rate"] < 1
     assert summary["hf-pld"]["overall"]["mean_accepted"] is None  # HF does not expose its forward count
+
     # Speedup is aggregate throughput (total tokens / total seconds) over the baseline's, same prompts.
     def aggregate(name: str, category: str | None = None) -> float:
         rows = [r for r in benchmark["rows"] if r.method == name and category in (None, r.category)]

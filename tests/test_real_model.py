@@ -1,7 +1,7 @@
 """Lossless on the real embedded SmolLM2-135M-Instruct: greedy self-speculative output == HF generate.
 
 Four built-in prompts (one each of writing, translation, summarisation, maths) with the chat
-template, 32 new tokens, three policies: attention skips, early exit, and lookup + skip.
+template, 32 new tokens, four policies: attention skips, early exit, lookup + skip, and skip sets chosen on the fly.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ POLICIES = {
     "attention-5-20": SkipPolicy(skip_attention=(5, 20)),
     "early-exit-26": SkipPolicy.early_exit(30, 26),
     "lookup-hybrid": SkipPolicy(skip_attention=(5, 20), draft=DraftSettings(lookup_max_ngram=3)),
+    "on-the-fly": SkipPolicy.adaptive_selection(refresh_every=1, start_fraction=0.1),
 }
 
 

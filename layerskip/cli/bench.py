@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
     parser.add_argument("--per-category", type=int, help="prompts per category")
+    parser.add_argument(
+        "--categories",
+        type=lambda text: tuple(c.strip() for c in text.split(",") if c.strip()),
+        default=(),
+        help="only these prompt categories, e.g. qa,rag",
+    )
     parser.add_argument("--n-prompts", type=int, help="cap on the number of prompts")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling prompts per category")
     parser.add_argument("--methods", default="hf-ar,ar,self-spec", help=f"comma-separated, from: {', '.join(METHODS)}")
@@ -57,7 +63,12 @@ def _main(argv: list[str] | None) -> int:
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     check_methods(names, bool(args.policy), bool(args.assistant_model))
     prompts = load_prompts(
-        args.prompts, n=args.n_prompts, per_category=args.per_category, text_field=args.text_field, seed=args.seed
+        args.prompts,
+        n=args.n_prompts,
+        per_category=args.per_category,
+        text_field=args.text_field,
+        seed=args.seed,
+        categories=args.categories,
     )
     policies = load_policies(args.policy)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)

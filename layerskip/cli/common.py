@@ -6,9 +6,10 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
-from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.policy import OnTheFlySettings, SkipPolicy
 from layerskip.errors import LayerskipError
 
 EXIT_BAD_INPUT = 2
@@ -59,16 +60,36 @@ def read_prompt(text: str | None, path: str | None) -> str:
     return text
 
 
-def load_policies(paths: list[str]) -> dict[str, SkipPolicy]:
-    """Policy files by label (the file's stem; a repeated stem gets ``-2``, ``-3``: nothing is dropped)."""
+ON_THE_FLY = "on-the-fly"
+
+
+def load_policy(spec: str) -> tuple[str, SkipPolicy]:
+    """``(label, policy)`` for a ``--policy`` value: a policy file; ``on-the-fly`` (skip sets chosen
+    while generating, from nothing bypassed); or ``on-the-fly:PATH`` (chosen while generating,
+    starting from that file's skip sets and drafting with its settings)."""
+    if spec == ON_THE_FLY:
+        return ON_THE_FLY, SkipPolicy.adaptive_selection()
+    if spec.startswith(ON_THE_FLY + ":"):
+        path = spec[len(ON_THE_FLY) + 1 :]
+        start = SkipPolicy.load(path)
+        if not start.draft.use_skip_draft:
+            raise LayerskipError(f"{path} drafts by lookup only; on-the-fly selection needs a policy with a skip draft")
+        selection = start.on_the_fly or OnTheFlySettings()
+        return f"{ON_THE_FLY}-{Path(path).stem}", replace(start, on_the_fly=selection)
+    return Path(spec).stem, SkipPolicy.load(spec)
+
+
+def load_policies(specs: list[str]) -> dict[str, SkipPolicy]:
+    """Policies by label (a file's stem; a repeated label gets ``-2``, ``-3``: nothing is dropped)."""
     policies: dict[str, SkipPolicy] = {}
-    for path in paths:
-        stem = label = Path(path).stem
+    for spec in specs:
+        stem, policy = load_policy(spec)
+        label = stem
         number = 2
         while label in policies:
             label = f"{stem}-{number}"
             number += 1
-        policies[label] = SkipPolicy.load(path)
+        policies[label] = policy
     return policies
 
 

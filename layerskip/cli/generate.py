@@ -6,9 +6,8 @@ import argparse
 import json
 import sys
 
-from layerskip.cli.common import add_model_arguments, read_prompt, run_cli
+from layerskip.cli.common import add_model_arguments, load_policy, read_prompt, run_cli
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
 from layerskip.hf.baselines import hf_generate
@@ -20,7 +19,11 @@ from layerskip.measure.timing import Runner, aggregate_throughput, run_interleav
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layerskip-generate", description=__doc__)
     add_model_arguments(parser)
-    parser.add_argument("--policy", help="skip policy JSON; without it, plain decoding")
+    parser.add_argument(
+        "--policy",
+        help="skip policy JSON, 'on-the-fly' (skip sets chosen while generating) or 'on-the-fly:PATH' "
+        "(chosen while generating, starting from PATH); without it, plain decoding",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="read the prompt from this file")
@@ -68,7 +71,7 @@ def _main(argv: list[str] | None) -> int:
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     prompt = read_prompt(args.prompt, args.prompt_file)
-    policy = SkipPolicy.load(args.policy) if args.policy else None
+    policy = load_policy(args.policy)[1] if args.policy else None
     sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -108,6 +111,10 @@ def _main(argv: list[str] | None) -> int:
         "draft_seconds": stats.draft_seconds,
         "verify_seconds": stats.verify_seconds,
     }
+    if policy is not None and policy.on_the_fly is not None:
+        # Skip-drafted steps per bypassed set ("a<attention layers>|m<MLP layers>"), and how often it changed.
+        report["skip_changes"] = stats.skip_changes
+        report["skip_sets"] = stats.skip_sets
     if args.compare:
         report["baseline_tokens_per_second"] = aggregate_throughput([base])
         report["speedup"] = speedup([ours], [base])
@@ -123,6 +130,8 @@ def _main(argv: list[str] | None) -> int:
     )
     if policy is not None:
         line += f", acceptance {stats.acceptance_rate:.2f}"
+        if policy.on_the_fly is not None:
+            line += f", skip set changed {stats.skip_changes}x over {len(stats.skip_sets)} sets"
     if args.compare:
         line += (
             f"; HF generate {report['baseline_tokens_per_second']:.1f} tok/s, speedup {report['speedup']:.2f}x, "

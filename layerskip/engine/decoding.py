@@ -25,8 +25,9 @@ from torch import nn
 
 from layerskip.engine.cache import RollbackCache
 from layerskip.engine.draft import DraftModel
-from layerskip.engine.drafters import Draft, Drafter, DraftRequest, NoDrafter, make_drafter
+from layerskip.engine.drafters import Draft, Drafter, DraftRequest, HybridDrafter, NoDrafter, SkipDrafter, make_drafter
 from layerskip.engine.forward import full_logits
+from layerskip.engine.onthefly import OnTheFlyDrafter, SelectionState
 from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.sampling import Sampling, verify_greedy, verify_sampled
 from layerskip.engine.stats import DeviceClock, GenerationResult, GenerationStats
@@ -116,7 +117,8 @@ class Decoder:
     Built once per model and policy: it checks the policy against the model and prepares the
     draft (a low-precision copy of the projections it keeps, if the policy asks for one), then
     serves any number of ``decode`` calls. ``vocab_rows`` overrides the truncated draft head's
-    starting rows (default: the policy's).
+    starting rows (default: the policy's). A policy with ``on_the_fly`` settings gets its skip
+    sets re-chosen while generating; what that learns (``selection``) carries over between calls.
     """
 
     def __init__(self, model: nn.Module, policy: SkipPolicy | None = None, vocab_rows: torch.Tensor | None = None):
@@ -125,9 +127,13 @@ class Decoder:
         self.device = next(model.parameters()).device
         self.vocab_size = adapters.lm_head(model).weight.shape[0]
         self.draft_model: DraftModel | None = None
+        self.selection: SelectionState | None = None
         if policy is not None:
             policy.validate_for(model)
-            if policy.draft.use_skip_draft:
+            if policy.on_the_fly is not None:
+                self.selection = SelectionState.start(policy, model)
+                self.draft_model = DraftModel(model, policy.draft.precision)  # any sublayer may be kept
+            elif policy.draft.use_skip_draft:
                 kept = [
                     (i, kind)
                     for i in range(adapters.num_layers(model))
@@ -146,7 +152,15 @@ class Decoder:
         head = None
         if self.draft_model is not None:
             head = self.draft_model.head(self.vocab_rows, growth=prompt_length + settings.max_new_tokens)
-        return make_drafter(self.policy, self.draft_model, head, self.vocab_size, settings.sampling, generator)
+        drafter = make_drafter(self.policy, self.draft_model, head, self.vocab_size, settings.sampling, generator)
+        if self.selection is None:
+            return drafter
+        if isinstance(drafter, HybridDrafter):
+            assert isinstance(drafter.skip, SkipDrafter)
+            drafter.skip = OnTheFlyDrafter(drafter.skip, self.model, self.selection)
+            return drafter
+        assert isinstance(drafter, SkipDrafter)
+        return OnTheFlyDrafter(drafter, self.model, self.selection)
 
     @torch.inference_mode()
     def decode(
@@ -185,7 +199,8 @@ class Decoder:
             block = torch.tensor([block_ids], device=self.device)  # [1, prompt] or [1, k+1 (+ fillers)]
             drafted = draft.tokens if draft is not None else []
             keep = 1 if draft is None else len(block_ids)
-            logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
+            with drafter.watch_verify():
+                logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
             if sampling is None:
                 accepted, next_token = verify_greedy(drafted, logits)
             else:
@@ -225,6 +240,7 @@ class Decoder:
                 # earlier position's logits, their logits are dropped, their K/V rolled back.
                 block_ids += [block_ids[-1]] * (pad_to - len(block_ids))
 
+        drafter.report(stats)
         stats.total_seconds = clock.now() - start
         stats.new_tokens = len(output.generated)
         return output.generated, stats

@@ -9,6 +9,7 @@ that matched), so no drafter remembers its previous call.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +20,7 @@ from layerskip.engine.draft import DraftModel
 from layerskip.engine.head import DraftHead
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling, sample
+from layerskip.engine.stats import GenerationStats
 
 
 @dataclass
@@ -56,8 +58,26 @@ class Drafter(Protocol):
 
     def update(self, draft: Draft, accepted: int) -> None: ...
 
+    def watch_verify(self) -> contextlib.AbstractContextManager[object]:
+        """Entered around every verify forward (on-the-fly selection reads the full model there)."""
+        ...
 
-class NoDrafter:
+    def report(self, stats: GenerationStats) -> None:
+        """Adds what the drafter tracked to the generation's stats at the end."""
+        ...
+
+
+class BaseDrafter:
+    """Defaults for the optional drafter methods: nothing to watch, nothing to report."""
+
+    def watch_verify(self) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def report(self, stats: GenerationStats) -> None:
+        pass
+
+
+class NoDrafter(BaseDrafter):
     """Plain decoding: nothing proposed, so every step verifies just the pending token."""
 
     def propose(self, request: DraftRequest) -> Draft:
@@ -103,7 +123,7 @@ class AdaptiveStop:
         self.threshold = min(1.0, max(0.0, self.threshold + step))
 
 
-class SkipDrafter:
+class SkipDrafter(BaseDrafter):
     """Drafts with the same model, some sublayers bypassed, sharing the verify cache.
 
     ``attention`` / ``mlp`` are the bypassed sublayers; they may change between calls (on-the-fly
@@ -154,7 +174,7 @@ class SkipDrafter:
         return Draft(tokens=ids, q=torch.stack(q_rows) if q_rows else None, source="skip")
 
     def update(self, draft: Draft, accepted: int) -> None:
-        if self.stop is not None:
+        if self.stop is not None and draft.source == "skip":
             self.stop.update(len(draft.tokens), accepted)
 
 
@@ -247,7 +267,7 @@ class LookupRunLength:
         self.pending = still
 
 
-class LookupDrafter:
+class LookupDrafter(BaseDrafter):
     """Proposes the continuation of a matching n-gram from the prompt or the text so far (no model call)."""
 
     def __init__(self, settings: DraftSettings, vocab_size: int, sampling: Sampling | None) -> None:
@@ -275,10 +295,10 @@ class LookupDrafter:
         pass  # it learns from the history itself (``LookupRunLength.observe``)
 
 
-class HybridDrafter:
+class HybridDrafter(BaseDrafter):
     """Lookup when the context repeats an earlier n-gram, otherwise the skip draft."""
 
-    def __init__(self, lookup: LookupDrafter, skip: SkipDrafter | None) -> None:
+    def __init__(self, lookup: LookupDrafter, skip: Drafter | None) -> None:
         self.lookup = lookup
         self.skip = skip
 
@@ -289,8 +309,15 @@ class HybridDrafter:
         return draft
 
     def update(self, draft: Draft, accepted: int) -> None:
-        if draft.source == "skip" and self.skip is not None:
+        if self.skip is not None:  # it learns from skip drafts only, but sees every verify
             self.skip.update(draft, accepted)
+
+    def watch_verify(self) -> contextlib.AbstractContextManager[object]:
+        return self.skip.watch_verify() if self.skip is not None else contextlib.nullcontext()
+
+    def report(self, stats: GenerationStats) -> None:
+        if self.skip is not None:
+            self.skip.report(stats)
 
 
 def make_drafter(

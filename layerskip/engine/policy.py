@@ -7,7 +7,8 @@ A policy file is JSON:
      "draft": {"max_draft_tokens": 4, "adaptive": true, ...},
      "model": {"name": .., "architecture": .., "num_layers": .., "fingerprint": ..},
      "provenance": {...}, "measured": {...},
-     "draft_vocabulary": [..]}   # ranked rows of a truncated draft head (optional)
+     "draft_vocabulary": [..],   # ranked rows of a truncated draft head (optional)
+     "on_the_fly": {..}}         # optional: re-choose the bypassed sublayers while generating
 
 Whole-layer skips are a layer index in both lists; an early-exit draft of depth d skips
 both sublayers of every layer >= d.
@@ -82,6 +83,34 @@ class DraftSettings:
 
 
 @dataclass(frozen=True)
+class OnTheFlySettings:
+    """On-the-fly selection: the bypassed sublayers are re-chosen while generating (engine/onthefly.py).
+
+    Every ``refresh_every`` verify steps the full model's forward also measures how much each
+    sublayer changes the residual stream at the accepted positions (``|delta h| / |h|``, averaged
+    with ``momentum``); the draft then bypasses the ``count`` sublayers that change it least. The
+    count starts at the policy's own skip sets (or ``start_fraction`` of all sublayers), grows
+    by one while the smoothed acceptance of skip drafts stays above ``raise_above`` and shrinks
+    below ``lower_below``, never past ``max_fraction`` of all sublayers.
+    """
+
+    max_fraction: float = 0.5
+    start_fraction: float = 0.0
+    refresh_every: int = 4
+    momentum: float = 0.7
+    raise_above: float = 0.85
+    lower_below: float = 0.7
+
+    def validate(self) -> None:
+        if not 0.0 <= self.start_fraction <= self.max_fraction < 1.0:
+            raise LayerskipError("on_the_fly needs 0 <= start_fraction <= max_fraction < 1; fix the policy file")
+        if self.refresh_every < 1 or not 0.0 <= self.momentum < 1.0:
+            raise LayerskipError("on_the_fly needs refresh_every >= 1 and momentum in [0, 1); fix the policy file")
+        if not 0.0 <= self.lower_below <= self.raise_above <= 1.0:
+            raise LayerskipError("on_the_fly needs 0 <= lower_below <= raise_above <= 1; fix the policy file")
+
+
+@dataclass(frozen=True)
 class ModelIdentity:
     name: str = ""
     architecture: str = ""
@@ -110,6 +139,8 @@ class SkipPolicy:
     # calibration text); the head scores the first ``draft.draft_vocab_size``. Empty: the
     # lowest token ids, which BPE vocabularies assign to their most frequent merges.
     draft_vocabulary: tuple[int, ...] = ()
+    # Set: the skip sets above are only the starting point; they change while generating.
+    on_the_fly: OnTheFlySettings | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip_attention", tuple(sorted(set(int(i) for i in self.skip_attention))))
@@ -129,6 +160,12 @@ class SkipPolicy:
 
     def with_model(self, model: nn.Module, name: str = "") -> SkipPolicy:
         return replace(self, model=ModelIdentity.of(model, name))
+
+    @classmethod
+    def adaptive_selection(cls, draft: DraftSettings | None = None, **kwargs: Any) -> SkipPolicy:
+        """On-the-fly selection from nothing bypassed, adaptive draft length (``--policy on-the-fly``)."""
+        draft = draft or DraftSettings(max_draft_tokens=6, adaptive=True)
+        return cls(draft=draft, on_the_fly=OnTheFlySettings(**kwargs), provenance={"source": "on-the-fly"})
 
     # -- checks -------------------------------------------------------------------------
     def ablations(self) -> dict[str, SkipPolicy]:
@@ -150,6 +187,8 @@ class SkipPolicy:
             variants["full-head"] = replace(self, draft=replace(d, draft_vocab_size=0))
         if d.precision != "model" and d.use_skip_draft:
             variants["model-precision"] = replace(self, draft=replace(d, precision="model"))
+        if self.on_the_fly is not None:
+            variants["fixed"] = replace(self, on_the_fly=None)  # its starting skip sets, never changed
         if self.bypasses_anything and d.use_skip_draft and (d.precision != "model" or d.draft_vocab_size):
             # The same cheap draft with nothing bypassed: what skipping itself adds.
             variants["no-bypass"] = replace(self, skip_attention=(), skip_mlp=())
@@ -162,6 +201,10 @@ class SkipPolicy:
     def validate_for(self, model: nn.Module) -> None:
         """Raise LayerskipError unless this policy can drive ``model``."""
         self.draft.validate()
+        if self.on_the_fly is not None:
+            self.on_the_fly.validate()
+            if not self.draft.use_skip_draft:
+                raise LayerskipError("on-the-fly selection needs a skip draft; set draft.use_skip_draft to true")
         count = adapters.num_layers(model)
         arch = adapters.architecture_of(model)
         ident = self.model
@@ -208,6 +251,8 @@ class SkipPolicy:
             parts.append(f"verify padded to {d.min_verify_block}")
         if d.precision != "model" and d.use_skip_draft:
             parts.append(f"draft in {d.precision}")
+        if self.on_the_fly is not None:
+            parts.append(f"skip sets chosen on the fly (at most {self.on_the_fly.max_fraction:.0%} of sublayers)")
         return ", ".join(parts)
 
     def head_rows(self, vocab_size: int) -> tuple[int, ...] | None:
@@ -230,6 +275,7 @@ class SkipPolicy:
             "provenance": self.provenance,
             "measured": self.measured,
             "draft_vocabulary": list(self.draft_vocabulary),
+            **({"on_the_fly": asdict(self.on_the_fly)} if self.on_the_fly is not None else {}),
         }
 
     @classmethod
@@ -244,6 +290,8 @@ class SkipPolicy:
             attention = data.get("skip_attention", [])
             mlp = data.get("skip_mlp", [])
             vocabulary = data.get("draft_vocabulary", [])
+            selection = data.get("on_the_fly")
+            on_the_fly = None if selection is None else _dataclass_from(OnTheFlySettings, selection)
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp, *vocabulary]):
                 raise TypeError("skip lists and draft_vocabulary must hold integers")
             policy = cls(
@@ -254,12 +302,15 @@ class SkipPolicy:
                 provenance=dict(data.get("provenance", {})),
                 measured=dict(data.get("measured", {})),
                 draft_vocabulary=tuple(vocabulary),
+                on_the_fly=on_the_fly,
             )
         except (TypeError, ValueError) as exc:
             raise LayerskipError(
                 f"{source} has the wrong schema ({exc}); regenerate it with layerskip-search"
             ) from None
         policy.draft.validate()
+        if policy.on_the_fly is not None:
+            policy.on_the_fly.validate()
         return policy
 
     def save(self, path: str | os.PathLike[str]) -> Path:

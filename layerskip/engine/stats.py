@@ -35,6 +35,10 @@ class GenerationStats:
     accept_histogram: dict[int, int] = field(default_factory=dict)  # accepted drafts -> steps
     block_histogram: dict[int, int] = field(default_factory=dict)  # verify forward length -> steps (no prefill)
     lookup_steps: int = 0  # steps whose draft came from prompt lookup
+    # On-the-fly selection: how often the bypassed set changed, and steps drafted with each set
+    # (label "a<layers>|m<layers>", e.g. "a3,7|m" bypasses the attention of layers 3 and 7).
+    skip_changes: int = 0
+    skip_sets: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_accepted(self) -> float:

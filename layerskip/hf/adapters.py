@@ -32,9 +32,16 @@ class ArchitectureSpec:
     attention: str  # attribute of a layer holding self-attention; its forward returns (output, weights)
     mlp: str  # attribute of a layer holding the feed-forward block; its forward returns a tensor
     base_model_path: str  # dotted path to the decoder stack (embeddings + layers + final norm)
+    # Norms a layer applies to a sublayer's output before adding it to the residual stream
+    # (Gemma 2/3 "sandwich" norms); None where the sublayer's output is added as it is.
+    attention_output_norm: str | None = None
+    mlp_output_norm: str | None = None
 
 
 _LLAMA_LIKE = ArchitectureSpec("model.layers", "self_attn", "mlp", "model")
+_GEMMA_SANDWICH = ArchitectureSpec(
+    "model.layers", "self_attn", "mlp", "model", "post_attention_layernorm", "post_feedforward_layernorm"
+)
 
 # Keyed by ``config.model_type``. In transformers 5.x every attention here returns
 # ``(attn_output, attn_weights)`` and every MLP returns one tensor of the input's shape.
@@ -44,8 +51,8 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "qwen2": _LLAMA_LIKE,
     "qwen3": _LLAMA_LIKE,
     "gemma": _LLAMA_LIKE,
-    "gemma2": _LLAMA_LIKE,
-    "gemma3_text": _LLAMA_LIKE,
+    "gemma2": _GEMMA_SANDWICH,
+    "gemma3_text": _GEMMA_SANDWICH,
     "phi3": _LLAMA_LIKE,
     "gpt_neox": ArchitectureSpec("gpt_neox.layers", "attention", "mlp", "gpt_neox"),
     "gpt2": ArchitectureSpec("transformer.h", "attn", "mlp", "transformer"),
@@ -104,6 +111,27 @@ def lm_head(model: nn.Module) -> nn.Linear:
     if not isinstance(head, nn.Linear):
         raise LayerskipError(f"the LM head of '{architecture_of(model)}' is not a linear layer; it cannot be truncated")
     return head
+
+
+def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head over final hidden states ``[q, hidden] -> [q, V]``, as the model's forward computes it.
+
+    On CPU the product is taken as ``W @ h^T``: the same sums in another order (fp32 rounding
+    apart, the same logits), but for 2-8 rows of a wide head the BLAS path behind
+    ``F.linear`` is 2-3x slower than this one (docs/benchmarks.md, "verify head"), and a verify
+    block is exactly that.
+    """
+    head = lm_head(model)
+    if hidden.device.type == "cpu":
+        logits = (head.weight @ hidden.to(head.weight.dtype).T).T  # [V, H] @ [H, q] -> [q, V]
+        if head.bias is not None:
+            logits = logits + head.bias
+    else:
+        logits = head(hidden)
+    cap = final_logit_softcap(model)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def final_logit_softcap(model: nn.Module) -> float | None:
@@ -273,3 +301,56 @@ def check_indices(model: nn.Module, attention: Sequence[int], mlp: Sequence[int]
                 f"policy skips {kind} layer(s) {bad} but the model has {count} layers (valid 0..{count - 1}); "
                 "fix the indices in the policy file"
             )
+
+
+@dataclass
+class ContributionRecord:
+    """Per-position norms ``[q]`` from one full forward, per layer: the residual stream entering the
+    layer and what its attention and its MLP add to it."""
+
+    residual: dict[int, torch.Tensor]
+    attention: dict[int, torch.Tensor]
+    mlp: dict[int, torch.Tensor]
+
+
+def _first_tensor(output: object) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output  # attention returns (output, weights)
+
+
+@contextlib.contextmanager
+def sublayer_contributions(model: nn.Module) -> Iterator[ContributionRecord]:
+    """Record, for every forward inside the block, how much each sublayer adds to the residual
+    stream at each position (hooks; removed on exit). Norms stay on the device: no sync."""
+    spec = spec_for(model)
+    record = ContributionRecord({}, {}, {})
+    handles = []
+
+    def norms(hidden: torch.Tensor) -> torch.Tensor:  # [1, q, hidden] -> [q]
+        return torch.linalg.vector_norm(hidden[0].float(), dim=-1)
+
+    def watch(target: dict[int, torch.Tensor], index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            target[index] = norms(_first_tensor(output))
+
+        return hook
+
+    def watch_input(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            record.residual[index] = norms(hidden)
+
+        return hook
+
+    try:
+        for index, layer in enumerate(decoder_layers(model)):
+            handles.append(layer.register_forward_pre_hook(watch_input(index), with_kwargs=True))
+            for attr, norm, target in (
+                (spec.attention, spec.attention_output_norm, record.attention),
+                (spec.mlp, spec.mlp_output_norm, record.mlp),
+            ):
+                module = getattr(layer, norm or attr)
+                handles.append(module.register_forward_hook(watch(target, index)))
+        yield record
+    finally:
+        for handle in handles:
+            handle.remove()

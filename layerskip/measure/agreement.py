@@ -143,9 +143,7 @@ def single_sublayer_agreement(
     return result
 
 
-def sublayer_order(
-    model: nn.Module, references: Sequence[Reference], progress: bool = False
-) -> list[tuple[int, str]]:
+def sublayer_order(model: nn.Module, references: Sequence[Reference], progress: bool = False) -> list[tuple[int, str]]:
     """Every sublayer ``(layer, "attention" | "mlp")``, from the one whose bypass alone keeps the
     most agreement to the one that keeps the least (ties: attention first, then by layer)."""
     agreement = single_sublayer_agreement(model, references, progress)

@@ -30,7 +30,16 @@ from layerskip.hf.baselines import hf_generate
 from layerskip.measure.timing import Runner, run_interleaved, throughput
 
 BASELINE = "hf-ar"
-METHODS = ("hf-ar", "ar", "self-spec", "self-spec-lookup", "hf-pld", "hf-early-exit", "hf-assistant")
+METHODS = (
+    "hf-ar",
+    "ar",
+    "self-spec",
+    "self-spec-lookup",
+    "self-spec-on-the-fly",
+    "hf-pld",
+    "hf-early-exit",
+    "hf-assistant",
+)
 
 
 @dataclass
@@ -106,7 +115,9 @@ def build_methods(
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
     With ``ablate``, each policy also runs with each of its drafting ingredients turned off
-    (``self-spec:NAME-no-lookup`` ...; see ``SkipPolicy.ablations``). Each policy's draft is
+    (``self-spec:NAME-no-lookup`` ...; see ``SkipPolicy.ablations``). ``self-spec-on-the-fly`` picks
+    its skip sets while generating, from nothing bypassed (``SkipPolicy.adaptive_selection``; its
+    decoder keeps what it learns from prompt to prompt, as a server would). Each policy's draft is
     prepared here, once (like loading a model), not inside the timed calls."""
     check_methods(names, bool(policies), assistant is not None)
 
@@ -147,6 +158,10 @@ def build_methods(
                 draft=replace(LOOKUP_ONLY.draft, lookup_max_tokens=lookup_tokens, max_draft_tokens=lookup_tokens),
             )
             methods.append(Method(name, ours(lookup)[0], lookup))
+        elif name == "self-spec-on-the-fly":
+            selection = SkipPolicy.adaptive_selection()
+            run, memory = ours(selection)
+            methods.append(Method(name, run, selection, memory))
         elif name == "hf-pld":
             methods.append(Method(name, hf(prompt_lookup_num_tokens=lookup_tokens)))
         elif name == "hf-early-exit":
@@ -180,9 +195,7 @@ def top2_gap(model: nn.Module, prompt: list[int], reference: list[int], position
 
 
 def _divergence(model: nn.Module, ids: list[int], tokens: list[int], reference: list[int]) -> dict[str, Any]:
-    position = next(
-        (i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference))
-    )
+    position = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
     gap = top2_gap(model, ids, reference, position) if position < len(reference) else None
     return {"position": position, "top2_logit_gap": gap}
 
@@ -253,6 +266,9 @@ def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
             "divergences": divergences,
             "peak_memory_mb": max(memory) if memory else None,
             "profile": None if stats is None else time_profile(stats, sum(r.seconds for r in subset), len(subset)),
+            # On-the-fly selection: how often the bypassed set changed, and the sets it drafted with.
+            "skip_changes": stats.skip_changes if stats is not None and stats.skip_sets else None,
+            "skip_sets": dict(stats.skip_sets) if stats is not None and stats.skip_sets else None,
         }
 
     by_method: dict[str, list[PromptResult]] = defaultdict(list)
