@@ -24,7 +24,7 @@ from layerskip.engine.policy import DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import bench
 from layerskip.measure.bench import BenchConfig, Method, build_methods, run_benchmark, summarise
-from layerskip.measure.report import COLUMNS, write_outputs
+from layerskip.measure.report import COLUMNS, held_out_table, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench.py"
@@ -296,6 +296,30 @@ def test_one_outside_clock_for_every_method(model: torch.nn.Module, monkeypatch:
 # -- report files ------------------------------------------------------------------------------------
 
 
+def test_held_out_split(benchmark: dict) -> None:
+    """A method whose policy names its tuning categories also gets figures over the others."""
+    summary = summarise(benchmark["rows"], {"self-spec": frozenset({"a"})})
+    split = summary["self-spec"]["split"]
+    assert split["tuned_categories"] == ["a"]
+    by_category = summary["self-spec"]["by_category"]
+    assert split["tuned"]["speedup"] == pytest.approx(by_category["a"]["speedup"])
+    assert split["held_out"]["speedup"] == pytest.approx(by_category["b"]["speedup"])
+    assert split["held_out"]["n_prompts"] == 1
+    assert all("split" not in summary[name] for name in METHOD_NAMES if name != "self-spec")
+    everything = summarise(benchmark["rows"], {"self-spec": frozenset({"a", "b"})})["self-spec"]["split"]
+    assert everything["held_out"] is None  # tuned on every category: nothing held out, and it says so
+    table = held_out_table({"methods": summary})
+    assert "| self-spec | a |" in table
+    assert "no other category" in held_out_table({"methods": {"self-spec": {"split": everything}}})
+
+
+def test_tuning_categories() -> None:
+    tuned = SkipPolicy(skip_attention=(1,), provenance={"calibration": {"categories": ["qa", "rag"]}})
+    assert bench.tuning_categories(tuned) == frozenset({"qa", "rag"})
+    assert bench.tuning_categories(SkipPolicy(skip_attention=(1,))) is None
+    assert bench.tuning_categories(None) is None
+
+
 def test_write_outputs(benchmark: dict, tmp_path: Path) -> None:
     env = bench.environment(torch.device("cpu"))
     results = {
@@ -331,7 +355,7 @@ def assert_output_files(directory: Path, methods: list[str], categories: list[st
     assert table[0] == ["method", "category", *COLUMNS]
     assert [(r[0], r[1]) for r in table[1:]] == [(m, c) for m in methods for c in ["overall", *categories]]
     figures, _, profile = (directory / "results.md").read_text().partition("Time per generated token (ms):")
-    markdown = figures.strip().splitlines()
+    markdown = figures.strip().split("\n\n")[0].splitlines()  # the figures table (a held-out table may follow)
     assert markdown[0].startswith("| method |") and all(c in markdown[0] for c in categories)
     assert [line.split("|")[1].strip() for line in markdown[2:]] == methods
     ours = [m for m in methods if not m.startswith("hf-")]
@@ -354,7 +378,9 @@ def cli_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("bench-cli")
     model = tiny_model("llama")
     save_checkpoint(model, root / "tiny-llama")
-    policy = SkipPolicy(skip_attention=(1,), skip_mlp=(2,)).with_model(model, "tiny-llama")
+    policy = SkipPolicy(
+        skip_attention=(1,), skip_mlp=(2,), provenance={"calibration": {"categories": ["qa"]}}
+    ).with_model(model, "tiny-llama")
     prompts = root / "prompts.jsonl"
     rows = [
         {"question_id": "q1", "category": "writing", "turns": ["hello world w1 w2 w3 w4 w5 w6", "second turn"]},
@@ -395,6 +421,31 @@ def test_cli_end_to_end(cli_inputs: dict[str, str], tmp_path: Path) -> None:
     assert (
         "Time per generated token" in result.stdout and "Time per generated token" in (out / "results.md").read_text()
     )
+    # The policy says it was tuned on qa: its figures are also split into qa vs the rest (held out).
+    split = results["methods"]["self-spec"]["split"]
+    assert split["tuned_categories"] == ["qa"]
+    assert split["tuned"]["n_prompts"] == 1 and split["held_out"]["n_prompts"] == 1
+    assert "split" not in results["methods"]["ar"]
+    assert "Held-out check" in (out / "results.md").read_text()
+
+    # --from-results re-summarises the saved rows without a model: the same figures come back.
+    again = tmp_path / "again"
+    redo = run_bench("--from-results", str(out / "results.json"), "--out", str(again))
+    assert redo.returncode == 0, redo.stdout + redo.stderr
+    resummarised = assert_output_files(again, ["hf-ar", "ar", "self-spec"], ["mt_bench", "qa"])
+    for name, figures in results["methods"].items():
+        for key in ("speedup", "mean_accepted", "acceptance_rate", "identical_fraction"):
+            assert resummarised["methods"][name]["overall"][key] == pytest.approx(figures["overall"][key]), (name, key)
+    assert resummarised["methods"]["self-spec"]["split"]["held_out"]["speedup"] == pytest.approx(
+        split["held_out"]["speedup"]
+    )
+
+
+def test_cli_from_results_bad_file(tmp_path: Path) -> None:
+    bad = tmp_path / "results.json"
+    bad.write_text("[1, 2]")
+    assert_bad_input(run_bench("--from-results", str(bad), "--out", str(tmp_path / "o")), "not a layerskip-bench")
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_unknown_method(cli_inputs: dict[str, str], tmp_path: Path) -> None:

@@ -26,8 +26,9 @@ from layerskip.hf import adapters
 
 NEW_TOKENS = 40
 
-# Re-select after every verify and let the count climb fast, so the set changes many times.
-RESTLESS = dict(refresh_every=1, start_fraction=0.25, max_fraction=0.75, raise_above=0.5, lower_below=0.3)
+# Re-select after every verify, price a count after one step and swap on any score change, so
+# the set changes many times (the count's first moves are explorations, whatever the timings).
+RESTLESS = dict(refresh_every=1, start_fraction=0.25, max_fraction=0.75, min_steps=1, swap_margin=0.0)
 DRAFT = DraftSettings(max_draft_tokens=4, adaptive=True, initial_threshold=0.1)
 
 
@@ -88,24 +89,63 @@ def test_selection_starts_from_a_saved_policy_and_keeps_learning_across_calls() 
     assert decoder.selection.refreshes > refreshes
 
 
-def test_the_least_contributing_sublayers_are_bypassed() -> None:
-    settings = OnTheFlySettings(max_fraction=0.5)
-    state = SelectionState(settings, num_layers=2, count=2)
-    record = adapters.ContributionRecord(
-        residual={0: torch.ones(3), 1: torch.ones(3)},
-        attention={0: torch.full((3,), 0.5), 1: torch.full((3,), 0.01)},
-        mlp={0: torch.full((3,), 0.02), 1: torch.full((3,), 0.9)},
+def _record(attention: list[float], mlp: list[float]) -> adapters.ContributionRecord:
+    """Contributions at 3 positions of a model with ``len(attention)`` layers, residual norm 1."""
+    layers = range(len(attention))
+    return adapters.ContributionRecord(
+        residual={i: torch.ones(3) for i in layers},
+        attention={i: torch.full((3,), attention[i]) for i in layers},
+        mlp={i: torch.full((3,), mlp[i]) for i in layers},
     )
-    state.learn(record, positions=2)
+
+
+def test_the_least_contributing_sublayers_are_bypassed_with_hysteresis() -> None:
+    state = SelectionState(OnTheFlySettings(max_fraction=0.5, momentum=0.0, swap_margin=0.2), num_layers=2, count=2)
+    state.learn(_record([0.5, 0.01], [0.02, 0.9]), positions=2)
     assert state.reselect()
     assert (state.attention, state.mlp) == ((1,), (0,))
-    state.observe(4, 4)  # every draft accepted: bypass one more, within the budget (2 of 4)
-    state.reselect()
-    assert state.count == 2
-    state.observe(4, 0)
-    state.observe(4, 0)
-    state.reselect()
-    assert state.count == 1 and (state.attention, state.mlp) == ((1,), ())
+    # MLP 0 now scores a little above attention 0: within the margin, the set stays.
+    state.learn(_record([0.09, 0.01], [0.1, 0.9]), positions=2)
+    assert not state.reselect() and (state.attention, state.mlp) == ((1,), (0,))
+    # Clearly above: attention 0 takes its place.
+    state.learn(_record([0.05, 0.01], [0.3, 0.9]), positions=2)
+    assert state.reselect() and (state.attention, state.mlp) == ((0, 1), ())
+
+
+def test_the_count_climbs_on_measured_speed_and_settles() -> None:
+    """Tokens per second decide the count: try one more bypassed, keep it if faster, try the next,
+    come back when that is slower, then stay."""
+    settings = OnTheFlySettings(max_fraction=0.75, min_steps=3, gain_margin=0.05)
+    state = SelectionState(settings, num_layers=4, count=1)
+    state.learn(_record([0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]), positions=3)
+    speed = {0: 8.0, 1: 10.0, 2: 15.0, 3: 12.0}  # tokens/s at each count
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            state.observe(tokens=3, seconds=3 / speed[state.count])
+            state.reselect()
+
+    run(2)
+    assert state.count == 1  # not priced yet
+    run(1)
+    assert state.count == 2 and state.attention == (0, 1)  # priced: try one more bypassed
+    run(3)
+    assert state.count == 3  # 2 is faster than 1: keep going
+    run(3)
+    assert state.count == 2 and state.attention == (0, 1)  # 3 is slower: back
+    run(20)
+    assert state.count == 2 and state.settled  # both neighbours measured, neither faster
+    assert state.speed[2].rate == pytest.approx(15.0) and state.speed[1].steps == 3
+
+
+def test_a_faster_count_within_the_margin_does_not_move_it() -> None:
+    state = SelectionState(OnTheFlySettings(max_fraction=0.5, min_steps=2, gain_margin=0.1), num_layers=2, count=1)
+    state.learn(_record([0.1, 0.2], [0.3, 0.4]), positions=3)
+    speed = {0: 10.4, 1: 10.0, 2: 5.0}
+    for _ in range(30):
+        state.observe(tokens=2, seconds=2 / speed[state.count])
+        state.reselect()
+    assert state.count == 1 and state.settled  # 0 is 4 % faster: inside the 10 % margin
 
 
 def test_policy_file_round_trip_and_bad_settings(tmp_path) -> None:
@@ -116,6 +156,10 @@ def test_policy_file_round_trip_and_bad_settings(tmp_path) -> None:
     data["on_the_fly"]["max_fraction"] = 1.0
     path.write_text(json.dumps(data))
     with pytest.raises(LayerskipError, match="max_fraction"):
+        SkipPolicy.load(path)
+    data["on_the_fly"].update(max_fraction=0.5, min_steps=0)
+    path.write_text(json.dumps(data))
+    with pytest.raises(LayerskipError, match="min_steps"):
         SkipPolicy.load(path)
     lookup_only = SkipPolicy(
         draft=DraftSettings(lookup_max_ngram=2, use_skip_draft=False), on_the_fly=OnTheFlySettings()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
+from pathlib import Path
 
 from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import load_prompts
+from layerskip.engine.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
@@ -18,8 +21,10 @@ from layerskip.measure.bench import (
     check_methods,
     environment,
     rows_as_dicts,
+    rows_from_dicts,
     run_benchmark,
     summarise,
+    tuning_categories,
 )
 from layerskip.measure.report import markdown_report, write_outputs
 
@@ -52,11 +57,53 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--out", required=True, help="directory for results.json, results.csv, results.md, speedup.png")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--from-results",
+        metavar="RESULTS_JSON",
+        help="re-summarise a saved run's per-prompt rows (no model, no timing) and write the reports to --out",
+    )
     return parser
+
+
+def read_results(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise LayerskipError(f"{path} not found; pass --from-results a results.json that bench wrote") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise LayerskipError(f"cannot read {path} as JSON ({error}); pass a results.json that bench wrote") from None
+    if not isinstance(data, dict):
+        raise LayerskipError(f"{path} is not a layerskip-bench results.json; pass the file bench wrote")
+    return data
+
+
+def resummarise(results: dict) -> dict:
+    """A saved run's figures recomputed from its per-prompt rows and the policies it recorded."""
+    try:
+        rows = rows_from_dicts(results["per_prompt"])
+        # Only the provenance matters here; a run saved by an older version may hold fields since renamed.
+        recorded = results["policies"].items()
+        policies = {label: SkipPolicy(provenance=dict(data["provenance"])) for label, data in recorded}
+    except (KeyError, TypeError) as error:
+        problem = f"missing {error}" if isinstance(error, KeyError) else str(error)
+        raise LayerskipError(f"not a layerskip-bench results.json ({problem}); pass the file bench wrote") from None
+    single = len(policies) == 1
+    tuned_on = {}
+    for label, policy in policies.items():
+        cats = tuning_categories(policy)
+        if cats is not None:
+            tuned_on["self-spec" if single else f"self-spec:{label}"] = cats
+    return {**results, "methods": summarise(rows, tuned_on)}
 
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.from_results:
+        results = resummarise(read_results(args.from_results))
+        for path in write_outputs(results, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+        print(markdown_report(results))
+        return 0
     command = shlex.join(["layerskip-bench", *(sys.argv[1:] if argv is None else argv)])
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
@@ -93,7 +140,9 @@ def _main(argv: list[str] | None) -> int:
         "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
         "policies": {label: policy.to_dict() for label, policy in policies.items()},
         "draft_memory_mb": {m.name: m.draft_memory_mb for m in methods if m.draft_memory_mb is not None},
-        "methods": summarise(rows),
+        "methods": summarise(
+            rows, {m.name: cats for m in methods if (cats := tuning_categories(m.policy)) is not None}
+        ),
         "per_prompt": rows_as_dicts(rows),
         "environment": env,
     }

@@ -4,10 +4,15 @@ No study is needed. The verify pass already runs the full model over the accepte
 every ``refresh_every`` steps it also measures (forward hooks, ``adapters.sublayer_contributions``)
 how much each sublayer changes the residual stream there: ``|delta h| / |h|`` per position,
 averaged over the positions the full model accepted (the prompt, at prefill). A sublayer that
-barely moves the stream is one the draft can lose. Scores are smoothed across refreshes; the
-draft bypasses the ``count`` lowest-scoring sublayers, and ``count`` follows the skip drafts'
-acceptance (more while drafts are accepted, fewer when they are not), within the policy's
-budget. The draft length adapts as every adaptive skip draft does (``AdaptiveStop``).
+barely moves the stream is one the draft can lose. Scores are smoothed across refreshes, and
+the draft bypasses the ``count`` lowest-scoring sublayers (with hysteresis against noise).
+
+How many to bypass is priced by what it buys: every skip-drafted step's tokens and seconds
+(draft + verify, measured by the drafter) are credited to the count in use, and the count
+hill-climbs on tokens per second: try a neighbouring count, keep it if it is faster by a
+margin, come back if not, and settle when neither neighbour is faster. An acceptance rule
+alone cannot settle: more bypass lowers acceptance, which asks for less bypass, and so on. The
+draft length adapts as every adaptive skip draft does (``AdaptiveStop``).
 
 Only the draft changes: the verify is the full model, so greedy output stays identical and
 rejection sampling stays exact. The learned state lives in ``SelectionState``, owned by the
@@ -17,6 +22,7 @@ rejection sampling stays exact. The learned state lives in ``SelectionState``, o
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -36,9 +42,30 @@ def skip_set_label(attention: tuple[int, ...], mlp: tuple[int, ...]) -> str:
 
 
 @dataclass
+class CountRecord:
+    """Skip-drafted steps at one count: tokens produced and seconds spent, decayed so the figures
+    follow the text being generated."""
+
+    steps: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    DECAY = 0.98
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens = self.DECAY * self.tokens + tokens
+        self.seconds = self.DECAY * self.seconds + seconds
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
 class SelectionState:
-    """What on-the-fly selection has learned about one model: sublayer scores, how many to bypass,
-    the skip drafts' smoothed acceptance, and the set in use."""
+    """What on-the-fly selection has learned about one model: sublayer scores, the measured speed
+    at each count tried, the count and the set in use."""
 
     settings: OnTheFlySettings
     num_layers: int
@@ -46,8 +73,14 @@ class SelectionState:
     attention: tuple[int, ...] = ()
     mlp: tuple[int, ...] = ()
     scores: dict[Sublayer, float] = field(default_factory=dict)
-    smoothed_acceptance: float | None = None
+    speed: dict[int, CountRecord] = field(default_factory=dict)
+    home: int = -1  # the best count measured so far (the start until one beats it)
+    settled: bool = False
     refreshes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.home < 0:
+            self.home = self.count
 
     @classmethod
     def start(cls, policy: SkipPolicy, model: nn.Module) -> SelectionState:
@@ -57,7 +90,7 @@ class SelectionState:
         given = len(policy.skip_attention) + len(policy.skip_mlp)
         count = given or round(settings.start_fraction * 2 * layers)
         state = cls(settings, layers, 0, policy.skip_attention, policy.skip_mlp)
-        state.count = min(count, state.max_count)
+        state.count = state.home = min(count, state.max_count)
         return state
 
     @property
@@ -79,25 +112,46 @@ class SelectionState:
                 old = self.scores.get((i, kind))
                 self.scores[(i, kind)] = value if old is None else momentum * old + (1 - momentum) * value
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            rate = accepted / drafted
-            old = self.smoothed_acceptance
-            self.smoothed_acceptance = rate if old is None else 0.7 * old + 0.3 * rate
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One skip-drafted step at the current count: ``tokens`` produced in ``seconds`` (draft + verify)."""
+        self.speed.setdefault(self.count, CountRecord()).add(tokens, seconds)
+
+    def _tried(self, count: int) -> bool:
+        record = self.speed.get(count)
+        return record is not None and record.steps >= self.settings.min_steps
+
+    def next_count(self) -> int:
+        """Hill-climb on measured tokens per second: from ``home`` (the best count so far) measure
+        a neighbour; adopt it if it is ``gain_margin`` faster, else go back; settle at a home whose
+        neighbours are both measured."""
+        s = self.settings
+        here = self.count
+        if self.settled or not self._tried(here):
+            return here
+        if here != self.home:  # a neighbour being measured
+            if self.speed[here].rate <= (1 + s.gain_margin) * self.speed[self.home].rate:
+                return self.home
+            self.home = here
+        untried = [n for n in (here + 1, here - 1) if 0 <= n <= self.max_count and not self._tried(n)]
+        if untried:
+            return untried[0]  # one more bypassed first
+        self.settled = True
+        return here
 
     def reselect(self) -> bool:
-        """Move the count by the acceptance, then bypass the lowest-scoring sublayers; True if the set changed."""
-        s = self.settings
+        """Price the count, then bypass the lowest-scoring sublayers; True if the set changed."""
         self.refreshes += 1
-        if self.smoothed_acceptance is not None:
-            if self.smoothed_acceptance > s.raise_above:
-                self.count = min(self.count + 1, self.max_count)
-            elif self.smoothed_acceptance < s.lower_below:
-                self.count = max(self.count - 1, 0)
+        self.count = self.next_count()
         if not self.scores:
             return False
-        ranked = sorted(self.scores, key=lambda sub: (self.scores[sub], sub[1] != "attention", sub[0]))
-        chosen = ranked[: self.count]
+        # Hysteresis: sublayers in use score (1 - swap_margin) lower, so a newcomer must beat them clearly.
+        keep = 1.0 - self.settings.swap_margin
+        current = {(i, "attention") for i in self.attention} | {(i, "mlp") for i in self.mlp}
+
+        def rank(sub: Sublayer) -> tuple[float, bool, int]:
+            return (self.scores[sub] * (keep if sub in current else 1.0), sub[1] != "attention", sub[0])
+
+        chosen = sorted(self.scores, key=rank)[: self.count]
         attention = tuple(sorted(i for i, kind in chosen if kind == "attention"))
         mlp = tuple(sorted(i for i, kind in chosen if kind == "mlp"))
         changed = (attention, mlp) != (self.attention, self.mlp)
@@ -116,6 +170,7 @@ class OnTheFlyDrafter(BaseDrafter):
         self.record: adapters.ContributionRecord | None = None  # the last watched verify, not yet learned from
         self.changes = 0
         self.steps_per_set: dict[str, int] = {}
+        self.started = time.perf_counter()
         self._apply()
 
     def _apply(self) -> None:
@@ -131,6 +186,7 @@ class OnTheFlyDrafter(BaseDrafter):
         self.record = record
 
     def propose(self, request: DraftRequest) -> Draft:
+        self.started = time.perf_counter()  # the step's clock: this draft, its verify, the acceptance
         if self.record is not None:  # the prefill: every prompt position is the full model's own
             self._learn(positions=len(request.history) - 1)
             self.verifies += 1
@@ -142,8 +198,9 @@ class OnTheFlyDrafter(BaseDrafter):
 
     def update(self, draft: Draft, accepted: int) -> None:
         self.skip.update(draft, accepted)
-        if draft.source == "skip":
-            self.state.observe(len(draft.tokens), accepted)
+        if draft.source == "skip" and draft.tokens:
+            # Host time: the acceptance has read the verify's tokens back, so device work is done.
+            self.state.observe(accepted + 1, time.perf_counter() - self.started)
         if self.record is not None:
             self._learn(positions=accepted + 1)  # pending and the accepted drafts: the committed tokens
         self.verifies += 1

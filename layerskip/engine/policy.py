@@ -88,26 +88,32 @@ class OnTheFlySettings:
 
     Every ``refresh_every`` verify steps the full model's forward also measures how much each
     sublayer changes the residual stream at the accepted positions (``|delta h| / |h|``, averaged
-    with ``momentum``); the draft then bypasses the ``count`` sublayers that change it least. The
-    count starts at the policy's own skip sets (or ``start_fraction`` of all sublayers), grows
-    by one while the smoothed acceptance of skip drafts stays above ``raise_above`` and shrinks
-    below ``lower_below``, never past ``max_fraction`` of all sublayers.
+    with ``momentum``); the draft bypasses the ``count`` sublayers that change it least. A chosen
+    sublayer is swapped out only for one that scores ``swap_margin`` lower, so noise in the
+    scores does not churn the set. The count is priced by measured speed: each count's tokens
+    per second of skip-drafted steps is recorded; after ``min_steps`` steps at a count the
+    selection tries an untried neighbour (one more bypassed first), moves to a neighbour that was
+    ``gain_margin`` faster, and settles when neither neighbour is. It starts at the policy's own
+    skip sets (or ``start_fraction`` of all sublayers) and never passes ``max_fraction``.
     """
 
     max_fraction: float = 0.5
     start_fraction: float = 0.0
     refresh_every: int = 4
     momentum: float = 0.7
-    raise_above: float = 0.85
-    lower_below: float = 0.7
+    min_steps: int = 24
+    gain_margin: float = 0.05
+    swap_margin: float = 0.2
 
     def validate(self) -> None:
         if not 0.0 <= self.start_fraction <= self.max_fraction < 1.0:
             raise LayerskipError("on_the_fly needs 0 <= start_fraction <= max_fraction < 1; fix the policy file")
         if self.refresh_every < 1 or not 0.0 <= self.momentum < 1.0:
             raise LayerskipError("on_the_fly needs refresh_every >= 1 and momentum in [0, 1); fix the policy file")
-        if not 0.0 <= self.lower_below <= self.raise_above <= 1.0:
-            raise LayerskipError("on_the_fly needs 0 <= lower_below <= raise_above <= 1; fix the policy file")
+        if self.min_steps < 1 or self.gain_margin < 0.0 or not 0.0 <= self.swap_margin < 1.0:
+            raise LayerskipError(
+                "on_the_fly needs min_steps >= 1, gain_margin >= 0 and swap_margin in [0, 1); fix the policy file"
+            )
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,15 @@ class GenerationStats:
         )
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationStats:
+        """Back from ``to_dict`` (or its JSON, whose histogram keys are strings)."""
+        known = {f.name: f for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for name in ("accept_histogram", "block_histogram"):
+            values[name] = {int(k): v for k, v in values.get(name, {}).items()}
+        return cls(**values)
+
 
 @dataclass
 class GenerationResult:

@@ -13,7 +13,7 @@ import platform
 import resource
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -244,9 +244,21 @@ def _throughput(rows: Sequence[PromptResult]) -> float:
     return throughput(sum(r.new_tokens for r in rows), sum(r.seconds for r in rows))
 
 
-def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
+def tuning_categories(policy: SkipPolicy | None) -> frozenset[str] | None:
+    """The prompt categories a policy was tuned on, from its provenance (``calibration.categories``);
+    None when the file does not say."""
+    calibration = (policy.provenance if policy is not None else {}).get("calibration") or {}
+    categories = calibration.get("categories")
+    return frozenset(categories) if categories else None
+
+
+def summarise(
+    rows: Sequence[PromptResult], tuned_on: dict[str, frozenset[str]] | None = None
+) -> dict[str, dict[str, Any]]:
     """Figures per method, overall and by category; speedup is aggregate throughput against hf-ar's
-    on the same prompts (``measure.timing``)."""
+    on the same prompts (``measure.timing``). ``tuned_on`` maps a method to the categories its
+    policy was tuned on: such a method also gets ``held_out`` figures, over the other categories
+    (and ``tuned`` over those), so a policy that only holds where it was tuned shows it."""
 
     def figures(subset: list[PromptResult], baseline: list[PromptResult]) -> dict[str, Any]:
         tps, base = _throughput(subset), _throughput(baseline)
@@ -286,6 +298,14 @@ def summarise(rows: Sequence[PromptResult]) -> dict[str, dict[str, Any]]:
                 if any(r.category == c for r in subset)
             },
         }
+        tuned = (tuned_on or {}).get(name)
+        if tuned is not None:
+            split = {}
+            for group, inside in (("tuned", True), ("held_out", False)):
+                mine = [r for r in subset if (r.category in tuned) == inside]
+                base = [r for r in baseline if (r.category in tuned) == inside]
+                split[group] = figures(mine, base) if mine else None
+            summary[name]["split"] = {"tuned_categories": sorted(tuned), **split}
     return summary
 
 
@@ -350,3 +370,14 @@ def rows_as_dicts(rows: Sequence[PromptResult]) -> list[dict[str, Any]]:
         data["stats"] = None if row.stats is None else row.stats.to_dict()
         result.append(data)
     return result
+
+
+def rows_from_dicts(records: Sequence[dict[str, Any]]) -> list[PromptResult]:
+    """Back from ``rows_as_dicts`` (a saved results.json's ``per_prompt``)."""
+    names = {f.name for f in fields(PromptResult)}
+    rows = []
+    for record in records:
+        values = {k: v for k, v in record.items() if k in names}
+        stats = values.pop("stats", None)
+        rows.append(PromptResult(**values, stats=None if stats is None else GenerationStats.from_dict(stats)))
+    return rows

@@ -67,10 +67,38 @@ def profile_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def held_out_table(results: dict[str, Any]) -> str:
+    """Speedup on the categories each policy was tuned on vs the others ('' if no policy says)."""
+    rows = [(name, f["split"]) for name, f in results["methods"].items() if f.get("split")]
+    if not rows:
+        return ""
+    header = ["method", "tuned on", "speedup (tuned)", "speedup (held out)"]
+    header += ["acceptance (tuned)", "acceptance (held out)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, split in rows:
+        tuned, held = split["tuned"] or {}, split["held_out"] or {}
+        cells = [
+            name,
+            ", ".join(split["tuned_categories"]),
+            f"{_fmt(tuned.get('speedup'))}x" if tuned else "-",
+            f"{_fmt(held.get('speedup'))}x" if held else "- (no other category)",
+            _fmt(tuned.get("acceptance_rate")),
+            _fmt(held.get("acceptance_rate")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown_report(results: dict[str, Any]) -> str:
-    """The figures table, then the time profile of our engine's methods."""
+    """The figures table, the held-out check, then the time profile of our engine's methods."""
+    parts = [markdown_table(results)]
+    held_out = held_out_table(results)
+    if held_out:
+        parts.append(f"Held-out check (categories the policy was not tuned on):\n\n{held_out}")
     profile = profile_table(results)
-    return markdown_table(results) + (f"\n\nTime per generated token (ms):\n\n{profile}" if profile else "")
+    if profile:
+        parts.append(f"Time per generated token (ms):\n\n{profile}")
+    return "\n\n".join(parts)
 
 
 def csv_text(results: dict[str, Any]) -> str:
