@@ -87,12 +87,15 @@ def resummarise(results: dict) -> dict:
     except (KeyError, TypeError) as error:
         problem = f"missing {error}" if isinstance(error, KeyError) else str(error)
         raise LayerskipError(f"not a layerskip-bench results.json ({problem}); pass the file bench wrote") from None
-    single = len(policies) == 1
+    # Method names as build_methods gave them: "self-spec" for a lone policy, else "self-spec:LABEL".
     tuned_on = {}
-    for label, policy in policies.items():
-        cats = tuning_categories(policy)
-        if cats is not None:
-            tuned_on["self-spec" if single else f"self-spec:{label}"] = cats
+    for name in {row.method for row in rows}:
+        base, _, label = name.partition(":")
+        if base != "self-spec":
+            continue
+        policy = policies.get(label) if label else next(iter(policies.values()), None)
+        if (cats := tuning_categories(policy)) is not None:
+            tuned_on[name] = cats
     return {**results, "methods": summarise(rows, tuned_on)}
 
 
