@@ -11,6 +11,7 @@ import argparse
 import os
 import shlex
 import sys
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from layerskip.cli.common import add_model_arguments, run_cli
 from layerskip.data import load_prompts
+from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
@@ -137,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranked: bypass the N sublayers whose single bypass changes the draft least (N searched); "
         "switches: one on/off switch per sublayer",
     )
+    parser.add_argument(
+        "--warm-start",
+        metavar="POLICY",
+        action="append",
+        default=[],
+        help="policy JSON to try first (repeatable), e.g. the set on-the-fly selection ended on "
+        "(generate.py --policy on-the-fly --save-policy PATH); in the ranked space a new study's order "
+        "starts with its bypassed sublayers",
+    )
     parser.add_argument("--never-skip", type=_int_list, default=(), help="layers never to bypass, e.g. 0,1")
     parser.add_argument("--min-skip-fraction", type=float, default=0.0)
     parser.add_argument("--max-skip-fraction", type=float, default=1.0)
@@ -201,6 +212,7 @@ def _main(argv: list[str] | None) -> int:
         seed=args.seed,
         categories=args.categories,
     )
+    seeds = {path: SkipPolicy.load(path) for path in args.warm_start}  # bad files fail before the model loads
     study_name = args.study_name or f"{Path(args.model).stem}-{args.objective}"
     # A database server is contacted now, so an unreachable one fails before the model loads; a
     # new SQLite or journal file is only created once every input has been checked, so a run that
@@ -264,6 +276,15 @@ def _main(argv: list[str] | None) -> int:
         known = (existing or {}).get("space", {}).get("sublayer_order")
         order = [tuple(item) for item in known] if known else sublayer_order(model, calibration.references, progress)
         space = replace(space, sublayer_order=tuple(order))
+        if not known:  # a new study's order starts with the warm starts' sublayers, smallest set first
+            space = space.with_leading([sub for policy in _by_size(seeds.values()) for sub in _bypassed(policy)])
+    seed_params = []
+    for path, policy in seeds.items():
+        policy.validate_for(model)
+        params, notes = space.params_for_policy(policy, f"--warm-start {path}")
+        for note in notes:
+            print(note, file=sys.stderr)
+        seed_params.append(params)
     metadata = {
         **identity,
         "command": command,
@@ -274,7 +295,7 @@ def _main(argv: list[str] | None) -> int:
         "torch": torch.__version__,
     }
     seed = args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name)
-    study = open_study(storage, study_name, args.objective, seed, metadata, space.warm_starts())
+    study = open_study(storage, study_name, args.objective, seed, metadata, space.warm_starts(), seed_params)
     if RANKING_ATTR not in study.user_attrs:
         # Truncated draft heads start from the calibration text's tokens (then the lowest ids);
         # stored once, so every trial of the study (and every worker) scores the same rows.
@@ -301,6 +322,14 @@ def _main(argv: list[str] | None) -> int:
     print(_summary(study, args.objective, top))
     print(f"\nexported trial {policy.provenance['trial']} to {out}: {policy.describe()}; {verdict(policy)}")
     return 0
+
+
+def _bypassed(policy: SkipPolicy) -> list[tuple[int, str]]:
+    return [(i, "attention") for i in policy.skip_attention] + [(i, "mlp") for i in policy.skip_mlp]
+
+
+def _by_size(policies: Iterable[SkipPolicy]) -> list[SkipPolicy]:
+    return sorted(policies, key=lambda policy: len(_bypassed(policy)))
 
 
 def counted_trials_safe(storage, study_name: str) -> int:

@@ -172,6 +172,71 @@ class SearchSpace:
                 params["use_skip_draft"] = use_skip_draft
         return params
 
+    def with_leading(self, sublayers: Sequence[tuple[int, str]]) -> SearchSpace:
+        """The ranked space with ``sublayers`` first, in the order given, then the rest in its own
+        order: a warm-start policy's bypassed set becomes the ranked prefix of its size."""
+        lead = [s for s in dict.fromkeys(sublayers) if s in set(self.sublayer_order)]
+        order = lead + [s for s in self.sublayer_order if s not in set(lead)]
+        return replace(self, sublayer_order=tuple(order))
+
+    def params_for_policy(
+        self, policy: SkipPolicy, label: str = "warm-start policy"
+    ) -> tuple[dict[str, Any], list[str]]:
+        """Optuna parameters for which ``suggest`` rebuilds ``policy`` (a warm start), and a note for
+        every knob whose value is not among this space's choices (the nearest choice is used).
+
+        Raises LayerskipError when the space cannot hold the policy's skip sets: a never-skip layer,
+        a bypassed fraction outside the limits, or (ranked space) a set that is not a ranked prefix.
+        """
+        attention, mlp = list(policy.skip_attention), list(policy.skip_mlp)
+        bypassed = [(i, "attention") for i in attention] + [(i, "mlp") for i in mlp]
+        banned = sorted({i for i, _ in bypassed} & set(self.never_skip))
+        if banned:
+            raise LayerskipError(f"{label} bypasses sublayers of --never-skip layers {banned}; drop them from one")
+        fraction = len(bypassed) / (2 * self.num_layers)
+        if not self.min_fraction <= fraction <= self.max_fraction:
+            raise LayerskipError(
+                f"{label} bypasses {fraction:.2f} of sublayers, outside --min/--max-skip-fraction "
+                f"[{self.min_fraction}, {self.max_fraction}]; widen them"
+            )
+        if self.sublayer_order and set(self.ranked[: len(bypassed)]) != set(bypassed):
+            raise LayerskipError(
+                f"{label}'s bypassed sublayers are not the first {len(bypassed)} of this study's ranked order; "
+                "warm-start a new --study-name (its order then starts with them) or use --space switches"
+            )
+        d = policy.draft
+
+        def nearest(value: Any, choices: Sequence[Any], distance: Any = None) -> Any:
+            return value if value in choices else min(choices, key=distance or (lambda c: abs(c - value)))
+
+        lookup = nearest(d.lookup_max_ngram, self.lookup_ngram_choices)
+        use_skip = (d.use_skip_draft or not lookup) or self.require_skip_draft
+        params = self.params_for(attention, mlp, lookup=lookup, use_skip_draft=use_skip)
+        params["max_draft_tokens"] = nearest(d.max_draft_tokens, self.draft_token_choices)
+        if self.tune_adaptive:
+            params["adaptive"] = d.adaptive
+            if d.adaptive:
+                params["target_acceptance"] = nearest(d.target_acceptance, self.target_acceptance_choices)
+        full = 1 << 40  # a full head (0) is as large as a head gets
+        params["draft_vocab_size"] = nearest(
+            d.draft_vocab_size, self.draft_vocab_choices, lambda c: abs((c or full) - (d.draft_vocab_size or full))
+        )
+        if "precision" in params:
+            params["precision"] = nearest(d.precision, self.precision_choices, lambda c: c != d.precision)
+        if "min_verify_block" in params:
+            params["min_verify_block"] = nearest(d.min_verify_block, self.verify_pad_choices)
+        if "lookup_max_tokens" in params:
+            params["lookup_max_tokens"] = nearest(d.lookup_max_tokens, self.lookup_token_choices)
+        if "lookup_confidence" in params:
+            params["lookup_confidence"] = nearest(d.lookup_confidence, self.lookup_confidence_choices)
+        if "lookup_min_ngram" in params:
+            params["lookup_min_ngram"] = nearest(d.lookup_min_ngram, self.lookup_min_ngram_choices)
+        # What a trial with these parameters evaluates, built as the study builds it.
+        evaluated = self.suggest(optuna.trial.FixedTrial(params))
+        if evaluated.draft.use_skip_draft:
+            assert (evaluated.skip_attention, evaluated.skip_mlp) == (policy.skip_attention, policy.skip_mlp)
+        return params, _differences(label, d, evaluated.draft)
+
     def warm_starts(self) -> list[dict[str, Any]]:
         """Sensible first candidates. Switches: nothing skipped, early-exit prefixes, every other
         deep layer. Ranked: the first 0, 1, 2, 4 and 8 ranked sublayers."""
@@ -204,6 +269,24 @@ class SearchSpace:
                 params.append(self.params_for([], [], 4, lookups[-1], use_skip_draft=False))
             params.append(self.params_for(alternate, [], 4, lookups[-1], use_skip_draft=True))
         return params
+
+
+def _differences(label: str, wanted: DraftSettings, evaluated: DraftSettings) -> list[str]:
+    """One note per draft setting a warm start asked for that the space cannot give it (settings
+    the evaluated draft does not use are left out: lookup's when lookup is off, and so on)."""
+    unused: set[str] = set()
+    if not evaluated.lookup_max_ngram:
+        unused |= {"lookup_min_ngram", "lookup_max_tokens", "lookup_confidence"}
+    if not evaluated.use_skip_draft:
+        unused |= {"draft_vocab_size", "precision", "adaptive", "initial_threshold", "target_acceptance"}
+    if not evaluated.adaptive:
+        unused |= {"initial_threshold", "target_acceptance"}
+    notes = []
+    for name, value in asdict(wanted).items():
+        got = getattr(evaluated, name)
+        if name not in unused and got != value:
+            notes.append(f"{label}: {name} {value} is not a choice of this search; the trial uses {got}")
+    return notes
 
 
 def _pick(trial: optuna.Trial, name: str, choices: tuple[Any, ...]) -> Any:

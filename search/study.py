@@ -160,8 +160,13 @@ def open_study(
     seed: int,
     metadata: dict[str, Any],
     warm_starts: list[dict[str, Any]],
+    seeds: list[dict[str, Any]] | None = None,
 ) -> optuna.Study:
-    """Create or resume the study; record what it is for; enqueue warm starts once."""
+    """Create or resume the study; record what it is for; enqueue warm starts once.
+
+    ``seeds`` (the user's ``--warm-start`` policies) are enqueued on every run, first, unless the
+    study already holds a trial with the same parameters.
+    """
     directions = ["maximize", "minimize"] if objective == "pareto" else ["maximize"]
     # constant_liar keeps parallel workers from sampling the same point while trials run.
     sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=8)
@@ -170,11 +175,12 @@ def open_study(
     study = optuna.create_study(
         storage=storage, study_name=name, directions=directions, sampler=sampler, pruner=pruner, load_if_exists=True
     )
-    if "model_fingerprint" not in study.user_attrs:
+    new = "model_fingerprint" not in study.user_attrs
+    if new:
         for key, value in metadata.items():
             study.set_user_attr(key, value)
-        for params in warm_starts:
-            study.enqueue_trial(params, skip_if_exists=True)
+    for params in [*(seeds or []), *(warm_starts if new else [])]:
+        study.enqueue_trial(params, skip_if_exists=True)
     runs = list(study.user_attrs.get("runs", []))
     runs.append(metadata.get("command", ""))
     study.set_user_attr("runs", runs[-50:])

@@ -18,7 +18,7 @@ from tiny_models import ARCHS, random_prompt, tiny_model
 
 from layerskip.engine.cache import RollbackCache
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.engine.onthefly import SelectionState
+from layerskip.engine.onthefly import SelectionState, converged_policy
 from layerskip.engine.policy import DraftSettings, OnTheFlySettings, SkipPolicy
 from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
@@ -214,3 +214,23 @@ def test_recorded_contributions_are_what_each_sublayer_adds(arch: str) -> None:
         torch.testing.assert_close(record.residual[i], torch.linalg.vector_norm(hidden[i][0], dim=-1))
         assert float(record.mlp[i].abs().max()) == 0.0
     assert _hooks(model) == hooks
+
+
+def test_the_set_it_ends_on_is_saved_as_a_fixed_lossless_policy(tmp_path) -> None:
+    model = _model("llama")
+    start = restless()
+    decoder = Decoder(model, start)
+    decoder.decode(random_prompt(), DecodeSettings(30))
+    state = decoder.selection
+    fixed = converged_policy(start, state)
+    assert fixed.on_the_fly is None and fixed.draft == start.draft
+    assert (fixed.skip_attention, fixed.skip_mlp) == (state.attention, state.mlp)
+    learned = fixed.provenance["selection"]
+    assert fixed.provenance["source"] == "on-the-fly" and learned["count"] == state.count
+    ranking = [tuple(item) for item in learned["sublayer_ranking"]]
+    assert sorted(ranking) == sorted(state.scores) and ranking[0] == min(state.scores, key=state.scores.get)
+    reloaded = SkipPolicy.load(fixed.save(tmp_path / "fixed.json"))
+    assert reloaded == fixed
+    ref, logits = hf_greedy(model, random_prompt(seed=3), NEW_TOKENS)
+    tokens, _ = Decoder(model, reloaded).decode(random_prompt(seed=3), DecodeSettings(NEW_TOKENS))
+    assert_same_tokens(tokens, ref, ref_logits=logits, label="fixed from on-the-fly")

@@ -11,6 +11,7 @@ import json
 import signal
 import sqlite3
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -30,6 +31,7 @@ from search_fixtures import (
 )
 
 from layerskip.engine.policy import SkipPolicy
+from search.space import trial_policy
 
 FINISHED = {TrialState.COMPLETE, TrialState.PRUNED}
 
@@ -300,3 +302,35 @@ def test_ctrl_c_leaves_a_resumable_study(tiny_llama, tmp_path):
     assert TrialState.RUNNING not in states(study)
     assert trial_numbers(study) == list(range(len(study.get_trials(deepcopy=False))))
     SkipPolicy.load(tmp_path / "p.json")
+
+
+# -- warm start from what on-the-fly selection ended on ---------------------------------------------------------------
+def test_on_the_fly_set_seeds_a_study(tiny_llama, tmp_path):
+    """generate.py --policy on-the-fly --save-policy writes the set it ended on; search --warm-start runs it first."""
+    saved, db, out = tmp_path / "otf.json", tmp_path / "w.db", tmp_path / "p.json"
+    common = ["--model", str(tiny_llama), "--no-chat", "--prompt", "Write a short story about a robot.", "--json"]
+    assert_bad_input(run_generate(*common, "--save-policy", str(saved)), "--save-policy needs an on-the-fly policy")
+    assert not saved.exists()
+    report = json.loads(
+        ok(
+            run_generate(*common, "--policy", "on-the-fly", "--max-new-tokens", "24", "--save-policy", str(saved))
+        ).stdout
+    )
+    fixed = SkipPolicy.load(saved)
+    assert fixed.on_the_fly is None and fixed.model.num_layers == 4
+    assert [list(fixed.skip_attention), list(fixed.skip_mlp)] == [
+        report["selection"]["skip_attention"],
+        report["selection"]["skip_mlp"],
+    ]
+    # A set that bypasses something, so the ranked order must be led by it.
+    seed = replace(fixed, skip_attention=(3,), skip_mlp=(1, 2))
+    seed.save(saved)
+    args = ["--n-trials", "2", "--storage", f"sqlite:///{db}", "--study-name", "w", "--out", str(out)]
+    result = ok(run_search(tiny_llama, *args, "--warm-start", str(saved)))  # FAST_ARGS: --draft-tokens 2,3
+    study = load_study(f"sqlite:///{db}", "w")
+    first = trial_policy(study, study.trials[0])
+    assert (first.skip_attention, first.skip_mlp) == ((3,), (1, 2))
+    assert (
+        "max_draft_tokens" in result.stderr
+    )  # the on-the-fly draft length (6) is a choice; its 0.1 threshold is noted
+    assert_bad_input(run_search(tiny_llama, *args, "--warm-start", str(tmp_path / "missing.json")), "not found")

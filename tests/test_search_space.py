@@ -5,6 +5,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
+from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from search.space import POLICY_ATTR, SearchSpace, exportable, policy_attr, trial_policy, with_vocabulary
 
@@ -98,8 +99,6 @@ def test_single_choice_knobs_reach_the_policy() -> None:
 
 
 def test_exportable() -> None:
-    from layerskip.engine.policy import DraftSettings, SkipPolicy
-
     assert not exportable(SkipPolicy(draft=DraftSettings(precision="int4", draft_vocab_size=64)))  # bypasses nothing
     assert exportable(SkipPolicy(skip_mlp=(2,)))
     assert exportable(SkipPolicy(draft=DraftSettings(use_skip_draft=False, lookup_max_ngram=3)))  # lookup only
@@ -158,3 +157,53 @@ def test_ranked_space_respects_skip_fraction_bounds() -> None:
     for params, policy in _sampled(space):
         assert 3 <= params["skip_count"] <= 6
         assert 0.25 <= (len(policy.skip_attention) + len(policy.skip_mlp)) / (2 * LAYERS) <= 0.5
+
+
+# -- warm starts from a saved policy (search.py --warm-start) ----------------------------------------------------------
+def _rebuilt(space: SearchSpace, params: dict) -> SkipPolicy:
+    return space.suggest(optuna.trial.FixedTrial(params))
+
+
+def test_a_warm_start_policy_is_what_its_trial_evaluates() -> None:
+    # lookup_max_tokens = k: with lookup off the space ties it to the draft length.
+    draft = DraftSettings(
+        max_draft_tokens=3,
+        adaptive=True,
+        target_acceptance=0.8,
+        draft_vocab_size=64,
+        precision="int4",
+        lookup_max_tokens=3,
+    )
+    wanted = SkipPolicy(skip_attention=(2, 4), skip_mlp=(3,), draft=draft)
+    switches = SearchSpace(
+        num_layers=LAYERS, draft_token_choices=(2, 3), draft_vocab_choices=(0, 64), precision_choices=("model", "int4")
+    )
+    params, notes = switches.params_for_policy(wanted)
+    got = _rebuilt(switches, params)
+    assert notes == [] and (got.skip_attention, got.skip_mlp, got.draft) == (
+        wanted.skip_attention,
+        wanted.skip_mlp,
+        draft,
+    )
+
+    # Ranked: a new study's order is led by the policy's sublayers, so its set is the ranked prefix.
+    ranked = SearchSpace(num_layers=LAYERS, sublayer_order=ORDER, draft_token_choices=(2, 3), draft_vocab_choices=(64,))
+    with pytest.raises(LayerskipError, match="not the first 3 of this study's ranked order"):
+        ranked.params_for_policy(wanted)
+    led = ranked.with_leading([(2, "attention"), (4, "attention"), (3, "mlp")])
+    assert sorted(led.sublayer_order) == sorted(ORDER)
+    params, notes = led.params_for_policy(wanted)
+    got = _rebuilt(led, params)
+    assert params["skip_count"] == 3 and (got.skip_attention, got.skip_mlp) == ((2, 4), (3,))
+    assert notes == ["warm-start policy: precision int4 is not a choice of this search; the trial uses model"]
+
+
+def test_a_warm_start_outside_the_space_is_refused_or_noted() -> None:
+    wanted = SkipPolicy(skip_attention=(0, 1), draft=DraftSettings(max_draft_tokens=5))
+    with pytest.raises(LayerskipError, match="--never-skip layers \\[0\\]"):
+        SearchSpace(num_layers=LAYERS, never_skip=(0,)).params_for_policy(wanted)
+    with pytest.raises(LayerskipError, match="outside --min/--max-skip-fraction"):
+        SearchSpace(num_layers=LAYERS, max_fraction=0.1).params_for_policy(wanted)
+    params, notes = SearchSpace(num_layers=LAYERS, draft_token_choices=(2, 4, 8)).params_for_policy(wanted, "p.json")
+    assert params["max_draft_tokens"] == 4
+    assert notes == ["p.json: max_draft_tokens 5 is not a choice of this search; the trial uses 4"]

@@ -8,6 +8,7 @@ import sys
 
 from layerskip.cli.common import add_model_arguments, load_policy, read_prompt, run_cli
 from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.engine.onthefly import converged_policy
 from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
 from layerskip.hf.baselines import hf_generate
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run HF generate on the same prompt: speedup and whether tokens are identical",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument(
+        "--save-policy",
+        metavar="PATH",
+        help="with an on-the-fly policy: write the skip sets it ended on as a fixed policy JSON "
+        "(reuse it, or seed a study with search.py --warm-start PATH)",
+    )
     return parser
 
 
@@ -72,6 +79,8 @@ def _main(argv: list[str] | None) -> int:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     prompt = read_prompt(args.prompt, args.prompt_file)
     policy = load_policy(args.policy)[1] if args.policy else None
+    if args.save_policy and (policy is None or policy.on_the_fly is None):
+        raise LayerskipError("--save-policy needs an on-the-fly policy (--policy on-the-fly or on-the-fly:PATH)")
     sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -115,11 +124,17 @@ def _main(argv: list[str] | None) -> int:
         # Skip-drafted steps per bypassed set ("a<attention layers>|m<MLP layers>"), and how often it changed.
         report["skip_changes"] = stats.skip_changes
         report["skip_sets"] = stats.skip_sets
+        assert decoder.selection is not None
+        report["selection"] = decoder.selection.summary()
     if args.compare:
         report["baseline_tokens_per_second"] = aggregate_throughput([base])
         report["speedup"] = speedup([ours], [base])
         # Sampled outputs differ run to run by design; identity is a greedy property.
         report["identical"] = tokens == base.tokens if sampling is None else None
+    if args.save_policy:
+        assert policy is not None and decoder.selection is not None
+        fixed = converged_policy(policy, decoder.selection).with_model(model, loaded.name)
+        report["saved_policy"] = str(fixed.save(args.save_policy))
     if args.json:
         print(json.dumps(report))
         return 0
@@ -132,6 +147,8 @@ def _main(argv: list[str] | None) -> int:
         line += f", acceptance {stats.acceptance_rate:.2f}"
         if policy.on_the_fly is not None:
             line += f", skip set changed {stats.skip_changes}x over {len(stats.skip_sets)} sets"
+            if args.save_policy:
+                line += f"; saved the set it ended on to {report['saved_policy']}"
     if args.compare:
         line += (
             f"; HF generate {report['baseline_tokens_per_second']:.1f} tok/s, speedup {report['speedup']:.2f}x, "

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -157,6 +158,33 @@ class SelectionState:
         changed = (attention, mlp) != (self.attention, self.mlp)
         self.attention, self.mlp = attention, mlp
         return changed
+
+    def ranking(self) -> list[Sublayer]:
+        """Every scored sublayer, from the one that changes the residual stream least."""
+        return sorted(self.scores, key=lambda sub: (self.scores[sub], sub[1] != "attention", sub[0]))
+
+    def summary(self) -> dict[str, Any]:
+        """What was learned, as JSON-ready figures: the set in use, the count, the speed per count."""
+        return {
+            "skip_attention": list(self.attention),
+            "skip_mlp": list(self.mlp),
+            "count": self.count,
+            "settled": self.settled,
+            "refreshes": self.refreshes,
+            "tokens_per_second_by_count": {
+                str(n): round(record.rate, 3) for n, record in sorted(self.speed.items()) if record.steps
+            },
+            "sublayer_ranking": [[i, kind] for i, kind in self.ranking()],
+        }
+
+
+def converged_policy(policy: SkipPolicy, state: SelectionState) -> SkipPolicy:
+    """A fixed policy with the skip sets on-the-fly selection is using now (to reuse, or to seed a
+    study: ``search.py --warm-start``). Draft settings are the selection's own; the provenance
+    records what was learned (``SelectionState.summary``) and whether the count had settled."""
+    learned = state.summary()
+    provenance = {"source": "on-the-fly", "started_from": policy.provenance, "selection": learned}
+    return replace(policy, skip_attention=state.attention, skip_mlp=state.mlp, on_the_fly=None, provenance=provenance)
 
 
 class OnTheFlyDrafter(BaseDrafter):
