@@ -23,7 +23,7 @@ from layerskip.engine.draft import DraftModel
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
-from layerskip.hf.models import load_model
+from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
 from layerskip.measure.latency import draft_step_breakdown, draft_step_seconds, verify_seconds
 
@@ -60,7 +60,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default="results/draft_cost")
     args = parser.parse_args(argv)
-    extra = load_policies(args.policy)
+    extra = load_policies(args.policy, resolve_device(args.device))
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies(extra, model)

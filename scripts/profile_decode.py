@@ -19,7 +19,7 @@ from layerskip.data import load_prompts
 from layerskip.engine.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic, write_text_atomic
-from layerskip.hf.models import load_model
+from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.measure.profiling import csv_text, forward_costs, markdown, profile_configs, profile_report
 
@@ -42,7 +42,7 @@ def _main(argv: list[str] | None) -> int:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     prompts = load_prompts(args.prompts, n=args.n_prompts, per_category=args.per_category, seed=args.seed)
     configs: dict[str, SkipPolicy | None] = {"plain": None}
-    for label, policy in load_policies(args.policy).items():
+    for label, policy in load_policies(args.policy, resolve_device(args.device)).items():
         configs[label] = policy
         if args.ablate:
             configs.update({f"{label}-{k}": v for k, v in policy.ablations().items()})

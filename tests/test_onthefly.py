@@ -234,3 +234,16 @@ def test_the_set_it_ends_on_is_saved_as_a_fixed_lossless_policy(tmp_path) -> Non
     ref, logits = hf_greedy(model, random_prompt(seed=3), NEW_TOKENS)
     tokens, _ = Decoder(model, reloaded).decode(random_prompt(seed=3), DecodeSettings(NEW_TOKENS))
     assert_same_tokens(tokens, ref, ref_logits=logits, label="fixed from on-the-fly")
+
+
+def test_the_default_draft_is_cheap_on_the_cpu() -> None:
+    cpu = SkipPolicy.adaptive_selection().draft
+    assert (cpu.precision, cpu.draft_vocab_size, cpu.max_draft_tokens, cpu.adaptive) == ("int4", 8192, 6, True)
+    gpu = SkipPolicy.adaptive_selection(device="cuda").draft  # int4 kernels are CPU-only
+    assert (gpu.precision, gpu.draft_vocab_size) == ("model", 0)
+    model = _model("llama")
+    ref, logits = hf_greedy(model, random_prompt(seed=5), NEW_TOKENS)
+    tokens, _ = Decoder(model, SkipPolicy.adaptive_selection(refresh_every=1)).decode(
+        random_prompt(seed=5), DecodeSettings(NEW_TOKENS)
+    )
+    assert_same_tokens(tokens, ref, ref_logits=logits, label="default on-the-fly draft")

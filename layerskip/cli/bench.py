@@ -12,7 +12,7 @@ from layerskip.cli.common import add_model_arguments, check_policies, load_polic
 from layerskip.data import load_prompts
 from layerskip.engine.policy import SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.hf.models import load_model
+from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.measure.bench import (
     METHODS,
@@ -120,7 +120,7 @@ def _main(argv: list[str] | None) -> int:
         seed=args.seed,
         categories=args.categories,
     )
-    policies = load_policies(args.policy)
+    policies = load_policies(args.policy, resolve_device(args.device))
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies(policies, model)

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from layerskip.engine.policy import OnTheFlySettings, SkipPolicy
 from layerskip.errors import LayerskipError
 
@@ -63,12 +65,13 @@ def read_prompt(text: str | None, path: str | None) -> str:
 ON_THE_FLY = "on-the-fly"
 
 
-def load_policy(spec: str) -> tuple[str, SkipPolicy]:
+def load_policy(spec: str, device: str | torch.device = "cpu") -> tuple[str, SkipPolicy]:
     """``(label, policy)`` for a ``--policy`` value: a policy file; ``on-the-fly`` (skip sets chosen
-    while generating, from nothing bypassed); or ``on-the-fly:PATH`` (chosen while generating,
-    starting from that file's skip sets and drafting with its settings)."""
+    while generating, from nothing bypassed, with the default draft for ``device``); or
+    ``on-the-fly:PATH`` (chosen while generating, starting from that file's skip sets and drafting
+    with its settings)."""
     if spec == ON_THE_FLY:
-        return ON_THE_FLY, SkipPolicy.adaptive_selection()
+        return ON_THE_FLY, SkipPolicy.adaptive_selection(device=device)
     if spec.startswith(ON_THE_FLY + ":"):
         path = spec[len(ON_THE_FLY) + 1 :]
         start = SkipPolicy.load(path)
@@ -79,11 +82,11 @@ def load_policy(spec: str) -> tuple[str, SkipPolicy]:
     return Path(spec).stem, SkipPolicy.load(spec)
 
 
-def load_policies(specs: list[str]) -> dict[str, SkipPolicy]:
+def load_policies(specs: list[str], device: str | torch.device = "cpu") -> dict[str, SkipPolicy]:
     """Policies by label (a file's stem; a repeated label gets ``-2``, ``-3``: nothing is dropped)."""
     policies: dict[str, SkipPolicy] = {}
     for spec in specs:
-        stem, policy = load_policy(spec)
+        stem, policy = load_policy(spec, device)
         label = stem
         number = 2
         while label in policies:

@@ -12,7 +12,7 @@ from layerskip.engine.onthefly import converged_policy
 from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
 from layerskip.hf.baselines import hf_generate
-from layerskip.hf.models import load_model
+from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup, throughput
 
@@ -78,7 +78,7 @@ def _main(argv: list[str] | None) -> int:
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     prompt = read_prompt(args.prompt, args.prompt_file)
-    policy = load_policy(args.policy)[1] if args.policy else None
+    policy = load_policy(args.policy, resolve_device(args.device))[1] if args.policy else None
     if args.save_policy and (policy is None or policy.on_the_fly is None):
         raise LayerskipError("--save-policy needs an on-the-fly policy (--policy on-the-fly or on-the-fly:PATH)")
     sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None

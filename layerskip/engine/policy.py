@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from layerskip.engine.precision import PRECISIONS
@@ -168,9 +169,20 @@ class SkipPolicy:
         return replace(self, model=ModelIdentity.of(model, name))
 
     @classmethod
-    def adaptive_selection(cls, draft: DraftSettings | None = None, **kwargs: Any) -> SkipPolicy:
-        """On-the-fly selection from nothing bypassed, adaptive draft length (``--policy on-the-fly``)."""
-        draft = draft or DraftSettings(max_draft_tokens=6, adaptive=True)
+    def adaptive_selection(
+        cls, draft: DraftSettings | None = None, device: str | torch.device = "cpu", **kwargs: Any
+    ) -> SkipPolicy:
+        """On-the-fly selection from nothing bypassed, adaptive draft length (``--policy on-the-fly``).
+
+        Without ``draft``, a CPU draft runs its kept sublayers from an int4 copy and scores an
+        8192-row head that grows with the prompt and the text (no study needed for either): on
+        the project's CPU a draft from the model's own fp32 weights costs half a step per token,
+        so no bypass the selection can find makes it pay (docs/benchmarks.md#on-the-fly). Other
+        devices draft from the model's own weights and full head.
+        """
+        if draft is None:
+            cheap = {"precision": "int4", "draft_vocab_size": 8192} if torch.device(device).type == "cpu" else {}
+            draft = DraftSettings(max_draft_tokens=6, adaptive=True, **cheap)
         return cls(draft=draft, on_the_fly=OnTheFlySettings(**kwargs), provenance={"source": "on-the-fly"})
 
     # -- checks -------------------------------------------------------------------------

@@ -159,7 +159,7 @@ def build_methods(
             )
             methods.append(Method(name, ours(lookup)[0], lookup))
         elif name == "self-spec-on-the-fly":
-            selection = SkipPolicy.adaptive_selection()
+            selection = SkipPolicy.adaptive_selection(device=next(model.parameters()).device)
             run, memory = ours(selection)
             methods.append(Method(name, run, selection, memory))
         elif name == "hf-pld":
