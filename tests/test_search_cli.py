@@ -333,4 +333,3 @@ def test_on_the_fly_set_seeds_a_study(tiny_llama, tmp_path):
     assert (
         "max_draft_tokens" in result.stderr
     )  # the on-the-fly draft length (6) is a choice; its 0.1 threshold is noted
-    assert_bad_input(run_search(tiny_llama, *args, "--warm-start", str(tmp_path / "missing.json")), "not found")
