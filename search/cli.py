@@ -11,7 +11,6 @@ import argparse
 import os
 import shlex
 import sys
-from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -277,7 +276,8 @@ def _main(argv: list[str] | None) -> int:
         order = [tuple(item) for item in known] if known else sublayer_order(model, calibration.references, progress)
         space = replace(space, sublayer_order=tuple(order))
         if not known:  # a new study's order starts with the warm starts' sublayers, smallest set first
-            space = space.with_leading([sub for policy in _by_size(seeds.values()) for sub in _bypassed(policy)])
+            smallest_first = sorted(seeds.values(), key=lambda policy: len(policy.bypassed_sublayers))
+            space = space.with_leading([sub for policy in smallest_first for sub in policy.bypassed_sublayers])
     seed_params = []
     for path, policy in seeds.items():
         policy.validate_for(model)
@@ -322,14 +322,6 @@ def _main(argv: list[str] | None) -> int:
     print(_summary(study, args.objective, top))
     print(f"\nexported trial {policy.provenance['trial']} to {out}: {policy.describe()}; {verdict(policy)}")
     return 0
-
-
-def _bypassed(policy: SkipPolicy) -> list[tuple[int, str]]:
-    return [(i, "attention") for i in policy.skip_attention] + [(i, "mlp") for i in policy.skip_mlp]
-
-
-def _by_size(policies: Iterable[SkipPolicy]) -> list[SkipPolicy]:
-    return sorted(policies, key=lambda policy: len(_bypassed(policy)))
 
 
 def counted_trials_safe(storage, study_name: str) -> int:

@@ -189,7 +189,7 @@ class SearchSpace:
         a bypassed fraction outside the limits, or (ranked space) a set that is not a ranked prefix.
         """
         attention, mlp = list(policy.skip_attention), list(policy.skip_mlp)
-        bypassed = [(i, "attention") for i in attention] + [(i, "mlp") for i in mlp]
+        bypassed = policy.bypassed_sublayers
         banned = sorted({i for i, _ in bypassed} & set(self.never_skip))
         if banned:
             raise LayerskipError(f"{label} bypasses sublayers of --never-skip layers {banned}; drop them from one")

@@ -146,22 +146,22 @@ class SelectionState:
         if not self.scores:
             return False
         # Hysteresis: sublayers in use score (1 - swap_margin) lower, so a newcomer must beat them clearly.
-        keep = 1.0 - self.settings.swap_margin
-        current = {(i, "attention") for i in self.attention} | {(i, "mlp") for i in self.mlp}
-
-        def rank(sub: Sublayer) -> tuple[float, bool, int]:
-            return (self.scores[sub] * (keep if sub in current else 1.0), sub[1] != "attention", sub[0])
-
-        chosen = sorted(self.scores, key=rank)[: self.count]
+        chosen = self.ranking(in_use_weight=1.0 - self.settings.swap_margin)[: self.count]
         attention = tuple(sorted(i for i, kind in chosen if kind == "attention"))
         mlp = tuple(sorted(i for i, kind in chosen if kind == "mlp"))
         changed = (attention, mlp) != (self.attention, self.mlp)
         self.attention, self.mlp = attention, mlp
         return changed
 
-    def ranking(self) -> list[Sublayer]:
-        """Every scored sublayer, from the one that changes the residual stream least."""
-        return sorted(self.scores, key=lambda sub: (self.scores[sub], sub[1] != "attention", sub[0]))
+    def ranking(self, in_use_weight: float = 1.0) -> list[Sublayer]:
+        """Every scored sublayer, from the one that changes the residual stream least (ties:
+        attention first, then by layer); the scores of sublayers in use are weighted by ``in_use_weight``."""
+        current = {(i, "attention") for i in self.attention} | {(i, "mlp") for i in self.mlp}
+
+        def rank(sub: Sublayer) -> tuple[float, bool, int]:
+            return (self.scores[sub] * (in_use_weight if sub in current else 1.0), sub[1] != "attention", sub[0])
+
+        return sorted(self.scores, key=rank)
 
     def summary(self) -> dict[str, Any]:
         """What was learned, as JSON-ready figures: the set in use, the count, the speed per count."""

@@ -213,6 +213,11 @@ class SkipPolicy:
         return variants
 
     @property
+    def bypassed_sublayers(self) -> list[tuple[int, str]]:
+        """``(layer, "attention" | "mlp")`` for every bypassed sublayer, attention first."""
+        return [(i, "attention") for i in self.skip_attention] + [(i, "mlp") for i in self.skip_mlp]
+
+    @property
     def bypasses_anything(self) -> bool:
         return bool(self.skip_attention or self.skip_mlp)
 
