@@ -135,7 +135,7 @@ class CheapObjective:
                 m, n = view.agreement()
                 matches, total = matches + m, total + n
                 predictor = view.predict
-            replay = simulate_greedy(reference, policy.draft, predictor)
+            replay = simulate_greedy(reference, policy.draft, predictor, (draft_cost, cal.verify_cost))
             tokens += replay.tokens
             drafted += replay.drafted
             accepted += replay.accepted

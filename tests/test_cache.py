@@ -16,6 +16,7 @@ POLICIES = {
     "early-exit-1": SkipPolicy.early_exit(LAYERS, 1),
     "whole-layers": SkipPolicy.skip_layers([0, 3], draft=DraftSettings(max_draft_tokens=6)),
     "adaptive": SkipPolicy(skip_attention=(2,), draft=DraftSettings(adaptive=True)),
+    "by-cost": SkipPolicy(skip_attention=(2,), draft=DraftSettings(max_draft_tokens=5, length_by_cost=True)),
     "hybrid": SkipPolicy(skip_attention=(1, 3), draft=DraftSettings(lookup_max_ngram=2)),
 }
 

@@ -2,7 +2,7 @@
 
 Every supported architecture (tiny random configs, see tiny_models.py) x every kind of draft:
 attention-only skips (with layer 0's attention), MLP-only, whole layers, early exit, adaptive
-draft length, prompt lookup alone and lookup + skip. 40 new tokens from an 8-token prompt run
+draft length, draft length by cost, prompt lookup alone and lookup + skip. 40 new tokens from an 8-token prompt run
 far past the sliding window (4) of Mistral / Gemma 2 / Gemma 3.
 """
 
@@ -37,6 +37,10 @@ POLICIES: dict[str, SkipPolicy] = {
         skip_attention=(1,),
         skip_mlp=(3,),
         draft=DraftSettings(max_draft_tokens=6, adaptive=True, initial_threshold=0.1, target_acceptance=0.5),
+    ),
+    # Draft length by cost, on this machine's clock (tests/test_draft_length.py forces varied lengths).
+    "by-cost": SkipPolicy(
+        skip_attention=(1,), skip_mlp=(3,), draft=DraftSettings(max_draft_tokens=6, length_by_cost=True)
     ),
     "lookup": SkipPolicy(draft=DraftSettings(lookup_max_ngram=3, use_skip_draft=False)),
     "lookup-hybrid": SkipPolicy(skip_attention=(0,), skip_mlp=(2,), draft=DraftSettings(lookup_max_ngram=3)),

@@ -27,6 +27,9 @@ POLICIES = {
     "attention-5-20": SkipPolicy(skip_attention=(5, 20)),
     "early-exit-26": SkipPolicy.early_exit(30, 26),
     "lookup-hybrid": SkipPolicy(skip_attention=(5, 20), draft=DraftSettings(lookup_max_ngram=3)),
+    "by-cost-int4": SkipPolicy(
+        skip_attention=(6,), draft=DraftSettings(max_draft_tokens=6, length_by_cost=True, precision="int4")
+    ),
     "on-the-fly": SkipPolicy.adaptive_selection(refresh_every=1, start_fraction=0.1),
 }
 

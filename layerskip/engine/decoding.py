@@ -199,7 +199,7 @@ class Decoder:
             block = torch.tensor([block_ids], device=self.device)  # [1, prompt] or [1, k+1 (+ fillers)]
             drafted = draft.tokens if draft is not None else []
             keep = 1 if draft is None else len(block_ids)
-            with drafter.watch_verify():
+            with drafter.watch_verify(len(block_ids)):
                 logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
             if sampling is None:
                 accepted, next_token = verify_greedy(drafted, logits)

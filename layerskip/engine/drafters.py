@@ -10,6 +10,7 @@ that matched), so no drafter remembers its previous call.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -17,10 +18,11 @@ import torch
 
 from layerskip.engine.cache import RollbackCache
 from layerskip.engine.draft import DraftModel
+from layerskip.engine.draft_length import DraftLengthByCost
 from layerskip.engine.head import DraftHead
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling, sample
-from layerskip.engine.stats import GenerationStats
+from layerskip.engine.stats import DeviceClock, GenerationStats
 
 
 @dataclass
@@ -29,6 +31,9 @@ class Draft:
     q: torch.Tensor | None = None  # [k, V] proposal probabilities (sampling only)
     source: str = "none"  # "skip", "lookup" or "none"
     ngram: int = 0  # lookup: length of the n-gram that matched
+    # Skip drafts with draft length by cost: each token's top-2 confidence, and the draft's time.
+    confidence: list[float] = field(default_factory=list)
+    seconds: float = 0.0
 
     @property
     def from_lookup(self) -> bool:
@@ -58,8 +63,9 @@ class Drafter(Protocol):
 
     def update(self, draft: Draft, accepted: int) -> None: ...
 
-    def watch_verify(self) -> contextlib.AbstractContextManager[object]:
-        """Entered around every verify forward (on-the-fly selection reads the full model there)."""
+    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
+        """Entered around every verify forward of ``block`` positions (on-the-fly selection reads
+        the full model there; draft length by cost times it)."""
         ...
 
     def report(self, stats: GenerationStats) -> None:
@@ -70,7 +76,7 @@ class Drafter(Protocol):
 class BaseDrafter:
     """Defaults for the optional drafter methods: nothing to watch, nothing to report."""
 
-    def watch_verify(self) -> contextlib.AbstractContextManager[object]:
+    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
 
     def report(self, stats: GenerationStats) -> None:
@@ -128,6 +134,8 @@ class SkipDrafter(BaseDrafter):
 
     ``attention`` / ``mlp`` are the bypassed sublayers; they may change between calls (on-the-fly
     selection does that). The head learns every token the generation emits before each draft.
+    How a draft ends: at ``max_draft_tokens``, at a low-confidence token (``adaptive``), or where
+    one more token is not expected to pay for its measured time (``length_by_cost``).
     """
 
     def __init__(
@@ -148,14 +156,21 @@ class SkipDrafter(BaseDrafter):
         self.sampling = sampling
         self.generator = generator
         self.stop = AdaptiveStop(settings.initial_threshold, settings.target_acceptance) if settings.adaptive else None
+        self.length = (
+            DraftLengthByCost(settings.max_draft_tokens, settings.min_verify_block) if settings.length_by_cost else None
+        )
+        self.clock = DeviceClock(draft_model.device)
+        self._last_verify_seconds = 0.0
         self._known = 0  # how much of the history the head has been given
 
     def propose(self, request: DraftRequest) -> Draft:
+        start = self.clock.now() if self.length is not None else 0.0
         self.head.add(request.history[self._known :])
         self._known = len(request.history)
         token = torch.tensor([[request.pending]], device=request.device)  # [1, 1]
         tokens: list[torch.Tensor] = []
         q_rows: list[torch.Tensor] = []
+        confidences: list[float] = []
         with self.draft_model.active(self.attention, self.mlp):
             for i in range(min(request.max_tokens, self.settings.max_draft_tokens)):
                 logits = self.draft_model.logits(token, request.cache, request.position + i, self.head)  # [n]
@@ -169,13 +184,33 @@ class SkipDrafter(BaseDrafter):
                 tokens.append(chosen)
                 if self.stop is not None and self.stop.stop(float(top2_confidence(logits))):
                     break
+                if self.length is not None:
+                    confidences.append(float(top2_confidence(logits)))
+                    if not self.length.draft_more(confidences):
+                        break
                 token = chosen.view(1, 1)
         ids = torch.stack(tokens).tolist() if tokens else []
-        return Draft(tokens=ids, q=torch.stack(q_rows) if q_rows else None, source="skip")
+        draft = Draft(tokens=ids, q=torch.stack(q_rows) if q_rows else None, source="skip", confidence=confidences)
+        if self.length is not None:
+            draft.seconds = self.clock.now() - start  # the confidences were read back: device work is done
+            self.length.observe_draft(len(ids), draft.seconds)
+        return draft
+
+    @contextlib.contextmanager
+    def watch_verify(self, block: int) -> Iterator[None]:
+        if self.length is None:
+            yield
+            return
+        start = self.clock.now()
+        yield
+        self._last_verify_seconds = self.clock.now() - start
+        self.length.observe_verify(block, self._last_verify_seconds)
 
     def update(self, draft: Draft, accepted: int) -> None:
         if self.stop is not None and draft.source == "skip":
             self.stop.update(len(draft.tokens), accepted)
+        if self.length is not None and draft.source == "skip" and draft.tokens:
+            self.length.observe_step(draft.confidence, accepted, draft.seconds + self._last_verify_seconds)
 
 
 @dataclass
@@ -312,8 +347,8 @@ class HybridDrafter(BaseDrafter):
         if self.skip is not None:  # it learns from skip drafts only, but sees every verify
             self.skip.update(draft, accepted)
 
-    def watch_verify(self) -> contextlib.AbstractContextManager[object]:
-        return self.skip.watch_verify() if self.skip is not None else contextlib.nullcontext()
+    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
+        return self.skip.watch_verify(block) if self.skip is not None else contextlib.nullcontext()
 
     def report(self, stats: GenerationStats) -> None:
         if self.skip is not None:

@@ -205,13 +205,14 @@ class OnTheFlyDrafter(BaseDrafter):
         self.skip.attention, self.skip.mlp = self.state.attention, self.state.mlp
 
     @contextlib.contextmanager
-    def watch_verify(self) -> Iterator[None]:
-        if self.verifies % self.state.settings.refresh_every:
-            yield
-            return
-        with adapters.sublayer_contributions(self.model) as record:
-            yield
-        self.record = record
+    def watch_verify(self, block: int) -> Iterator[None]:
+        with self.skip.watch_verify(block):
+            if self.verifies % self.state.settings.refresh_every:
+                yield
+                return
+            with adapters.sublayer_contributions(self.model) as record:
+                yield
+            self.record = record
 
     def propose(self, request: DraftRequest) -> Draft:
         self.started = time.perf_counter()  # the step's clock: this draft, its verify, the acceptance

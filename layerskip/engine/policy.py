@@ -44,6 +44,10 @@ class DraftSettings:
     adaptive: bool = False
     initial_threshold: float = 0.6
     target_acceptance: float = 0.7
+    # Draft length by cost: after each drafted token, draft another only if its expected
+    # tokens beat what its draft and verify time earns at the rate so far (measured in this
+    # generation; engine/draft_length.py). ``max_draft_tokens`` caps it. Excludes ``adaptive``.
+    length_by_cost: bool = False
     # Truncated draft head: the draft scores only this many most frequent tokens (0 = full).
     draft_vocab_size: int = 0
     # Prompt lookup: propose the continuation of an earlier matching n-gram (0 = off).
@@ -69,6 +73,10 @@ class DraftSettings:
             raise LayerskipError("draft.max_draft_tokens must be >= 1; set it in the policy file")
         if not 0.0 <= self.initial_threshold <= 1.0 or not 0.0 < self.target_acceptance <= 1.0:
             raise LayerskipError("draft.initial_threshold must be in [0, 1] and target_acceptance in (0, 1]")
+        if self.adaptive and self.length_by_cost:
+            raise LayerskipError(
+                "draft.adaptive and draft.length_by_cost are two ways to end a draft; set one of them to false"
+            )
         if self.draft_vocab_size < 0 or self.lookup_max_ngram < 0 or self.lookup_max_tokens < 0:
             raise LayerskipError("draft sizes must be >= 0; fix the policy file")
         if self.min_verify_block < 0:
@@ -264,7 +272,8 @@ class SkipPolicy:
             parts = [f"attn skip {list(self.skip_attention)}", f"mlp skip {list(self.skip_mlp)}"]
         else:
             parts = ["lookup-only draft"]
-        parts.append(f"k<={d.max_draft_tokens}{' adaptive' if d.adaptive else ''}")
+        rule = " adaptive" if d.adaptive else " by cost" if d.length_by_cost else ""
+        parts.append(f"k<={d.max_draft_tokens}{rule}")
         if d.draft_vocab_size:
             parts.append(f"draft vocab {d.draft_vocab_size}")
         if d.lookup_max_ngram:

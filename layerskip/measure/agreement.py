@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive
 from layerskip.engine.draft import DraftModel
+from layerskip.engine.draft_length import DraftLengthByCost
 from layerskip.engine.drafters import AdaptiveStop, LookupRunLength, match_lookup, top2_confidence
 from layerskip.engine.policy import DraftSettings
 from layerskip.hf import adapters
@@ -167,15 +168,22 @@ class SimulatedRun:
         return self.draft_forwards * draft_cost + sum(verify_cost(block) for block in self.blocks)
 
 
-def simulate_greedy(reference: Reference, draft: DraftSettings, predictor: Predictor | None = None) -> SimulatedRun:
+def simulate_greedy(
+    reference: Reference,
+    draft: DraftSettings,
+    predictor: Predictor | None = None,
+    prices: tuple[float, Callable[[int], float]] | None = None,
+) -> SimulatedRun:
     """Replay greedy self-speculative decoding over a reference continuation.
 
     While the draft's earlier tokens are accepted, its autoregressive proposal at a position is
     its teacher-forced prediction there (``predictor``; needed when the policy has a skip
     draft), so the accepted count of each step is the run of matching predictions, capped at k
-    and cut by the same adaptive rule as the engine's. Prompt lookup, its learned cut and
-    padding are replayed exactly. Approximate only in the K/V the draft reads (full-model K/V
-    here, the draft's own in real decoding), which favours the replay.
+    and cut by the same adaptive rule as the engine's. Draft length by cost runs the engine's
+    rule on ``prices`` = (draft step cost, verify cost of a block length), in plain steps, in
+    place of the engine's clock. Prompt lookup, its learned cut and padding are replayed
+    exactly. Approximate only in the K/V the draft reads (full-model K/V here, the draft's own
+    in real decoding), which favours the replay.
     """
     run = SimulatedRun()
     continuation = list(reference.continuation)
@@ -187,6 +195,11 @@ def simulate_greedy(reference: Reference, draft: DraftSettings, predictor: Predi
     position = 1
     run_length = LookupRunLength(draft.lookup_confidence)
     stop = AdaptiveStop(draft.initial_threshold, draft.target_acceptance) if draft.adaptive else None
+    length = None
+    if draft.length_by_cost and draft.use_skip_draft:
+        if prices is None:
+            raise ValueError("replaying draft length by cost needs prices=(draft cost, verify cost)")
+        length = DraftLengthByCost.priced(draft.max_draft_tokens, draft.min_verify_block, *prices)
     while position < len(continuation):
         budget = len(continuation) - position - 1  # the verify adds one token of its own
         proposal: list[int] = []
@@ -214,9 +227,15 @@ def simulate_greedy(reference: Reference, draft: DraftSettings, predictor: Predi
                     accepted += 1
                 if stop is not None and stop.stop(confidence[index]):
                     break
+                if length is not None and not length.draft_more(confidence[:drafted]):
+                    break
             run.draft_forwards += drafted
             if stop is not None:
                 stop.update(drafted, accepted)
+            if length is not None:
+                block = max(drafted + 1, draft.min_verify_block)
+                draft_cost, verify_cost = prices
+                length.observe_step(confidence[:drafted], accepted, drafted * draft_cost + verify_cost(block))
         step = accepted + 1
         run.tokens += step
         run.blocks.append(max(drafted + 1, draft.min_verify_block) if drafted else 1)
