@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt in the real confirmation")
     parser.add_argument("--confirm-top", type=int, default=3, help="finalists confirmed by real generation (0: none)")
     parser.add_argument("--draft-tokens", type=_int_list, default=(2, 3, 4, 6, 8), help="max draft token choices")
-    parser.add_argument("--no-adaptive", action="store_true", help="do not search the adaptive draft length")
+    parser.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="do not search how drafts end (fixed k only: no adaptive threshold, no length by cost)",
+    )
     parser.add_argument(
         "--draft-vocab",
         type=_int_list,
@@ -184,7 +188,8 @@ def _summary(study, objective: str, top: list) -> str:
         measured = (
             f"{c['speedup']:.2f}x | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}" if c else "- | - | -"
         )
-        k = f"{policy.draft.max_draft_tokens}{' adaptive' if policy.draft.adaptive else ''}"
+        rule = " adaptive" if policy.draft.adaptive else " by cost" if policy.draft.length_by_cost else ""
+        k = f"{policy.draft.max_draft_tokens}{rule}"
         if policy.draft.precision != "model" and policy.draft.use_skip_draft:
             k += f", {policy.draft.precision}"
         if policy.draft.draft_vocab_size and policy.draft.use_skip_draft:

@@ -111,10 +111,14 @@ class SearchSpace:
 
     def _suggest_draft(self, trial: optuna.Trial) -> DraftSettings:
         k = trial.suggest_categorical("max_draft_tokens", list(self.draft_token_choices))
+        # How a skip draft ends: at k, below a confidence threshold (adaptive), or by measured cost.
         adaptive = trial.suggest_categorical("adaptive", [False, True]) if self.tune_adaptive else False
         target = 0.7
+        by_cost = False
         if adaptive:
             target = trial.suggest_categorical("target_acceptance", list(self.target_acceptance_choices))
+        elif self.tune_adaptive:
+            by_cost = trial.suggest_categorical("length_by_cost", [False, True])
         vocab = trial.suggest_categorical("draft_vocab_size", list(self.draft_vocab_choices))
         lookup = trial.suggest_categorical("lookup_max_ngram", list(self.lookup_ngram_choices))
         lookup_tokens = None
@@ -131,7 +135,7 @@ class SearchSpace:
         pad = _pick(trial, "min_verify_block", self.verify_pad_choices)
         precision = _pick(trial, "precision", self.precision_choices) if use_skip else "model"
         return draft_settings(
-            k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram, pad, precision
+            k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram, pad, precision, by_cost
         )
 
     def params_for(
@@ -155,6 +159,7 @@ class SearchSpace:
         params["max_draft_tokens"] = k
         if self.tune_adaptive:
             params["adaptive"] = False
+            params["length_by_cost"] = False
         params["draft_vocab_size"] = self.draft_vocab_choices[0]
         if len(self.precision_choices) > 1 and use_skip_draft:
             params["precision"] = self.precision_choices[-1]  # the cheapest precision the user listed
@@ -216,7 +221,10 @@ class SearchSpace:
         if self.tune_adaptive:
             params["adaptive"] = d.adaptive
             if d.adaptive:
+                del params["length_by_cost"]
                 params["target_acceptance"] = nearest(d.target_acceptance, self.target_acceptance_choices)
+            else:
+                params["length_by_cost"] = d.length_by_cost
         full = 1 << 40  # a full head (0) is as large as a head gets
         params["draft_vocab_size"] = nearest(
             d.draft_vocab_size, self.draft_vocab_choices, lambda c: abs((c or full) - (d.draft_vocab_size or full))
@@ -279,6 +287,7 @@ def _differences(label: str, wanted: DraftSettings, evaluated: DraftSettings) ->
         unused |= {"lookup_min_ngram", "lookup_max_tokens", "lookup_confidence"}
     if not evaluated.use_skip_draft:
         unused |= {"draft_vocab_size", "precision", "adaptive", "initial_threshold", "target_acceptance"}
+        unused |= {"length_by_cost"}
     if not evaluated.adaptive:
         unused |= {"initial_threshold", "target_acceptance"}
     notes = []
@@ -344,11 +353,13 @@ def draft_settings(
     lookup_min_ngram: int = 2,
     min_verify_block: int = 0,
     precision: str = "model",
+    length_by_cost: bool = False,
 ) -> DraftSettings:
     """The draft settings one point of the space stands for."""
     return DraftSettings(
         max_draft_tokens=k,
         adaptive=adaptive,
+        length_by_cost=length_by_cost,
         target_acceptance=target,
         draft_vocab_size=vocab,
         lookup_max_ngram=lookup,

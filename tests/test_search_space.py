@@ -79,6 +79,9 @@ def test_trials_give_back_the_policy_they_evaluated(require: bool) -> None:
         assert trial_policy(study, frozen) == evaluated[frozen.number]
     assert any(p.draft_vocabulary == ranking[:64] for p in evaluated.values())
     assert {p.draft.precision for p in evaluated.values() if p.draft.use_skip_draft} == {"model", "bfloat16"}
+    # How drafts end: fixed k, adaptive threshold, or length by cost, never both of the last two.
+    endings = {(p.draft.adaptive, p.draft.length_by_cost) for p in evaluated.values()}
+    assert endings == {(False, False), (True, False), (False, True)}
 
 
 def test_single_choice_knobs_reach_the_policy() -> None:
@@ -196,6 +199,18 @@ def test_a_warm_start_policy_is_what_its_trial_evaluates() -> None:
     got = _rebuilt(led, params)
     assert params["skip_count"] == 3 and (got.skip_attention, got.skip_mlp) == ((2, 4), (3,))
     assert notes == ["warm-start policy: precision int4 is not a choice of this search; the trial uses model"]
+
+
+def test_a_warm_start_with_length_by_cost_keeps_it() -> None:
+    wanted = SkipPolicy(
+        skip_attention=(1,), draft=DraftSettings(max_draft_tokens=3, length_by_cost=True, lookup_max_tokens=3)
+    )
+    space = SearchSpace(num_layers=LAYERS, draft_token_choices=(2, 3))
+    params, notes = space.params_for_policy(wanted)
+    assert notes == [] and _rebuilt(space, params).draft == wanted.draft
+    fixed_only = SearchSpace(num_layers=LAYERS, draft_token_choices=(2, 3), tune_adaptive=False)
+    _, notes = fixed_only.params_for_policy(wanted)
+    assert notes == ["warm-start policy: length_by_cost True is not a choice of this search; the trial uses False"]
 
 
 def test_a_warm_start_outside_the_space_is_refused_or_noted() -> None:
