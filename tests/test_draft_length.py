@@ -1,23 +1,28 @@
 """Draft length by cost: the rule's decisions, its replay in the search, and the engine with
-drafts of varying length (greedy identical, cache lengths, sampling law)."""
+drafts of varying length (greedy identical, cache lengths, sampling law). Also the early-exit
+frontier, the measurement behind not building early exit with confidence."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from cli_helpers import assert_bad_input, run_script
 from compare import assert_same_tokens, hf_greedy
 from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
-from tiny_models import random_prompt, tiny_model
+from tiny_models import random_prompt, save_checkpoint, tiny_model
 
 from layerskip.engine import draft_length
 from layerskip.engine.cache import RollbackCache
 from layerskip.engine.decoding import DecodeSettings, decode_speculative
+from layerskip.engine.draft import DraftModel
 from layerskip.engine.draft_length import WARM_UP_STEPS, DraftLengthByCost
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.measure.agreement import Reference, list_predictor, simulate_greedy
+from layerskip.measure.agreement import Reference, early_exit_frontier, list_predictor, simulate_greedy
 
 BY_COST = DraftSettings(max_draft_tokens=6, length_by_cost=True)
 
@@ -167,3 +172,34 @@ def test_sampling_keeps_the_model_law_when_the_draft_decides_its_length(monkeypa
     assert {2, 3} <= blocks  # drafts of both lengths ran
     assert tv(first / seeds, p1) < E2E_TV_BOUND
     assert tv(second / seeds, p2) < E2E_TV_BOUND
+
+
+# -- early exit with confidence: measured, not built (scripts/early_exit.py) ------------------------------------------
+def test_early_exit_frontier_counts_exits_and_agreement() -> None:
+    model = tiny_model("llama")
+    reference, _ = hf_greedy(model, random_prompt(), 30)
+    references = [Reference(tuple(random_prompt()), tuple(reference))]
+    draft_model = DraftModel(model)
+    whole, points = early_exit_frontier(draft_model, references, depths=(1, 3), thresholds=(0.0, 0.5, 0.999))
+    assert whole == 1.0  # the whole stack in the model's own precision is the model
+    by_key = {(p.depth, p.threshold): p for p in points}
+    for depth in (1, 3):
+        assert by_key[(depth, 0.0)].coverage == 1.0  # threshold 0: every position exits
+        assert by_key[(depth, 0.999)].coverage <= by_key[(depth, 0.5)].coverage <= 1.0
+        assert by_key[(depth, 0.999)].agreement >= by_key[(depth, 0.0)].agreement
+    exit_everywhere = by_key[(1, 0.0)]
+    assert exit_everywhere.agreement == exit_everywhere.agreement_when_exiting < 1.0
+
+
+def test_early_exit_script_end_to_end_and_bad_input(tmp_path) -> None:
+    model = tiny_model("llama")
+    save_checkpoint(model, tmp_path / "tiny")
+    common = ["--model", str(tmp_path / "tiny"), "--reference-tokens", "8", "--repeats", "1"]
+    out = tmp_path / "out"
+    result = run_script("early_exit.py", *common, "--depths", "1,2", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "early_exit.json").read_text())
+    assert report["rows"][0]["depth"] == "whole draft" and len(report["rows"]) == 1 + 2 * 4
+    assert (out / "early_exit.csv").read_text().startswith("depth,threshold,coverage")
+    assert_bad_input(run_script("early_exit.py", *common, "--depths", "4", "--out", str(out)), "--depths")
+    assert_bad_input(run_script("early_exit.py", *common, "--thresholds", "1.0", "--out", str(out)), "--thresholds")

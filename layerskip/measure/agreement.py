@@ -250,3 +250,57 @@ def list_predictor(tokens: Sequence[int], confidence: Sequence[float] | None = N
     """A predictor from fixed per-position predictions (tests, and drafts whose head never changes)."""
     confidence = list(confidence) if confidence is not None else [1.0] * len(tokens)
     return lambda start, stop, known: (list(tokens[start:stop]), confidence[start:stop])
+
+
+@dataclass
+class ExitPoint:
+    """Early exit with confidence at one depth and threshold, teacher-forced over references.
+
+    The draft exits after ``depth`` layers when its top-2 confidence there (final norm and head
+    applied to that layer's output) is at least ``threshold``, else runs its whole stack.
+    ``coverage`` is the fraction of positions that exit early; ``agreement`` the draft's top-1
+    agreement with the full model over all positions; ``agreement_when_exiting`` over the
+    positions that exit.
+    """
+
+    depth: int
+    threshold: float
+    coverage: float
+    agreement: float
+    agreement_when_exiting: float | None
+
+
+def early_exit_frontier(
+    draft_model: DraftModel,
+    references: Sequence[Reference],
+    depths: Sequence[int],
+    thresholds: Sequence[float],
+) -> tuple[float, list[ExitPoint]]:
+    """The whole draft's agreement, and an ``ExitPoint`` per (depth, threshold) (full head)."""
+    layers = adapters.num_layers(draft_model.model)
+
+    def predictions(depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        deep = range(depth, layers)
+        views = [TeacherForcedDraft(draft_model, ref, deep, deep) for ref in references]
+        return torch.cat([v.tokens for v in views]), torch.cat([v.confidence for v in views])
+
+    target = torch.cat([torch.tensor(ref.continuation) for ref in references])  # [positions]
+    whole, _ = predictions(layers)
+    whole_right = whole == target
+    points = []
+    for depth in depths:
+        early, confidence = predictions(depth)
+        for threshold in thresholds:
+            exits = confidence >= threshold
+            right = torch.where(exits, early == target, whole_right)
+            covered = int(exits.sum())
+            points.append(
+                ExitPoint(
+                    depth=depth,
+                    threshold=threshold,
+                    coverage=covered / len(target),
+                    agreement=float(right.float().mean()),
+                    agreement_when_exiting=float((early == target)[exits].float().mean()) if covered else None,
+                )
+            )
+    return float(whole_right.float().mean()), points
