@@ -201,5 +201,4 @@ def test_early_exit_script_end_to_end_and_bad_input(tmp_path) -> None:
     report = json.loads((out / "early_exit.json").read_text())
     assert report["rows"][0]["depth"] == "whole draft" and len(report["rows"]) == 1 + 2 * 4
     assert (out / "early_exit.csv").read_text().startswith("depth,threshold,coverage")
-    assert_bad_input(run_script("early_exit.py", *common, "--depths", "4", "--out", str(out)), "--depths")
     assert_bad_input(run_script("early_exit.py", *common, "--thresholds", "1.0", "--out", str(out)), "--thresholds")
