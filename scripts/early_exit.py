@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.cli.common import add_model_arguments, float_list, int_list, run_cli
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.engine.draft import DraftModel
 from layerskip.engine.precision import PRECISIONS
@@ -32,20 +32,6 @@ from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
 from layerskip.measure.agreement import build_references, early_exit_frontier
 from layerskip.measure.latency import draft_step_seconds, verify_seconds
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def projected_speedup(acceptance: float, draft_cost: float, verify_cost: float, k: int) -> float:
@@ -60,8 +46,8 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--prompts", default="builtin", help="'builtin' or a Spec-Bench JSONL")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--reference-tokens", type=int, default=48, help="greedy tokens per prompt to score")
-    parser.add_argument("--depths", type=_ints, default=None, help="exit depths (default: 1/4 .. 5/6 of the layers)")
-    parser.add_argument("--thresholds", type=_floats, default=(0.5, 0.8, 0.9, 0.95))
+    parser.add_argument("--depths", type=int_list, default=None, help="exit depths (default: 1/4 .. 5/6 of the layers)")
+    parser.add_argument("--thresholds", type=float_list, default=(0.5, 0.8, 0.9, 0.95))
     parser.add_argument("--precision", default=None, help=f"draft precision, one of {', '.join(PRECISIONS)}")
     parser.add_argument("--draft-tokens", type=int, default=4, help="k of the projected speedup")
     parser.add_argument("--repeats", type=int, default=9)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.cli.common import add_model_arguments, float_list, int_list, run_cli, str_list
 from layerskip.data import load_prompts
 from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.vocab import DraftVocabulary
@@ -46,24 +46,6 @@ from search.study import (
 HOPELESS_PREDICTED = 0.5  # finalists predicted below this are not confirmed by real generation
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-
-
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
-
-
-def _str_list(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="layerskip-search", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -75,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
     parser.add_argument("--n-prompts", type=int, default=6, help="calibration prompts (spread over categories)")
     parser.add_argument("--per-category", type=int, help="sample this many prompts from each category first")
-    parser.add_argument("--categories", type=_str_list, default=(), help="only these prompt categories, e.g. qa,rag")
+    parser.add_argument("--categories", type=str_list, default=(), help="only these prompt categories, e.g. qa,rag")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--n-trials", type=int, default=60, help="trials this process runs")
     parser.add_argument("--total-trials", type=int, help="stop when the study (all workers) has this many trials")
@@ -90,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference-tokens", type=int, default=48, help="length of each teacher-forcing reference")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt in the real confirmation")
     parser.add_argument("--confirm-top", type=int, default=3, help="finalists confirmed by real generation (0: none)")
-    parser.add_argument("--draft-tokens", type=_int_list, default=(2, 3, 4, 6, 8), help="max draft token choices")
+    parser.add_argument("--draft-tokens", type=int_list, default=(2, 3, 4, 6, 8), help="max draft token choices")
     parser.add_argument(
         "--no-adaptive",
         action="store_true",
@@ -98,35 +80,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--draft-vocab",
-        type=_int_list,
+        type=int_list,
         default=(0,),
         help="truncated draft head sizes to search (0 = full head), e.g. 0,4096,16384",
     )
     parser.add_argument(
-        "--lookup", type=_int_list, default=(0,), help="prompt-lookup max n-gram choices (0 = off), e.g. 0,3"
+        "--lookup", type=int_list, default=(0,), help="prompt-lookup max n-gram choices (0 = off), e.g. 0,3"
     )
     parser.add_argument(
         "--lookup-tokens",
-        type=_int_list,
+        type=int_list,
         default=(),
         help="longest lookup run choices, e.g. 4,8,16 (default: the draft length k)",
     )
-    parser.add_argument("--lookup-min", type=_int_list, default=(2,), help="shortest lookup n-gram choices, e.g. 1,2")
+    parser.add_argument("--lookup-min", type=int_list, default=(2,), help="shortest lookup n-gram choices, e.g. 1,2")
     parser.add_argument(
         "--lookup-confidence",
-        type=_float_list,
+        type=float_list,
         default=(0.0,),
         help="choices for cutting lookup runs below this estimated chance of full acceptance, e.g. 0,0.1,0.2",
     )
     parser.add_argument(
         "--verify-pad",
-        type=_int_list,
+        type=int_list,
         default=(0,),
         help="choices for padding short verify blocks to N tokens (0 = never), e.g. 0,4",
     )
     parser.add_argument(
         "--draft-precision",
-        type=_str_list,
+        type=str_list,
         default=("model",),
         help="draft weight precisions to search: model, bfloat16, int8, int4 (int8/int4: CPU), e.g. model,int4",
     )
@@ -151,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(generate.py --policy on-the-fly --save-policy PATH); in the ranked space a new study's order "
         "starts with its bypassed sublayers",
     )
-    parser.add_argument("--never-skip", type=_int_list, default=(), help="layers never to bypass, e.g. 0,1")
+    parser.add_argument("--never-skip", type=int_list, default=(), help="layers never to bypass, e.g. 0,1")
     parser.add_argument("--min-skip-fraction", type=float, default=0.0)
     parser.add_argument("--max-skip-fraction", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -188,8 +170,7 @@ def _summary(study, objective: str, top: list) -> str:
         measured = (
             f"{c['speedup']:.2f}x | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}" if c else "- | - | -"
         )
-        rule = " adaptive" if policy.draft.adaptive else " by cost" if policy.draft.length_by_cost else ""
-        k = f"{policy.draft.max_draft_tokens}{rule}"
+        k = f"{policy.draft.max_draft_tokens} {policy.draft.ending}".rstrip()
         if policy.draft.precision != "model" and policy.draft.use_skip_draft:
             k += f", {policy.draft.precision}"
         if policy.draft.draft_vocab_size and policy.draft.use_skip_draft:

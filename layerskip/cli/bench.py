@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
+from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli, str_list
 from layerskip.data import load_prompts
 from layerskip.engine.policy import SkipPolicy
 from layerskip.errors import LayerskipError
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--per-category", type=int, help="prompts per category")
     parser.add_argument(
         "--categories",
-        type=lambda text: tuple(c.strip() for c in text.split(",") if c.strip()),
+        type=str_list,
         default=(),
         help="only these prompt categories, e.g. qa,rag",
     )

@@ -49,6 +49,27 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: ``"2,4,8"`` -> ``(2, 4, 8)``."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    """An argparse type: ``"0,0.5"`` -> ``(0.0, 0.5)``."""
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+
+
+def str_list(text: str) -> tuple[str, ...]:
+    """An argparse type: ``"qa, rag"`` -> ``("qa", "rag")``."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def read_prompt(text: str | None, path: str | None) -> str:
     if path is not None:
         try:

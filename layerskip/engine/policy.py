@@ -68,6 +68,11 @@ class DraftSettings:
     # The verify always uses the model's own weights, so the output does not change.
     precision: str = "model"
 
+    @property
+    def ending(self) -> str:
+        """How a skip draft ends besides at ``max_draft_tokens``: "adaptive", "by cost" or ""."""
+        return "adaptive" if self.adaptive else "by cost" if self.length_by_cost else ""
+
     def validate(self) -> None:
         if self.max_draft_tokens < 1:
             raise LayerskipError("draft.max_draft_tokens must be >= 1; set it in the policy file")
@@ -272,8 +277,7 @@ class SkipPolicy:
             parts = [f"attn skip {list(self.skip_attention)}", f"mlp skip {list(self.skip_mlp)}"]
         else:
             parts = ["lookup-only draft"]
-        rule = " adaptive" if d.adaptive else " by cost" if d.length_by_cost else ""
-        parts.append(f"k<={d.max_draft_tokens}{rule}")
+        parts.append(f"k<={d.max_draft_tokens} {d.ending}".rstrip())
         if d.draft_vocab_size:
             parts.append(f"draft vocab {d.draft_vocab_size}")
         if d.lookup_max_ngram:

@@ -199,7 +199,8 @@ def simulate_greedy(
     if draft.length_by_cost and draft.use_skip_draft:
         if prices is None:
             raise ValueError("replaying draft length by cost needs prices=(draft cost, verify cost)")
-        length = DraftLengthByCost.priced(draft.max_draft_tokens, draft.min_verify_block, *prices)
+        draft_cost, verify_cost = prices
+        length = DraftLengthByCost.priced(draft.max_draft_tokens, draft.min_verify_block, draft_cost, verify_cost)
     while position < len(continuation):
         budget = len(continuation) - position - 1  # the verify adds one token of its own
         proposal: list[int] = []
@@ -234,7 +235,6 @@ def simulate_greedy(
                 stop.update(drafted, accepted)
             if length is not None:
                 block = max(drafted + 1, draft.min_verify_block)
-                draft_cost, verify_cost = prices
                 length.observe_step(confidence[:drafted], accepted, drafted * draft_cost + verify_cost(block))
         step = accepted + 1
         run.tokens += step
