@@ -29,6 +29,10 @@ class RollbackLayer(DynamicLayer):
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
         self.length = 0
+        # Tokens whose K/V in the buffer are still valid: rolling back keeps them, so a layer
+        # hidden for one forward can be revealed again (``reveal``); a write past ``length``
+        # makes everything after the write stale.
+        self.written = 0
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
@@ -59,6 +63,7 @@ class RollbackLayer(DynamicLayer):
         self._key_buffer[..., self.length : new_length, :] = key_states
         self._value_buffer[..., self.length : new_length, :] = value_states
         self.length = new_length
+        self.written = new_length
         self._refresh_views()
         return self.keys, self.values
 
@@ -83,6 +88,14 @@ class RollbackLayer(DynamicLayer):
             self.length = length
             self._refresh_views()
 
+    def reveal(self, length: int) -> None:
+        """Move the length forward again over K/V written earlier and only rolled back since."""
+        if length > self.written:
+            raise RuntimeError(f"cannot reveal {length} tokens of a layer with {self.written} valid")
+        if self.is_initialized:
+            self.length = length
+            self._refresh_views()
+
     def crop(self, tokens_to_remove: int) -> None:
         # transformers 5.x convention: a negative count removes that many tokens.
         if tokens_to_remove > 0:
@@ -92,6 +105,7 @@ class RollbackLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.length = 0
+        self.written = 0
         if self.is_initialized:
             self._refresh_views()
 
@@ -137,3 +151,13 @@ class RollbackCache(DynamicCache):
     def crop(self, tokens_to_remove: int) -> None:
         target = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
         self.rollback(target)
+
+    def reveal(self, length: int, layers: list[int]) -> None:
+        """Move ``layers`` forward to ``length`` over K/V they wrote before a rollback hid it.
+
+        An exit draft that reuses its shallow layers' K/V writes them while drafting; the
+        verify after it runs only the deeper layers, so the shallow ones are hidden (rolled
+        back, their buffers kept) for the verify and revealed after it.
+        """
+        for index in layers:
+            self.layers[index].reveal(length)

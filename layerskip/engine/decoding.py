@@ -25,6 +25,7 @@ from torch import nn
 
 from layerskip.engine.cache import RollbackCache
 from layerskip.engine.draft import DraftModel
+from layerskip.engine.exit_adapter import ExitAdapter
 from layerskip.engine.drafters import Draft, Drafter, DraftRequest, HybridDrafter, NoDrafter, SkipDrafter, make_drafter
 from layerskip.engine.forward import full_logits
 from layerskip.engine.onthefly import OnTheFlyDrafter, SelectionState
@@ -128,11 +129,20 @@ class Decoder:
         self.vocab_size = adapters.lm_head(model).weight.shape[0]
         self.draft_model: DraftModel | None = None
         self.selection: SelectionState | None = None
+        self.exit: ExitAdapter | None = None
         if policy is not None:
             policy.validate_for(model)
+            if policy.exit is not None:
+                self.exit = ExitAdapter.load(policy.exit_adapter_path(), model, policy.exit.sha256)
+                if self.exit.spec.layer != policy.exit.layer or self.exit.spec.kind != policy.exit.kind:
+                    raise LayerskipError(
+                        f"exit adapter {policy.exit_adapter_path()} is a {self.exit.spec.kind} exit after layer "
+                        f"{self.exit.spec.layer}, but the policy says {policy.exit.kind} after {policy.exit.layer}"
+                    )
             if policy.on_the_fly is not None:
                 self.selection = SelectionState.start(policy, model)
-                self.draft_model = DraftModel(model, policy.draft.precision)  # any sublayer may be kept
+                # any sublayer may be kept
+                self.draft_model = DraftModel(model, policy.draft.precision, exit=self.exit)
             elif policy.draft.use_skip_draft:
                 kept = [
                     (i, kind)
@@ -140,11 +150,18 @@ class Decoder:
                     for kind, skipped in (("attention", policy.skip_attention), ("mlp", policy.skip_mlp))
                     if i not in skipped
                 ]
-                self.draft_model = DraftModel(model, policy.draft.precision, kept)
+                self.draft_model = DraftModel(model, policy.draft.precision, kept, exit=self.exit)
         if vocab_rows is None and policy is not None:
             rows = policy.head_rows(self.vocab_size)
             vocab_rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
         self.vocab_rows = vocab_rows
+
+    def cache_windows(self) -> list[int | None]:
+        """Per cache layer, its sliding window: the model's layers, and a layer exit adapter's own."""
+        windows = adapters.sliding_windows(self.model)
+        if self.exit is not None and self.exit.uses_cache:
+            windows.append(windows[self.exit.spec.layer])
+        return windows
 
     def _drafter(self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None) -> Drafter:
         if self.policy is None:
@@ -185,7 +202,7 @@ class Decoder:
         stats = GenerationStats()
         output = _Output(prompt, settings, tokenizer, on_tokens)
         generator = _generator(settings.seed, self.device)
-        cache = RollbackCache(adapters.sliding_windows(self.model))
+        cache = RollbackCache(self.cache_windows())
         drafter = drafter or self._drafter(len(prompt), settings, generator)
         sampling = settings.sampling
         pad_to = self.policy.draft.min_verify_block if self.policy is not None else 0
@@ -199,7 +216,7 @@ class Decoder:
             block = torch.tensor([block_ids], device=self.device)  # [1, prompt] or [1, k+1 (+ fillers)]
             drafted = draft.tokens if draft is not None else []
             keep = 1 if draft is None else len(block_ids)
-            with drafter.watch_verify(len(block_ids)):
+            with drafter.watch_verify(len(block_ids)), drafter.around_verify(cache, committed, block):
                 logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
             if sampling is None:
                 accepted, next_token = verify_greedy(drafted, logits)

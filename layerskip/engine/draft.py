@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from layerskip.engine.cache import RollbackCache
+from layerskip.engine.exit_adapter import ExitAdapter
 from layerskip.engine.forward import positions
 from layerskip.engine.head import DraftHead
 from layerskip.engine.precision import LowPrecisionProjection, check_precision
@@ -28,12 +29,22 @@ class DraftModel:
 
     ``keep`` limits which sublayers get low-precision copies (a fixed policy needs only the ones
     it keeps; on-the-fly selection may keep any): ``{(layer, "attention" | "mlp"), ...}``, None = all.
+    ``exit`` is a trained exit adapter applied to its layer's output in every draft forward
+    (the layers after it are bypassed by the skip sets the caller passes).
     """
 
     def __init__(
-        self, model: nn.Module, precision: str = "model", keep: Iterable[tuple[int, str]] | None = None
+        self,
+        model: nn.Module,
+        precision: str = "model",
+        keep: Iterable[tuple[int, str]] | None = None,
+        exit: ExitAdapter | None = None,
     ) -> None:
         self.model = model
+        self.exit = exit
+        # While a list, every draft forward appends the exit layer's output (before the
+        # adapter) to it: ``[1, q, hidden]`` per forward (an exit draft that reuses K/V keeps them).
+        self.exit_outputs: list[torch.Tensor] | None = None
         self.device = next(model.parameters()).device
         check_precision(precision, self.device)
         self.precision = precision
@@ -93,8 +104,20 @@ class DraftModel:
             bypassed = adapters.bypass_replacements(self.model, *key)
             skipped = {(i, "attention") for i in key[0]} | {(i, "mlp") for i in key[1]}
             low = [pair for sub, pairs in self.projections.items() if sub not in skipped for pair in pairs]
-            self._replacements_key, self._replacements = key, bypassed + low
+            exit_layer = [] if self.exit is None else [self._exit_replacement()]
+            self._replacements_key, self._replacements = key, bypassed + low + exit_layer
         return self._replacements
+
+    def _exit_replacement(self) -> tuple[nn.Module, object]:
+        adapter = self.exit
+        assert adapter is not None
+
+        def through_adapter(output: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            if self.exit_outputs is not None:
+                self.exit_outputs.append(output)
+            return adapter.module(output, *args, **kwargs)
+
+        return adapters.layer_output_replacement(self.model, adapter.spec.layer, through_adapter)
 
     @contextlib.contextmanager
     def active(self, attention: Iterable[int], mlp: Iterable[int]) -> Iterator[None]:

@@ -72,6 +72,13 @@ class Drafter(Protocol):
         """Adds what the drafter tracked to the generation's stats at the end."""
         ...
 
+    def around_verify(
+        self, cache: RollbackCache, start: int, block: torch.Tensor
+    ) -> contextlib.AbstractContextManager[object]:
+        """Entered around every verify forward of ``block [1, q]`` at positions ``start..``: an exit
+        draft may let the verify reuse what it computed, or fill its adapter's cache after it."""
+        ...
+
 
 class BaseDrafter:
     """Defaults for the optional drafter methods: nothing to watch, nothing to report."""
@@ -81,6 +88,11 @@ class BaseDrafter:
 
     def report(self, stats: GenerationStats) -> None:
         pass
+
+    def around_verify(
+        self, cache: RollbackCache, start: int, block: torch.Tensor
+    ) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext()
 
 
 class NoDrafter(BaseDrafter):
@@ -354,6 +366,11 @@ class HybridDrafter(BaseDrafter):
         if self.skip is not None:
             self.skip.report(stats)
 
+    def around_verify(
+        self, cache: RollbackCache, start: int, block: torch.Tensor
+    ) -> contextlib.AbstractContextManager[object]:
+        return self.skip.around_verify(cache, start, block) if self.skip is not None else contextlib.nullcontext()
+
 
 def make_drafter(
     policy: SkipPolicy,
@@ -368,7 +385,13 @@ def make_drafter(
     skip = None
     if settings.use_skip_draft:
         assert draft_model is not None and head is not None
-        skip = SkipDrafter(draft_model, policy.skip_attention, policy.skip_mlp, settings, head, sampling, generator)
+        args = (draft_model, policy.skip_attention, policy.skip_mlp, settings, head, sampling, generator)
+        if policy.exit is not None:
+            from layerskip.engine.exit_draft import ExitDrafter  # it builds on this module
+
+            skip = ExitDrafter(*args, reuse_kv=policy.exit.reuse_kv)
+        else:
+            skip = SkipDrafter(*args)
     if not settings.lookup_max_ngram:
         assert skip is not None
         return skip

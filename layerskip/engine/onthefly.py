@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerskip.engine.cache import RollbackCache
 from layerskip.engine.drafters import BaseDrafter, Draft, DraftRequest, SkipDrafter
 from layerskip.engine.policy import OnTheFlySettings, SkipPolicy
 from layerskip.engine.stats import GenerationStats
@@ -202,7 +203,15 @@ class OnTheFlyDrafter(BaseDrafter):
         self._apply()
 
     def _apply(self) -> None:
-        self.skip.attention, self.skip.mlp = self.state.attention, self.state.mlp
+        # An exit draft always bypasses the layers after its exit; the selection adds to that.
+        deep = getattr(self.skip, "deep_layers", ())
+        self.skip.attention = tuple(sorted({*self.state.attention, *deep}))
+        self.skip.mlp = tuple(sorted({*self.state.mlp, *deep}))
+
+    def around_verify(
+        self, cache: RollbackCache, start: int, block: torch.Tensor
+    ) -> contextlib.AbstractContextManager[object]:
+        return self.skip.around_verify(cache, start, block)
 
     @contextlib.contextmanager
     def watch_verify(self, block: int) -> Iterator[None]:

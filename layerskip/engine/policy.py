@@ -8,7 +8,8 @@ A policy file is JSON:
      "model": {"name": .., "architecture": .., "num_layers": .., "fingerprint": ..},
      "provenance": {...}, "measured": {...},
      "draft_vocabulary": [..],   # ranked rows of a truncated draft head (optional)
-     "on_the_fly": {..}}         # optional: re-choose the bypassed sublayers while generating
+     "on_the_fly": {..},         # optional: re-choose the bypassed sublayers while generating
+     "exit": {..}}               # optional: a trained exit adapter after the draft's last layer
 
 Whole-layer skips are a layer index in both lists; an early-exit draft of depth d skips
 both sublayers of every layer >= d.
@@ -131,6 +132,29 @@ class OnTheFlySettings:
 
 
 @dataclass(frozen=True)
+class ExitSettings:
+    """A trained exit adapter (engine/exit_adapter.py) applied after layer ``layer`` in every draft.
+
+    The policy's skip sets bypass every layer after ``layer``. ``adapter`` is the safetensors
+    file, relative to the policy file, and ``sha256`` its hash (a changed file is refused).
+    ``reuse_kv``: the verify does not recompute layers 0..layer for drafted tokens but reuses the
+    draft's K/V and hidden states (needs the model's own weights and no bypass up to the exit).
+    """
+
+    adapter: str = ""
+    sha256: str = ""
+    layer: int = 0
+    kind: str = "linear"
+    reuse_kv: bool = False
+
+    def validate(self) -> None:
+        if not self.adapter:
+            raise LayerskipError("exit.adapter must name the adapter's safetensors file; fix the policy file")
+        if self.layer < 0:
+            raise LayerskipError("exit.layer must be >= 0; fix the policy file")
+
+
+@dataclass(frozen=True)
 class ModelIdentity:
     name: str = ""
     architecture: str = ""
@@ -161,6 +185,10 @@ class SkipPolicy:
     draft_vocabulary: tuple[int, ...] = ()
     # Set: the skip sets above are only the starting point; they change while generating.
     on_the_fly: OnTheFlySettings | None = None
+    exit: ExitSettings | None = None
+    # The directory a relative ``exit.adapter`` path is resolved against (the policy file's,
+    # set on load; not saved).
+    root: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "skip_attention", tuple(sorted(set(int(i) for i in self.skip_attention))))
@@ -220,6 +248,10 @@ class SkipPolicy:
             variants["model-precision"] = replace(self, draft=replace(d, precision="model"))
         if self.on_the_fly is not None:
             variants["fixed"] = replace(self, on_the_fly=None)  # its starting skip sets, never changed
+        if self.exit is not None:
+            variants["no-adapter"] = replace(self, exit=None)  # the same depth as a plain early exit
+            if self.exit.reuse_kv:
+                variants["no-kv-reuse"] = replace(self, exit=replace(self.exit, reuse_kv=False))
         if self.bypasses_anything and d.use_skip_draft and (d.precision != "model" or d.draft_vocab_size):
             # The same cheap draft with nothing bypassed: what skipping itself adds.
             variants["no-bypass"] = replace(self, skip_attention=(), skip_mlp=())
@@ -260,10 +292,42 @@ class SkipPolicy:
                 "use a policy made for this model"
             )
         adapters.check_indices(model, self.skip_attention, self.skip_mlp)
+        if self.exit is not None:
+            self._validate_exit(count)
         if len(self.skip_attention) == count and len(self.skip_mlp) == count:
             raise LayerskipError(
                 "policy bypasses every sublayer, so the draft would ignore the input; keep at least one layer"
             )
+
+    def _validate_exit(self, count: int) -> None:
+        assert self.exit is not None
+        self.exit.validate()
+        layer = self.exit.layer
+        if not self.draft.use_skip_draft:
+            raise LayerskipError("an exit adapter needs a skip draft; set draft.use_skip_draft to true")
+        if layer >= count - 1:
+            raise LayerskipError(f"exit.layer {layer} leaves no layer to bypass in a {count}-layer model")
+        deep = set(range(layer + 1, count))
+        if not deep <= set(self.skip_attention) or not deep <= set(self.skip_mlp):
+            raise LayerskipError(
+                f"a policy exiting after layer {layer} must bypass layers {layer + 1}..{count - 1} in both skip lists"
+            )
+        if layer in self.skip_attention and layer in self.skip_mlp:
+            raise LayerskipError(f"the exit layer {layer} is bypassed whole; exit after a layer the draft runs")
+        if self.exit.reuse_kv:
+            shallow = [i for i in (*self.skip_attention, *self.skip_mlp) if i <= layer]
+            if shallow or self.draft.precision != "model" or self.on_the_fly is not None:
+                raise LayerskipError(
+                    "exit.reuse_kv needs the draft to run layers 0..exit with the model's own weights "
+                    "(precision 'model', nothing bypassed up to the exit, no on-the-fly selection); "
+                    "set reuse_kv to false"
+                )
+
+    def exit_adapter_path(self) -> Path:
+        """Where the exit adapter file is (``exit.adapter`` resolved against the policy's directory)."""
+        assert self.exit is not None
+        path = Path(self.exit.adapter).expanduser()
+        return path if path.is_absolute() or not self.root else Path(self.root) / path
 
     def fraction_bypassed(self, model: nn.Module) -> float:
         """Fraction of the model's parameters in bypassed sublayers (the head and embeddings count)."""
@@ -273,7 +337,14 @@ class SkipPolicy:
 
     def describe(self) -> str:
         d = self.draft
-        if d.use_skip_draft:
+        if d.use_skip_draft and self.exit is not None:
+            deep = set(range(self.exit.layer + 1, self.model.num_layers or self.exit.layer + 1))
+            reuse = ", K/V reused" if self.exit.reuse_kv else ""
+            parts = [f"exit after layer {self.exit.layer} through a {self.exit.kind} adapter{reuse}"]
+            inside = [i for i in self.skip_attention if i not in deep], [i for i in self.skip_mlp if i not in deep]
+            if inside[0] or inside[1]:
+                parts.append(f"attn skip {inside[0]}, mlp skip {inside[1]} before it")
+        elif d.use_skip_draft:
             parts = [f"attn skip {list(self.skip_attention)}", f"mlp skip {list(self.skip_mlp)}"]
         else:
             parts = ["lookup-only draft"]
@@ -312,6 +383,7 @@ class SkipPolicy:
             "measured": self.measured,
             "draft_vocabulary": list(self.draft_vocabulary),
             **({"on_the_fly": asdict(self.on_the_fly)} if self.on_the_fly is not None else {}),
+            **({"exit": asdict(self.exit)} if self.exit is not None else {}),
         }
 
     @classmethod
@@ -328,6 +400,8 @@ class SkipPolicy:
             vocabulary = data.get("draft_vocabulary", [])
             selection = data.get("on_the_fly")
             on_the_fly = None if selection is None else _dataclass_from(OnTheFlySettings, selection)
+            exit_data = data.get("exit")
+            exit_settings = None if exit_data is None else _dataclass_from(ExitSettings, exit_data)
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp, *vocabulary]):
                 raise TypeError("skip lists and draft_vocabulary must hold integers")
             policy = cls(
@@ -339,6 +413,7 @@ class SkipPolicy:
                 measured=dict(data.get("measured", {})),
                 draft_vocabulary=tuple(vocabulary),
                 on_the_fly=on_the_fly,
+                exit=exit_settings,
             )
         except (TypeError, ValueError) as exc:
             raise LayerskipError(
@@ -347,10 +422,18 @@ class SkipPolicy:
         policy.draft.validate()
         if policy.on_the_fly is not None:
             policy.on_the_fly.validate()
+        if policy.exit is not None:
+            policy.exit.validate()
         return policy
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        return write_json_atomic(path, self.to_dict())
+        """Write the policy as JSON (atomically); a relative exit adapter path is rewritten to stay
+        right from the new file's directory."""
+        data = self.to_dict()
+        if self.exit is not None and not Path(self.exit.adapter).is_absolute():
+            target = Path(path).expanduser().resolve().parent
+            data["exit"]["adapter"] = os.path.relpath(self.exit_adapter_path().resolve(), target)
+        return write_json_atomic(path, data)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SkipPolicy:
@@ -365,7 +448,8 @@ class SkipPolicy:
             raise LayerskipError(
                 f"policy file {path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})"
             ) from None
-        return cls.from_dict(data, source=f"policy file {path}")
+        policy = cls.from_dict(data, source=f"policy file {path}")
+        return replace(policy, root=str(path.resolve().parent)) if policy.exit is not None else policy
 
 
 def _dataclass_from(cls: type, data: Any) -> Any:

@@ -354,3 +354,48 @@ def sublayer_contributions(model: nn.Module) -> Iterator[ContributionRecord]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def copy_decoder_layer(model: nn.Module, source: int, cache_slot: int) -> nn.Module:
+    """A copy of decoder layer ``source`` whose attention keeps its K/V in cache layer ``cache_slot``.
+
+    The copy shares nothing with the model (training it leaves the model untouched); it is
+    called with the keyword arguments the decoder stack passes to the layer it follows, so its
+    masks and rotary embeddings must be of the same kind (``same_kind_layers``).
+    """
+    layer = copy.deepcopy(decoder_layers(model)[source])
+    attention = getattr(layer, spec_for(model).attention)
+    if hasattr(attention, "layer_idx"):
+        attention.layer_idx = cache_slot
+    return layer
+
+
+def same_kind_layers(model: nn.Module, index: int) -> list[int]:
+    """Layers whose attention is of the same kind as ``index``'s (full, or the same sliding window)."""
+    windows = sliding_windows(model)
+    return [i for i, window in enumerate(windows) if window == windows[index]]
+
+
+def layer_output_replacement(
+    model: nn.Module,
+    index: int,
+    transform: Callable[..., torch.Tensor],
+    replace_output: Callable[[], torch.Tensor | None] | None = None,
+) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+    """(layer ``index``, a forward that returns ``transform(output, *args, **kwargs)``).
+
+    ``output`` is what the layer computes (transformers 5.x layers return their hidden states),
+    or, where ``replace_output()`` gives a tensor ``[1, q, hidden]``, that tensor, and the layer
+    does not run at all: a verify that reuses hidden states a draft computed enters the stack
+    there. ``args`` / ``kwargs`` are what the decoder stack passed to the layer (mask, rotary
+    embeddings, cache), so ``transform`` may run a layer of its own with them.
+    """
+    layer = decoder_layers(model)[index]
+    original = type(layer).forward
+
+    def forward(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        given = replace_output() if replace_output is not None else None
+        output = given if given is not None else original(layer, hidden_states, *args, **kwargs)
+        return transform(output, *args, **kwargs)
+
+    return layer, forward
