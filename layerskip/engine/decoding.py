@@ -25,8 +25,8 @@ from torch import nn
 
 from layerskip.engine.cache import RollbackCache
 from layerskip.engine.draft import DraftModel
-from layerskip.engine.exit_adapter import ExitAdapter
 from layerskip.engine.drafters import Draft, Drafter, DraftRequest, HybridDrafter, NoDrafter, SkipDrafter, make_drafter
+from layerskip.engine.exit_adapter import ExitAdapter
 from layerskip.engine.forward import full_logits
 from layerskip.engine.onthefly import OnTheFlyDrafter, SelectionState
 from layerskip.engine.policy import SkipPolicy
@@ -38,6 +38,11 @@ from layerskip.hf.prompting import encode_prompt, eos_token_ids
 
 TokenCallback = Callable[[list[int]], None]
 CacheObserver = Callable[[RollbackCache, int], None]
+# (context, logits [k+1, V]) -> processed logits [k+1, V]; row i follows context[: len(context) - k + i].
+# Applied to the verify's logits only: the draft proposes from its own, so the output stays exact.
+LogitsHook = Callable[[list[int], torch.Tensor], torch.Tensor]
+# history (prompt + tokens so far) -> stop after the last one; checked after every accepted token.
+StopCheck = Callable[[list[int]], bool]
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,19 @@ class _Output:
     """Collects accepted tokens; applies EOS, stop strings and the token budget; streams."""
 
     def __init__(
-        self, prompt: list[int], settings: DecodeSettings, tokenizer: object | None, on_tokens: TokenCallback | None
+        self,
+        prompt: list[int],
+        settings: DecodeSettings,
+        tokenizer: object | None,
+        on_tokens: TokenCallback | None,
+        stop_check: StopCheck | None = None,
     ) -> None:
         self.history = list(prompt)
         self.prompt_length = len(prompt)
         self.settings = settings
         self.tokenizer = tokenizer
         self.on_tokens = on_tokens
+        self.stop_check = stop_check
         self.done = False
         if settings.stop_strings and tokenizer is None:
             raise LayerskipError("stop strings need a tokenizer to decode text; pass tokenizer=")
@@ -83,7 +94,12 @@ class _Output:
         for token in tokens:
             kept += 1
             self.history.append(token)
-            if token in self.settings.eos_token_ids or self.remaining <= 0 or self._hit_stop_string():
+            if (
+                token in self.settings.eos_token_ids
+                or self.remaining <= 0
+                or self._hit_stop_string()
+                or (self.stop_check is not None and self.stop_check(self.history))
+            ):
                 self.done = True
                 break
         if kept and self.on_tokens is not None:
@@ -189,18 +205,22 @@ class Decoder:
         on_tokens: TokenCallback | None = None,
         cache_observer: CacheObserver | None = None,
         drafter: Drafter | None = None,
+        logits_hook: LogitsHook | None = None,
+        stop_check: StopCheck | None = None,
     ) -> tuple[list[int], GenerationStats]:
         """Generate up to ``settings.max_new_tokens`` after ``input_ids``. Returns (new tokens, stats).
 
         ``cache_observer(cache, committed)`` is called after every step (tests check lengths);
-        ``drafter`` replaces the policy's (on-the-fly selection passes its own).
+        ``drafter`` replaces the policy's (on-the-fly selection passes its own). ``logits_hook``
+        processes the full model's logits before a token is chosen (HF logits processors);
+        ``stop_check`` ends the generation after a token (HF stopping criteria).
         """
         clock = DeviceClock(self.device)
         start = clock.now()  # everything this call does is timed, set-up included
         settings.validate()
         prompt = _as_ids(input_ids)
         stats = GenerationStats()
-        output = _Output(prompt, settings, tokenizer, on_tokens)
+        output = _Output(prompt, settings, tokenizer, on_tokens, stop_check)
         generator = _generator(settings.seed, self.device)
         cache = RollbackCache(self.cache_windows())
         drafter = drafter or self._drafter(len(prompt), settings, generator)
@@ -218,6 +238,8 @@ class Decoder:
             keep = 1 if draft is None else len(block_ids)
             with drafter.watch_verify(len(block_ids)), drafter.around_verify(cache, committed, block):
                 logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
+            if logits_hook is not None:
+                logits = logits_hook([*output.history, *drafted], logits)
             if sampling is None:
                 accepted, next_token = verify_greedy(drafted, logits)
             else:

@@ -1,0 +1,212 @@
+"""What HF ``generate`` prepared, as one call of our engine: settings, a logits hook, a stop check.
+
+``generate`` turns its arguments and ``GenerationConfig`` into a ``LogitsProcessorList`` and a
+``StoppingCriteriaList`` before it calls a ``custom_generate`` callable. They are the exact
+contract of plain ``generate``, so they are honoured here as they are, not re-derived from
+the config:
+
+- the tail of the processor list that is temperature -> top-k -> top-p becomes our
+  ``Sampling``, applied alike to the target and the draft (so drafts are accepted as often as
+  the engine's own API gets); every other processor (repetition penalty, min_new_tokens, bad
+  words, a user's ``logits_processor`` ...) runs on the verify's logits, row by row, each row
+  with the token ids that precede it. The draft proposes from unprocessed logits; greedy
+  acceptance and rejection sampling check it against the processed ones, so the output is
+  exactly plain ``generate``'s (greedy) or follows its distribution (sampling);
+- ``MaxLengthCriteria`` and ``EosTokenCriteria`` become the engine's token budget and EOS ids;
+  every other criterion (stop strings, ``max_time``, a user's ``stopping_criteria``) is asked
+  after each accepted token, as plain ``generate`` asks after each token.
+
+Anything whose output we cannot reproduce exactly is refused in one line naming the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerskip.engine.decoding import DecodeSettings, LogitsHook, StopCheck
+from layerskip.engine.sampling import Sampling
+from layerskip.errors import LayerskipError
+
+# model_kwargs that ``generate`` prepares for its own loop; our engine keeps its own cache,
+# positions and full-block logits, so these are read (attention mask, cache) or dropped.
+UNSUPPORTED = "is not supported by layerskip's custom_generate"
+_PREPARED_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values", "use_cache"}
+
+
+@dataclass
+class EngineCall:
+    """One ``Decoder.decode`` call equivalent to what ``generate`` was asked for."""
+
+    prompt: list[int]  # the prompt tokens the engine continues (left padding removed)
+    padding: list[int]  # left-padding tokens removed from the input; processors still see them
+    settings: DecodeSettings
+    logits_hook: LogitsHook | None
+    stop_check: StopCheck | None
+
+
+def _refuse_config(config: Any) -> None:
+    """One line per argument of ``GenerationConfig`` that changes the output in a way we cannot match."""
+    if (config.num_return_sequences or 1) > 1:
+        raise LayerskipError(
+            f"num_return_sequences={config.num_return_sequences} {UNSUPPORTED}; "
+            "call generate once per sequence (with do_sample=True each call draws a new one)"
+        )
+    if (config.num_beams or 1) > 1:
+        raise LayerskipError(f"num_beams={config.num_beams} (beam search) {UNSUPPORTED}")
+    for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
+        if getattr(config, name, None):
+            raise LayerskipError(f"{name} is HF's own speculative decoding; drop it: layerskip drafts by itself")
+    if config.guidance_scale is not None and config.guidance_scale != 1:
+        raise LayerskipError(f"guidance_scale (classifier-free guidance) {UNSUPPORTED}")
+    if config.return_dict_in_generate:
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+            if getattr(config, name, False):
+                raise LayerskipError(f"{name}=True {UNSUPPORTED}; it returns sequences and its stats")
+
+
+def _prompt(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(prompt, left padding) of a batch of one; refuses a batch and a mask with holes."""
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise LayerskipError(f"a batch of {input_ids.shape[0]} prompts {UNSUPPORTED}; call generate once per prompt")
+    unknown = sorted(set(model_kwargs) - _PREPARED_KWARGS)
+    if unknown:
+        raise LayerskipError(f"{unknown[0]} {UNSUPPORTED}; drop it")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and cache.get_seq_length() > 0:
+        raise LayerskipError(f"a filled past_key_values cache {UNSUPPORTED}")
+    ids = input_ids[0].tolist()
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:  # generate drops an all-ones mask
+        return ids, []
+    kept = mask[0].tolist()
+    start = kept.index(1) if 1 in kept else len(kept)
+    if any(v != 1 for v in kept[start:]) or any(v != 0 for v in kept[:start]):
+        raise LayerskipError(
+            "attention_mask must be ones after optional left padding for layerskip's custom_generate "
+            "(a batch of one needs no padding)"
+        )
+    return ids[start:], ids[:start]
+
+
+_WARPER_ORDER = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
+
+
+def _is_plain_warper(processor: object) -> bool:
+    """A temperature / top-k / top-p warper that ``Sampling`` reproduces (tests/test_sampling.py)."""
+    name = type(processor).__name__
+    if name not in _WARPER_ORDER:
+        return False
+    return getattr(processor, "filter_value", -float("inf")) == -float("inf") and (
+        name != "TopPLogitsWarper" or getattr(processor, "min_tokens_to_keep", 1) == 1
+    )
+
+
+def _split_processors(processors: Sequence[object], do_sample: bool) -> tuple[list[object], Sampling | None]:
+    """(processors run on the verify's logits, the sampling transform for target and draft alike)."""
+    items = list(processors)
+    if not do_sample:
+        return items, None
+    cut = len(items)
+    while cut > 0 and _is_plain_warper(items[cut - 1]):
+        rank = _WARPER_ORDER.index(type(items[cut - 1]).__name__)
+        if cut < len(items) and rank >= _WARPER_ORDER.index(type(items[cut]).__name__):
+            break
+        cut -= 1
+    values: dict[str, Any] = {}
+    for warper in items[cut:]:
+        name = type(warper).__name__
+        if name == "TemperatureLogitsWarper":
+            values["temperature"] = float(warper.temperature)
+        elif name == "TopKLogitsWarper":
+            values["top_k"] = int(warper.top_k)
+        else:
+            values["top_p"] = float(warper.top_p)
+    return items[:cut], Sampling(**values)
+
+
+def _logits_hook(processors: list[object], padding: list[int]) -> LogitsHook | None:
+    if not processors:
+        return None
+    for processor in processors:
+        if type(processor).__name__ == "UnbatchedClassifierFreeGuidanceLogitsProcessor":
+            raise LayerskipError(f"negative_prompt_ids / guidance_scale {UNSUPPORTED}")
+
+    def process(context: list[int], logits: torch.Tensor) -> torch.Tensor:
+        # Row i scores the token after context[:first + i]; HF passes float32 scores.
+        first = len(context) - logits.shape[0] + 1
+        rows = []
+        for i in range(logits.shape[0]):
+            ids = torch.tensor([[*padding, *context[: first + i]]], device=logits.device)
+            scores = logits[i : i + 1].to(torch.float32)
+            for processor in processors:
+                scores = processor(ids, scores)
+            rows.append(scores)
+        return torch.cat(rows)
+
+    return process
+
+
+def _stop_check(criteria: list[object], padding: list[int], device: torch.device) -> StopCheck | None:
+    if not criteria:
+        return None
+
+    def check(history: list[int]) -> bool:
+        ids = torch.tensor([[*padding, *history]], device=device)
+        return any(bool(criterion(ids, None).any()) for criterion in criteria)
+
+    return check
+
+
+def engine_call(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    logits_processor: Sequence[object],
+    stopping_criteria: Sequence[object],
+    generation_config: Any,
+    model_kwargs: dict[str, Any],
+    stop_strings: str | Sequence[str] | None = None,
+    tokenizer: object | None = None,
+) -> EngineCall:
+    """The engine call for what ``generate`` prepared (its processors, criteria and config)."""
+    _refuse_config(generation_config)
+    prompt, padding = _prompt(input_ids, model_kwargs)
+    max_length = None
+    eos: tuple[int, ...] = ()
+    others: list[object] = []
+    for criterion in stopping_criteria:
+        name = type(criterion).__name__
+        if name == "MaxLengthCriteria":
+            max_length = int(criterion.max_length)
+        elif name == "EosTokenCriteria":
+            eos = tuple(int(i) for i in torch.as_tensor(criterion.eos_token_id).reshape(-1).tolist())
+        else:
+            others.append(criterion)
+    if max_length is None:
+        raise LayerskipError("generate set no max_length; pass max_new_tokens= or max_length=")
+    if stop_strings:
+        if tokenizer is None:
+            raise LayerskipError(
+                "stop_strings needs tokenizer=; transformers does not pass it to a custom_generate callable, "
+                "so use custom_generate=layerskip.hf.custom_generate_path() with trust_remote_code=True"
+            )
+        from transformers import StopStringCriteria
+
+        others.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    processors, sampling = _split_processors(logits_processor, bool(generation_config.do_sample))
+    settings = DecodeSettings(
+        max_new_tokens=max_length - input_ids.shape[1],  # generate's max_length counts the padded input
+        sampling=sampling,
+        eos_token_ids=eos,
+    )
+    return EngineCall(
+        prompt=prompt,
+        padding=padding,
+        settings=settings,
+        logits_hook=_logits_hook(processors, padding),
+        stop_check=_stop_check(others, padding, input_ids.device),
+    )

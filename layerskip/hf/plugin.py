@@ -1,0 +1,112 @@
+"""Self-speculative decoding from ``model.generate()``: transformers' ``custom_generate`` plug-in.
+
+Two entry points, both ending in our engine (``Decoder.decode``):
+
+- ``self_speculative_generate``, the callable form (``custom_generate=<callable>``):
+  ``generate`` prepares everything (config, processors, stopping criteria, cache) and calls it
+  in place of its own decoding loop. transformers 5.x passes such a callable neither the
+  ``streamer`` nor the ``tokenizer`` (they are dropped for callables), so streaming and
+  ``stop_strings`` need the directory form.
+- ``generate``, the directory form (``custom_generate=custom_generate_path()``, loaded by
+  transformers from ``custom_generate/generate.py``): it receives every ``generate`` argument
+  as given and hands them back to ``generate`` with the callable, carrying the streamer and
+  the tokenizer across itself. So both forms share transformers' own argument handling.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin
+
+from layerskip.engine.stats import GenerationStats
+from layerskip.errors import LayerskipError
+from layerskip.hf.decoders import PolicySpec, decoder_for
+from layerskip.hf.generate_args import UNSUPPORTED, engine_call
+
+
+@dataclass
+class SelfSpeculativeOutput(GenerateDecoderOnlyOutput):
+    """``return_dict_in_generate=True``: ``sequences`` as plain ``generate``, plus our engine's record."""
+
+    stats: GenerationStats | None = None
+    mean_accepted: float | None = None  # tokens per full-model forward (tau)
+    acceptance_rate: float | None = None  # accepted drafts / drafted
+    skip_sets: dict[str, int] | None = None  # on-the-fly selection: steps drafted with each bypassed set
+
+
+def self_speculative_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    logits_processor: Sequence[object],
+    stopping_criteria: Sequence[object],
+    generation_config: Any,
+    synced_gpus: bool = False,
+    streamer: Any = None,
+    skip_policy: PolicySpec | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    tokenizer: object | None = None,
+    **model_kwargs: Any,
+) -> torch.Tensor | SelfSpeculativeOutput:
+    """``generate``'s decoding loop, replaced: one prompt, self-speculatively with ``skip_policy``.
+
+    ``skip_policy``: a policy file, a ``SkipPolicy``, ``"on-the-fly"`` or ``"on-the-fly:PATH"``.
+    The names after ``streamer`` are ours: transformers passes a callable's extra keyword
+    arguments from the ``generate`` call to it.
+    """
+    try:
+        if synced_gpus:
+            raise LayerskipError(f"synced_gpus {UNSUPPORTED}")
+        call = engine_call(
+            model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            model_kwargs,
+            stop_strings,
+            tokenizer,
+        )
+        decoder = decoder_for(model, skip_policy)
+        on_tokens = None if streamer is None else lambda tokens: streamer.put(torch.tensor(tokens))
+        tokens, stats = decoder.decode(
+            call.prompt, call.settings, on_tokens=on_tokens, logits_hook=call.logits_hook, stop_check=call.stop_check
+        )
+    finally:
+        if streamer is not None:  # also on an error, so a reader of a TextIteratorStreamer is released
+            streamer.end()
+    new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+    sequences = torch.cat([input_ids, new], dim=1)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return SelfSpeculativeOutput(
+        sequences=sequences,
+        stats=stats,
+        mean_accepted=stats.mean_accepted,
+        acceptance_rate=stats.acceptance_rate,
+        skip_sets=dict(stats.skip_sets),
+    )
+
+
+def generate(model: nn.Module, **arguments: Any) -> torch.Tensor | SelfSpeculativeOutput:
+    """The directory form's entry: every ``generate`` argument, as the caller gave it."""
+    if arguments.get("assistant_model") is not None:
+        raise LayerskipError(f"assistant_model {UNSUPPORTED}: it drafts by itself")
+    if arguments.get("synced_gpus"):  # generate drops it on the way to a callable
+        raise LayerskipError(f"synced_gpus {UNSUPPORTED}")
+    # Carried past generate, which would drop them before calling the loop (see the module doc).
+    carried: dict[str, Any] = {"streamer": arguments.get("streamer"), "tokenizer": arguments.pop("tokenizer", None)}
+    config = arguments.get("generation_config") or model.generation_config
+    if arguments.get("stop_strings") is None and getattr(config, "stop_strings", None):
+        # Stop strings from a config: generate would look for a tokenizer it no longer has.
+        config = copy.deepcopy(config)
+        arguments["stop_strings"], config.stop_strings = config.stop_strings, None
+        arguments["generation_config"] = config
+    loop = functools.partial(self_speculative_generate, **carried)
+    return GenerationMixin.generate(model, custom_generate=loop, **arguments)

@@ -1,0 +1,343 @@
+"""``model.generate(custom_generate=...)``: our engine behind HF's own API.
+
+Every output is compared with plain ``model.generate`` on the same arguments; every argument we
+cannot honour exactly must fail in one line that names it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
+from tiny_models import ARCHS, random_prompt, tiny_model, tiny_tokenizer
+
+import layerskip.hf
+from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.errors import LayerskipError
+from layerskip.hf import adapters
+from layerskip.hf.decoders import CACHE_ATTRIBUTE
+
+PATH = layerskip.hf.custom_generate_path()
+POLICY = SkipPolicy.skip_layers([1, 2], draft=DraftSettings(max_draft_tokens=3))
+HYBRID = SkipPolicy(skip_mlp=(2,), draft=DraftSettings(lookup_max_ngram=2, lookup_min_ngram=1))
+NEW = 20
+
+
+def _ids(length: int = 8) -> torch.Tensor:
+    return torch.tensor([random_prompt(length=length)])
+
+
+def _ours(model, ids=None, policy=POLICY, **kwargs):
+    if ids is not None:
+        kwargs["input_ids"] = ids
+    return model.generate(custom_generate=PATH, trust_remote_code=True, skip_policy=policy, **kwargs)
+
+
+def _both(model, ids, **kwargs):
+    """(plain generate, ours) on the same arguments."""
+    return model.generate(ids, **kwargs), _ours(model, ids, **kwargs)
+
+
+# -- greedy equals plain generate ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_generate_on_every_architecture(arch: str) -> None:
+    model = tiny_model(arch)
+    plain, ours = _both(model, _ids(), max_new_tokens=NEW, do_sample=False)
+    assert ours.tolist() == plain.tolist()
+    assert not adapters.is_bypassed(model)
+
+
+def test_callable_form_and_hybrid_policy() -> None:
+    model = tiny_model("llama")
+    ids = _ids()
+    plain = model.generate(ids, max_new_tokens=NEW)
+    ours = model.generate(
+        ids, custom_generate=layerskip.hf.self_speculative_generate, skip_policy=HYBRID, max_new_tokens=NEW
+    )
+    assert ours.tolist() == plain.tolist()
+
+
+def test_policy_file_and_on_the_fly(tmp_path) -> None:
+    model = tiny_model("qwen2")
+    ids = _ids()
+    plain = model.generate(ids, max_new_tokens=NEW)
+    path = POLICY.save(tmp_path / "p.json")
+    for spec in (str(path), path, "on-the-fly", f"on-the-fly:{path}"):
+        out = _ours(model, ids, policy=spec, max_new_tokens=NEW, return_dict_in_generate=True)
+        assert out.sequences.tolist() == plain.tolist(), spec
+    assert isinstance(out.skip_sets, dict) and out.skip_sets  # on-the-fly reports the sets it drafted with
+
+
+def test_prepared_decoder_is_reused() -> None:
+    model = tiny_model("llama")
+    for _ in range(2):
+        _ours(model, _ids(), max_new_tokens=4)
+    decoders = model.__dict__[CACHE_ATTRIBUTE]
+    assert len(decoders) == 1
+    _ours(model, _ids(), policy=HYBRID, max_new_tokens=4)
+    assert len(decoders) == 2
+
+
+# -- generate's arguments -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_length=20),
+        dict(max_new_tokens=1),
+        dict(max_new_tokens=NEW, repetition_penalty=1.5),
+        dict(max_new_tokens=NEW, no_repeat_ngram_size=2),
+        dict(max_new_tokens=NEW, bad_words_ids=[[115], [80]]),
+        dict(max_new_tokens=NEW, suppress_tokens=[115]),
+        dict(max_new_tokens=NEW, prefix_allowed_tokens_fn=lambda batch, ids: list(range(0, 128, 3))),
+    ],
+    ids=["max_length", "one-token", "repetition_penalty", "no_repeat_ngram", "bad_words", "suppress", "prefix_fn"],
+)
+def test_length_and_processor_arguments_match_generate(kwargs: dict) -> None:
+    model = tiny_model("llama")
+    plain, ours = _both(model, _ids(), **kwargs)
+    assert ours.tolist() == plain.tolist()
+
+
+def test_eos_ids_min_new_tokens_and_pad() -> None:
+    model = tiny_model("llama")
+    ids = _ids()
+    reference = model.generate(ids, max_new_tokens=NEW)[0, ids.shape[1] :].tolist()
+    first, second = reference[6], reference[3]
+    for kwargs in (
+        dict(eos_token_id=first),
+        dict(eos_token_id=[first, second], pad_token_id=0),
+        dict(eos_token_id=[first, second], min_new_tokens=5),
+    ):
+        plain, ours = _both(model, ids, max_new_tokens=NEW, **kwargs)
+        assert ours.tolist() == plain.tolist(), kwargs
+        assert plain.shape[1] < ids.shape[1] + NEW  # it did stop early
+
+
+def test_generation_config_and_user_processor_and_criteria() -> None:
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
+
+    class Ban(LogitsProcessor):
+        """Bans the token that followed the last one last time (depends on the history)."""
+
+        def __call__(self, input_ids, scores):
+            return scores.index_fill(1, (input_ids[:, -1] * 7) % 128, -float("inf"))
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 19, dtype=torch.bool)
+
+    model = tiny_model("llama")
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False)
+    plain, ours = _both(
+        model,
+        _ids(),
+        generation_config=config,
+        logits_processor=LogitsProcessorList([Ban()]),
+        stopping_criteria=[StopAfter()],
+    )
+    assert ours.tolist() == plain.tolist()
+    assert plain.shape[1] == 19
+
+
+def test_attention_mask_and_left_padding() -> None:
+    model = tiny_model("llama")
+    ids = _ids()
+    plain, ours = _both(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW)
+    assert ours.tolist() == plain.tolist()
+    padded = torch.cat([torch.zeros(1, 3, dtype=ids.dtype), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=ids.dtype), torch.ones_like(ids)], dim=1)
+    out = _ours(model, padded, attention_mask=mask, max_new_tokens=NEW)
+    assert out[0, :3].tolist() == [0, 0, 0] and out[0, 3:].tolist() == plain[0].tolist()
+
+
+def test_return_dict_in_generate_has_sequences_and_stats() -> None:
+    model = tiny_model("llama")
+    ids = _ids()
+    plain = model.generate(ids, max_new_tokens=NEW, return_dict_in_generate=True)
+    ours = _ours(model, ids, max_new_tokens=NEW, return_dict_in_generate=True)
+    assert ours.sequences.tolist() == plain.sequences.tolist()
+    assert ours.stats.new_tokens == NEW and ours.stats.drafted > 0
+    assert 0 < ours.acceptance_rate <= 1 and ours.mean_accepted > 1
+    assert ours.skip_sets == {}  # a fixed policy: no on-the-fly sets
+
+
+# -- text: streamers, stop strings, pipeline (a model whose vocabulary is the tiny tokenizer's) --------
+
+
+def _text_model():
+    return tiny_model("llama", vocab_size=len(tiny_tokenizer().get_vocab()))
+
+
+def test_streamers_receive_the_result(capsys: pytest.CaptureFixture) -> None:
+    from transformers import TextIteratorStreamer, TextStreamer
+
+    model, tokenizer = _text_model(), tiny_tokenizer()
+    ids = tokenizer("hello world w3 w7", return_tensors="pt").input_ids
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    result: dict = {}
+    worker = threading.Thread(
+        target=lambda: result.update(out=_ours(model, ids, max_new_tokens=NEW, streamer=streamer))
+    )
+    worker.start()
+    streamed = "".join(streamer)
+    worker.join()
+    text = tokenizer.decode(result["out"][0, ids.shape[1] :])
+    assert streamed.split() == text.split() and len(text.split()) == NEW
+    assert result["out"].tolist() == model.generate(ids, max_new_tokens=NEW).tolist()
+    _ours(model, ids, max_new_tokens=NEW, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    assert capsys.readouterr().out.split() == text.split()
+
+
+def test_stop_strings_need_the_directory_form() -> None:
+    """transformers gives a custom_generate callable no tokenizer; stop strings say so in one line
+    (they are compared with plain generate on SmolLM2, whose tokenizer HF's StopStringCriteria reads)."""
+    model, tokenizer = _text_model(), tiny_tokenizer()
+    with pytest.raises(LayerskipError, match="stop_strings") as caught:
+        model.generate(
+            _ids(),
+            custom_generate=layerskip.hf.self_speculative_generate,
+            skip_policy=POLICY,
+            stop_strings=["w3"],
+            tokenizer=tokenizer,
+        )
+    assert "\n" not in str(caught.value)
+
+
+def test_pipeline() -> None:
+    from transformers import pipeline
+
+    model, tokenizer = _text_model(), tiny_tokenizer()
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    plain = pipe("hello world w3 w7", max_new_tokens=NEW, do_sample=False)
+    ours = pipe(
+        "hello world w3 w7",
+        max_new_tokens=NEW,
+        do_sample=False,
+        custom_generate=PATH,
+        trust_remote_code=True,
+        skip_policy=POLICY,
+    )
+    assert ours == plain
+
+
+# -- sampling -------------------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    model = tiny_model("gemma2")
+    ids = _ids()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        runs.append(_ours(model, ids, max_new_tokens=NEW, do_sample=True, temperature=0.9, top_p=0.95, top_k=20))
+    assert runs[0].tolist() == runs[1].tolist()
+    torch.manual_seed(11)
+    with_penalty = _ours(model, ids, max_new_tokens=NEW, do_sample=True, repetition_penalty=1.3)
+    assert with_penalty.shape[1] == ids.shape[1] + NEW
+
+
+def test_sampling_follows_the_model() -> None:
+    """As tests/test_sampling.py's end-to-end check, through ``model.generate``."""
+    model = _e2e_model()
+    prompt = random_prompt(E2E_VOCAB, 6)
+    p1, p2, q2 = _exact_laws(model, prompt)
+    policy = SkipPolicy.early_exit(adapters.num_layers(model), 1, draft=DraftSettings(max_draft_tokens=1))
+    first, second = torch.zeros(E2E_VOCAB), torch.zeros(E2E_VOCAB)
+    seeds = 800
+    accepted = 0
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        out = model.generate(
+            torch.tensor([prompt]),
+            custom_generate=layerskip.hf.self_speculative_generate,
+            skip_policy=policy,
+            max_new_tokens=3,
+            do_sample=True,
+            top_k=0,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        first[tokens[0]] += 1
+        second[tokens[1]] += 1
+        accepted += out.stats.accepted
+    assert 0 < accepted < seeds
+    assert tv(p2, q2) > 2 * E2E_TV_BOUND
+    assert tv(first / seeds, p1) < E2E_TV_BOUND
+    assert tv(second / seeds, p2) < E2E_TV_BOUND
+
+
+# -- refused, in one line naming the argument ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(num_beams=2), "num_beams"),
+        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+        (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
+        (dict(output_logits=True, return_dict_in_generate=True), "output_logits"),
+        (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+        (dict(guidance_scale=2.0), "guidance_scale"),
+        (dict(synced_gpus=True), "synced_gpus"),
+        (dict(skip_policy=None), "skip_policy"),
+        (dict(skip_policy=3), "skip_policy"),
+        (dict(token_type_ids=torch.zeros(1, 8, dtype=torch.long)), "token_type_ids"),
+        (dict(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])), "attention_mask"),
+        (dict(input_ids=torch.tensor([random_prompt(), random_prompt(seed=1)])), "batch"),
+    ],
+)
+def test_refused_arguments(kwargs: dict, name: str) -> None:
+    model = tiny_model("llama")
+    arguments = dict(custom_generate=PATH, trust_remote_code=True, skip_policy=POLICY, max_new_tokens=4)
+    arguments.update(kwargs)
+    if "input_ids" not in arguments:
+        arguments["input_ids"] = _ids()
+    with pytest.raises((LayerskipError, ValueError)) as caught:
+        model.generate(**arguments)
+    message = str(caught.value)
+    assert name in message and "\n" not in message, message
+
+
+def test_assistant_model_is_refused() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(LayerskipError, match="assistant_model"):
+        _ours(model, _ids(), max_new_tokens=4, assistant_model=tiny_model("llama", seed=3))
+
+
+# -- the real model --------------------------------------------------------------------------------------
+
+
+def test_smollm2_greedy_streamed_and_stopped(smollm2) -> None:
+    from transformers import TextIteratorStreamer
+
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    messages = [{"role": "user", "content": "Explain photosynthesis."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    common = dict(max_new_tokens=24, do_sample=False)
+    plain = model.generate(**inputs, **common)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result: dict = {}
+
+    def run() -> None:
+        result["out"] = _ours(
+            model, inputs["input_ids"], policy="policies/smollm2-135m-fp32-skip.json", streamer=streamer, **common
+        )
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    streamed = "".join(streamer)
+    worker.join()
+    assert result["out"].tolist() == plain.tolist()
+    assert streamed == tokenizer.decode(plain[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    stop = streamed.split()[5]
+    plain, ours = (
+        fn(**inputs, stop_strings=[stop], tokenizer=tokenizer, **common)
+        for fn in (model.generate, lambda **kw: _ours(model, policy="policies/smollm2-135m-fp32-skip.json", **kw))
+    )
+    assert ours.tolist() == plain.tolist() and plain.shape[1] < inputs["input_ids"].shape[1] + 24
