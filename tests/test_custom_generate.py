@@ -341,3 +341,20 @@ def test_smollm2_greedy_streamed_and_stopped(smollm2) -> None:
         for fn in (model.generate, lambda **kw: _ours(model, policy="policies/smollm2-135m-fp32-skip.json", **kw))
     )
     assert ours.tolist() == plain.tolist() and plain.shape[1] < inputs["input_ids"].shape[1] + 24
+
+
+# -- the bench's hf-custom method ---------------------------------------------------------------------------
+
+
+def test_bench_hf_custom_method_runs() -> None:
+    from layerskip.data import Prompt
+    from layerskip.measure.bench import BenchConfig, build_methods, run_benchmark, summarise
+
+    model = tiny_model("llama")
+    methods = build_methods(model, ["hf-custom", "self-spec"], (), {"p": POLICY})
+    assert [m.name for m in methods] == ["hf-ar", "hf-custom", "self-spec"]
+    prompts = [Prompt(id="a", category="qa", text="")]
+    rows = run_benchmark(model, methods, prompts, [random_prompt()], BenchConfig(max_new_tokens=12, warmup_tokens=2))
+    custom = next(r for r in rows if r.method == "hf-custom")
+    assert custom.identical and custom.new_tokens == 12 and custom.stats.drafted > 0
+    assert summarise(rows)["hf-custom"]["overall"]["mean_accepted"] > 1

@@ -26,7 +26,8 @@ from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.stats import GenerationStats
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.hf.baselines import hf_generate
+from layerskip.hf.baselines import hf_custom_generate, hf_generate
+from layerskip.hf.decoders import decoder_for
 from layerskip.measure.timing import Runner, run_interleaved, throughput
 
 BASELINE = "hf-ar"
@@ -36,6 +37,7 @@ METHODS = (
     "self-spec",
     "self-spec-lookup",
     "self-spec-on-the-fly",
+    "hf-custom",
     "hf-pld",
     "hf-early-exit",
     "hf-assistant",
@@ -94,8 +96,9 @@ def check_methods(names: Sequence[str], has_policy: bool, has_assistant: bool) -
     unknown = [n for n in names if n not in METHODS]
     if unknown:
         raise LayerskipError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    if "self-spec" in names and not has_policy:
-        raise LayerskipError("method self-spec needs a policy; pass --policy PATH")
+    for name in ("self-spec", "hf-custom"):
+        if name in names and not has_policy:
+            raise LayerskipError(f"method {name} needs a policy; pass --policy PATH")
     if "hf-assistant" in names and not has_assistant:
         raise LayerskipError("method hf-assistant needs --assistant-model")
 
@@ -117,7 +120,9 @@ def build_methods(
     With ``ablate``, each policy also runs with each of its drafting ingredients turned off
     (``self-spec:NAME-no-lookup`` ...; see ``SkipPolicy.ablations``). ``self-spec-on-the-fly`` picks
     its skip sets while generating, from nothing bypassed (``SkipPolicy.adaptive_selection``; its
-    decoder keeps what it learns from prompt to prompt, as a server would). Each policy's draft is
+    decoder keeps what it learns from prompt to prompt, as a server would). ``hf-custom`` runs each
+    policy through ``model.generate(custom_generate=...)`` (``hf-custom:NAME`` when there are
+    several), so the plug-in's overhead against ``self-spec`` is measured. Each policy's draft is
     prepared here, once (like loading a model), not inside the timed calls."""
     check_methods(names, bool(policies), assistant is not None)
 
@@ -127,8 +132,13 @@ def build_methods(
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
             return decoder.decode(ids, DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos_token_ids))
 
-        memory = decoder.draft_model.nbytes / 2**20 if decoder.draft_model is not None else None
-        return run, memory
+        return run, _draft_memory(decoder)
+
+    def custom(policy: SkipPolicy) -> Runner:
+        def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
+            return hf_custom_generate(model, ids, max_new, policy, eos_token_ids)
+
+        return run
 
     def hf(**extra: Any) -> Runner:
         def run(ids: list[int], max_new: int) -> tuple[list[int], None]:
@@ -162,6 +172,10 @@ def build_methods(
             selection = SkipPolicy.adaptive_selection(device=next(model.parameters()).device)
             run, memory = ours(selection)
             methods.append(Method(name, run, selection, memory))
+        elif name == "hf-custom":
+            for label, policy in policies.items():
+                full = name if len(policies) == 1 else f"{name}:{label}"
+                methods.append(Method(full, custom(policy), policy, _draft_memory(decoder_for(model, policy))))
         elif name == "hf-pld":
             methods.append(Method(name, hf(prompt_lookup_num_tokens=lookup_tokens)))
         elif name == "hf-early-exit":
@@ -172,6 +186,11 @@ def build_methods(
     if BASELINE not in [m.name for m in methods]:
         methods.insert(0, Method(BASELINE, hf()))  # every figure is a ratio against it
     return methods
+
+
+def _draft_memory(decoder: Decoder) -> float | None:
+    """MiB of the draft's low-precision copies, if any."""
+    return decoder.draft_model.nbytes / 2**20 if decoder.draft_model is not None else None
 
 
 def _early_exit_depth(model: nn.Module, policy: SkipPolicy | None) -> int:
