@@ -95,8 +95,18 @@ def test_prepared_decoder_is_reused() -> None:
         dict(max_new_tokens=NEW, bad_words_ids=[[115], [80]]),
         dict(max_new_tokens=NEW, suppress_tokens=[115]),
         dict(max_new_tokens=NEW, prefix_allowed_tokens_fn=lambda batch, ids: list(range(0, 128, 3))),
+        dict(max_new_tokens=NEW, max_time=0.0),
     ],
-    ids=["max_length", "one-token", "repetition_penalty", "no_repeat_ngram", "bad_words", "suppress", "prefix_fn"],
+    ids=[
+        "max_length",
+        "one-token",
+        "repetition_penalty",
+        "no_repeat_ngram",
+        "bad_words",
+        "suppress",
+        "prefix_fn",
+        "max_time",
+    ],
 )
 def test_length_and_processor_arguments_match_generate(kwargs: dict) -> None:
     model = tiny_model("llama")
@@ -165,6 +175,30 @@ def test_return_dict_in_generate_has_sequences_and_stats() -> None:
     assert ours.stats.new_tokens == NEW and ours.stats.drafted > 0
     assert 0 < ours.acceptance_rate <= 1 and ours.mean_accepted > 1
     assert ours.skip_sets == {}  # a fixed policy: no on-the-fly sets
+
+
+def test_a_batch_and_several_return_sequences() -> None:
+    model = tiny_model("llama")
+    batch = torch.tensor([random_prompt(), random_prompt(seed=1)])
+    reference = model.generate(batch, max_new_tokens=NEW)[:, batch.shape[1] :].tolist()
+    eos = [reference[0][5], reference[1][9]]  # both rows stop early, at different lengths
+    plain, ours = _both(model, batch, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    assert ours.tolist() == plain.tolist()
+    assert ours.shape[1] < batch.shape[1] + NEW and (ours[:, -1] == 0).any()  # the row that ended first: padded
+    # Left-padded rows of different lengths: each row gets what it gets alone.
+    short, long = random_prompt(length=5, seed=2), random_prompt(length=9, seed=3)
+    padded = torch.tensor([[0] * 4 + short, long])
+    mask = torch.tensor([[0] * 4 + [1] * 5, [1] * 9])
+    out = _ours(model, padded, attention_mask=mask, max_new_tokens=NEW)
+    for row, prompt in zip(out.tolist(), (short, long)):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=NEW)[0, len(prompt) :].tolist()
+        assert row[9:] == alone
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(_ours(model, batch[:1], max_new_tokens=NEW, do_sample=True, num_return_sequences=3))
+    assert runs[0].shape == (3, batch.shape[1] + NEW) and runs[0].tolist() == runs[1].tolist()
+    assert len({tuple(row) for row in runs[0].tolist()}) > 1  # three draws, not one copied
 
 
 # -- text: streamers, stop strings, pipeline (a model whose vocabulary is the tiny tokenizer's) --------
@@ -279,7 +313,6 @@ def test_sampling_follows_the_model() -> None:
     "kwargs, name",
     [
         (dict(num_beams=2), "num_beams"),
-        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
         (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
         (dict(output_logits=True, return_dict_in_generate=True), "output_logits"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
@@ -289,7 +322,6 @@ def test_sampling_follows_the_model() -> None:
         (dict(skip_policy=3), "skip_policy"),
         (dict(token_type_ids=torch.zeros(1, 8, dtype=torch.long)), "token_type_ids"),
         (dict(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])), "attention_mask"),
-        (dict(input_ids=torch.tensor([random_prompt(), random_prompt(seed=1)])), "batch"),
     ],
 )
 def test_refused_arguments(kwargs: dict, name: str) -> None:
@@ -302,6 +334,17 @@ def test_refused_arguments(kwargs: dict, name: str) -> None:
         model.generate(**arguments)
     message = str(caught.value)
     assert name in message and "\n" not in message, message
+
+
+def test_batch_refusals() -> None:
+    from transformers import TextStreamer
+
+    model = tiny_model("llama")
+    batch = torch.tensor([random_prompt(), random_prompt(seed=1)])
+    with pytest.raises((LayerskipError, ValueError), match="(?i)streamer"):  # HF's streamer says it first
+        _ours(model, batch, max_new_tokens=4, streamer=TextStreamer(tiny_tokenizer()))
+    with pytest.raises(LayerskipError, match="prefix_allowed_tokens_fn"):
+        _ours(model, batch, max_new_tokens=4, prefix_allowed_tokens_fn=lambda batch_id, ids: [1, 2])
 
 
 def test_assistant_model_is_refused() -> None:

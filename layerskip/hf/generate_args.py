@@ -40,7 +40,7 @@ _PREPARED_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "cache",
 
 @dataclass
 class EngineCall:
-    """One ``Decoder.decode`` call equivalent to what ``generate`` was asked for."""
+    """One ``Decoder.decode`` call: what ``generate`` was asked for, for one row of its input."""
 
     prompt: list[int]  # the prompt tokens the engine continues (left padding removed)
     padding: list[int]  # left-padding tokens removed from the input; processors still see them
@@ -51,11 +51,6 @@ class EngineCall:
 
 def _refuse_config(config: Any) -> None:
     """One line per argument of ``GenerationConfig`` that changes the output in a way we cannot match."""
-    if (config.num_return_sequences or 1) > 1:
-        raise LayerskipError(
-            f"num_return_sequences={config.num_return_sequences} {UNSUPPORTED}; "
-            "call generate once per sequence (with do_sample=True each call draws a new one)"
-        )
     if (config.num_beams or 1) > 1:
         raise LayerskipError(f"num_beams={config.num_beams} (beam search) {UNSUPPORTED}")
     for name in ("prompt_lookup_num_tokens", "assistant_early_exit"):
@@ -69,28 +64,26 @@ def _refuse_config(config: Any) -> None:
                 raise LayerskipError(f"{name}=True {UNSUPPORTED}; it returns sequences and its stats")
 
 
-def _prompt(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(prompt, left padding) of a batch of one; refuses a batch and a mask with holes."""
-    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-        raise LayerskipError(f"a batch of {input_ids.shape[0]} prompts {UNSUPPORTED}; call generate once per prompt")
+def _prompts(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+    """(prompt, left padding) of each row; refuses a mask with holes."""
     unknown = sorted(set(model_kwargs) - _PREPARED_KWARGS)
     if unknown:
         raise LayerskipError(f"{unknown[0]} {UNSUPPORTED}; drop it")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and cache.get_seq_length() > 0:
         raise LayerskipError(f"a filled past_key_values cache {UNSUPPORTED}")
-    ids = input_ids[0].tolist()
     mask = model_kwargs.get("attention_mask")
     if mask is None:  # generate drops an all-ones mask
-        return ids, []
-    kept = mask[0].tolist()
-    start = kept.index(1) if 1 in kept else len(kept)
-    if any(v != 1 for v in kept[start:]) or any(v != 0 for v in kept[:start]):
-        raise LayerskipError(
-            "attention_mask must be ones after optional left padding for layerskip's custom_generate "
-            "(a batch of one needs no padding)"
-        )
-    return ids[start:], ids[:start]
+        return [(row, []) for row in input_ids.tolist()]
+    prompts = []
+    for row, kept in zip(input_ids.tolist(), mask.tolist()):
+        start = kept.index(1) if 1 in kept else len(kept)
+        if any(v != 1 for v in kept[start:]) or any(v != 0 for v in kept[:start]):
+            raise LayerskipError(
+                "attention_mask must be ones after optional left padding for layerskip's custom_generate"
+            )
+        prompts.append((row[start:], row[:start]))
+    return prompts
 
 
 _WARPER_ORDER = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
@@ -129,12 +122,18 @@ def _split_processors(processors: Sequence[object], do_sample: bool) -> tuple[li
     return items[:cut], Sampling(**values)
 
 
+def _check_processors(processors: list[object], rows: int) -> None:
+    for processor in processors:
+        name = type(processor).__name__
+        if name == "UnbatchedClassifierFreeGuidanceLogitsProcessor":  # runs the model itself, with state
+            raise LayerskipError(f"negative_prompt_ids / guidance_scale {UNSUPPORTED}")
+        if name == "PrefixConstrainedLogitsProcessor" and rows > 1:  # it is told the row's batch index
+            raise LayerskipError(f"prefix_allowed_tokens_fn with a batch of {rows} {UNSUPPORTED}; pass one prompt")
+
+
 def _logits_hook(processors: list[object], padding: list[int]) -> LogitsHook | None:
     if not processors:
         return None
-    for processor in processors:
-        if type(processor).__name__ == "UnbatchedClassifierFreeGuidanceLogitsProcessor":
-            raise LayerskipError(f"negative_prompt_ids / guidance_scale {UNSUPPORTED}")
 
     def process(context: list[int], logits: torch.Tensor) -> torch.Tensor:
         # Row i scores the token after context[:first + i]; HF passes float32 scores.
@@ -162,7 +161,7 @@ def _stop_check(criteria: list[object], padding: list[int], device: torch.device
     return check
 
 
-def engine_call(
+def engine_calls(
     model: nn.Module,
     input_ids: torch.Tensor,
     logits_processor: Sequence[object],
@@ -171,10 +170,12 @@ def engine_call(
     model_kwargs: dict[str, Any],
     stop_strings: str | Sequence[str] | None = None,
     tokenizer: object | None = None,
-) -> EngineCall:
-    """The engine call for what ``generate`` prepared (its processors, criteria and config)."""
+) -> list[EngineCall]:
+    """The engine calls, one per row of ``input_ids``, for what ``generate`` prepared (its
+    processors, criteria and config). Rows are decoded one after another: a batch (or
+    ``num_return_sequences`` copies of one prompt) gives each row the output it would get alone."""
     _refuse_config(generation_config)
-    prompt, padding = _prompt(input_ids, model_kwargs)
+    prompts = _prompts(input_ids, model_kwargs)
     max_length = None
     eos: tuple[int, ...] = ()
     others: list[object] = []
@@ -198,15 +199,19 @@ def engine_call(
 
         others.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     processors, sampling = _split_processors(logits_processor, bool(generation_config.do_sample))
+    _check_processors(processors, len(prompts))
     settings = DecodeSettings(
         max_new_tokens=max_length - input_ids.shape[1],  # generate's max_length counts the padded input
         sampling=sampling,
         eos_token_ids=eos,
     )
-    return EngineCall(
-        prompt=prompt,
-        padding=padding,
-        settings=settings,
-        logits_hook=_logits_hook(processors, padding),
-        stop_check=_stop_check(others, padding, input_ids.device),
-    )
+    return [
+        EngineCall(
+            prompt=prompt,
+            padding=padding,
+            settings=settings,
+            logits_hook=_logits_hook(processors, padding),
+            stop_check=_stop_check(others, padding, input_ids.device),
+        )
+        for prompt, padding in prompts
+    ]

@@ -25,10 +25,11 @@ import torch
 from torch import nn
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin
 
+from layerskip.engine.decoding import DecodeSettings
 from layerskip.engine.stats import GenerationStats
 from layerskip.errors import LayerskipError
 from layerskip.hf.decoders import PolicySpec, decoder_for
-from layerskip.hf.generate_args import UNSUPPORTED, engine_call
+from layerskip.hf.generate_args import UNSUPPORTED, engine_calls
 
 
 @dataclass
@@ -54,7 +55,7 @@ def self_speculative_generate(
     tokenizer: object | None = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | SelfSpeculativeOutput:
-    """``generate``'s decoding loop, replaced: one prompt, self-speculatively with ``skip_policy``.
+    """``generate``'s decoding loop, replaced: self-speculatively with ``skip_policy``, row by row.
 
     ``skip_policy``: a policy file, a ``SkipPolicy``, ``"on-the-fly"`` or ``"on-the-fly:PATH"``.
     The names after ``streamer`` are ours: transformers passes a callable's extra keyword
@@ -63,7 +64,11 @@ def self_speculative_generate(
     try:
         if synced_gpus:
             raise LayerskipError(f"synced_gpus {UNSUPPORTED}")
-        call = engine_call(
+        if streamer is not None and input_ids.shape[0] > 1:
+            raise LayerskipError(
+                f"a streamer with {input_ids.shape[0]} sequences {UNSUPPORTED} (HF streamers take one)"
+            )
+        calls = engine_calls(
             model,
             input_ids,
             logits_processor,
@@ -75,16 +80,23 @@ def self_speculative_generate(
         )
         decoder = decoder_for(model, skip_policy)
         on_tokens = None if streamer is None else lambda tokens: streamer.put(torch.tensor(tokens))
-        tokens, stats = decoder.decode(
-            call.prompt, call.settings, on_tokens=on_tokens, logits_hook=call.logits_hook, stop_check=call.stop_check
-        )
+        results = [
+            decoder.decode(
+                call.prompt,
+                call.settings,
+                on_tokens=on_tokens,
+                logits_hook=call.logits_hook,
+                stop_check=call.stop_check,
+            )
+            for call in calls
+        ]
     finally:
         if streamer is not None:  # also on an error, so a reader of a TextIteratorStreamer is released
             streamer.end()
-    new = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
-    sequences = torch.cat([input_ids, new], dim=1)
+    sequences = _sequences(input_ids, [tokens for tokens, _ in results], generation_config, calls[0].settings)
     if not generation_config.return_dict_in_generate:
         return sequences
+    stats = GenerationStats.combined([row_stats for _, row_stats in results])
     return SelfSpeculativeOutput(
         sequences=sequences,
         stats=stats,
@@ -92,6 +104,23 @@ def self_speculative_generate(
         acceptance_rate=stats.acceptance_rate,
         skip_sets=dict(stats.skip_sets),
     )
+
+
+def _sequences(
+    input_ids: torch.Tensor, outputs: list[list[int]], config: Any, settings: DecodeSettings
+) -> torch.Tensor:
+    """Each input row followed by its new tokens; a row that ended first is padded, as generate pads it."""
+    longest = max(len(tokens) for tokens in outputs)
+    if any(len(tokens) < longest for tokens in outputs):
+        pad = getattr(config, "_pad_token_tensor", None)  # generate's own choice (the EOS id if unset)
+        if not settings.eos_token_ids or pad is None:
+            # Without an EOS id generate does not pad a stopped row: it keeps generating it.
+            raise LayerskipError(
+                f"rows that stop at different lengths without eos_token_id and pad_token_id {UNSUPPORTED}"
+            )
+        outputs = [tokens + [int(pad)] * (longest - len(tokens)) for tokens in outputs]
+    new = torch.tensor(outputs, dtype=input_ids.dtype, device=input_ids.device).reshape(len(outputs), longest)
+    return torch.cat([input_ids, new], dim=1)
 
 
 def generate(model: nn.Module, **arguments: Any) -> torch.Tensor | SelfSpeculativeOutput:
