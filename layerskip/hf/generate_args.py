@@ -16,7 +16,9 @@ the config:
   every other criterion (stop strings, ``max_time``, a user's ``stopping_criteria``) is asked
   after each accepted token, as plain ``generate`` asks after each token.
 
-Anything whose output we cannot reproduce exactly is refused in one line naming the argument.
+A batch (or ``num_return_sequences`` copies of one prompt) is one engine call per row, decoded one
+after another. Anything whose output we cannot reproduce exactly is refused in one line naming
+the argument.
 """
 
 from __future__ import annotations
