@@ -17,7 +17,7 @@ import layerskip.hf
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.hf.decoders import CACHE_ATTRIBUTE
+from layerskip.hf.decoders import CACHE_ATTRIBUTE, MAX_DECODERS
 
 PATH = layerskip.hf.custom_generate_path()
 POLICY = SkipPolicy.skip_layers([1, 2], draft=DraftSettings(max_draft_tokens=3))
@@ -80,6 +80,9 @@ def test_prepared_decoder_is_reused() -> None:
     assert len(decoders) == 1
     _ours(model, _ids(), policy=HYBRID, max_new_tokens=4)
     assert len(decoders) == 2
+    for depth in range(1, 4):  # a sweep over new policies keeps at most MAX_DECODERS drafts
+        _ours(model, _ids(), policy=SkipPolicy.early_exit(4, depth), max_new_tokens=2)
+    assert len(decoders) == MAX_DECODERS and list(decoders.values())[-1].policy == SkipPolicy.early_exit(4, 3)
 
 
 # -- generate's arguments -----------------------------------------------------------------------------
@@ -320,6 +323,7 @@ def test_sampling_follows_the_model() -> None:
         (dict(synced_gpus=True), "synced_gpus"),
         (dict(skip_policy=None), "skip_policy"),
         (dict(skip_policy=3), "skip_policy"),
+        (dict(skip_policy="missing.json"), "missing.json"),
         (dict(token_type_ids=torch.zeros(1, 8, dtype=torch.long)), "token_type_ids"),
         (dict(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])), "attention_mask"),
     ],

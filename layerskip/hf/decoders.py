@@ -23,6 +23,9 @@ from layerskip.engine.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 
 CACHE_ATTRIBUTE = "_layerskip_decoders"
+# Each decoder may hold a low-precision copy of the model's projections: a caller that passes a
+# new SkipPolicy object every call (a sweep) must not grow memory without bound.
+MAX_DECODERS = 4
 PolicySpec = SkipPolicy | str | os.PathLike[str]
 
 
@@ -58,7 +61,10 @@ def decoder_for(model: nn.Module, spec: PolicySpec | None) -> Decoder:
     if decoders is None:
         decoders = {}
         model.__dict__[CACHE_ATTRIBUTE] = decoders  # bypasses nn.Module.__setattr__: a plain dict
-    decoder = decoders.get(key)
+    decoder = decoders.pop(key, None)
     if decoder is None:
-        decoder = decoders[key] = Decoder(model, _resolve(spec, model))
+        decoder = Decoder(model, _resolve(spec, model))
+        while len(decoders) >= MAX_DECODERS:
+            decoders.pop(next(iter(decoders)))  # the least recently used
+    decoders[key] = decoder  # re-inserted: dict order is recency
     return decoder
