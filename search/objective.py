@@ -20,7 +20,8 @@ from torch import nn
 
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.draft import DraftModel
-from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.exit_adapter import ExitAdapter
+from layerskip.engine.policy import ExitSettings, SkipPolicy
 from layerskip.engine.stats import GenerationStats
 from layerskip.hf import adapters
 from layerskip.hf.baselines import hf_generate
@@ -108,18 +109,22 @@ class CheapObjective:
         self.mode = mode
         self.ranking = tuple(ranking)
         self.latency_repeats = latency_repeats
-        self.draft_models: dict[str, DraftModel] = {}  # one per precision, every sublayer kept
+        # One per (precision, exit adapter file), every sublayer kept: an adapter is loaded once per
+        # study process, keyed by its content hash, never trained by a trial.
+        self.draft_models: dict[tuple[str, str], DraftModel] = {}
 
-    def draft_model(self, precision: str) -> DraftModel:
-        if precision not in self.draft_models:
-            self.draft_models[precision] = DraftModel(self.model, precision)
-        return self.draft_models[precision]
+    def draft_model(self, precision: str, exit: ExitSettings | None = None) -> DraftModel:
+        key = (precision, exit.sha256 if exit is not None else "")
+        if key not in self.draft_models:
+            adapter = None if exit is None else ExitAdapter.load(exit.adapter, self.model, exit.sha256)
+            self.draft_models[key] = DraftModel(self.model, precision, exit=adapter)
+        return self.draft_models[key]
 
     def score(self, policy: SkipPolicy, trial: optuna.Trial | None = None) -> CheapScore:
         cal = self.calibration
         k = policy.draft.max_draft_tokens
         draft_cost = draft = 0.0
-        draft_model = self.draft_model(policy.draft.precision)
+        draft_model = self.draft_model(policy.draft.precision, policy.exit)
         head_rows = policy.head_rows(adapters.lm_head(self.model).weight.shape[0])
         attention, mlp = policy.skip_attention, policy.skip_mlp
         if policy.draft.use_skip_draft:

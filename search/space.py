@@ -17,9 +17,23 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial
 
-from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.engine.precision import PRECISIONS
 from layerskip.errors import LayerskipError
+
+
+@dataclass(frozen=True)
+class ExitChoice:
+    """One trained exit adapter a study may choose (trained once, before the study: trials only load it)."""
+
+    label: str  # e.g. "L12-linear"
+    layer: int
+    kind: str
+    adapter: str  # absolute path of the safetensors file
+    sha256: str
+
+    def settings(self) -> ExitSettings:
+        return ExitSettings(self.adapter, self.sha256, self.layer, self.kind)
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,10 @@ class SearchSpace:
     # agreement); a trial bypasses the first ``skip_count`` of them. Empty: one switch per sublayer.
     sublayer_order: tuple[tuple[int, str], ...] = ()
     require_skip_draft: bool = False  # never try lookup-only drafting (lookup may still lead)
+    # Trained exit adapters a trial may draft through (``ExitChoice``s, from layerskip-train-exit
+    # runs): the draft then runs layers 0..exit, the adapter and the head. Empty: no exit knob.
+    exit_choices: tuple[ExitChoice, ...] = ()
+    exit_threshold_choices: tuple[float, ...] = (0.5,)  # an exit draft's starting confidence threshold
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,7 +125,22 @@ class SearchSpace:
         draft = self._suggest_draft(trial)
         if not draft.use_skip_draft:
             attention, mlp = [], []  # lookup-only drafting: the skip switches are unused
-        return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
+        exit_choice = self._suggest_exit(trial) if draft.use_skip_draft else None
+        if exit_choice is None:
+            return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
+        # An exit draft: every layer after the exit bypassed (the sublayer switches are unused),
+        # and it stops below a confidence threshold (Kangaroo's rule), which then adapts.
+        threshold = _pick(trial, "exit_threshold", self.exit_threshold_choices)
+        draft = replace(draft, adaptive=True, length_by_cost=False, initial_threshold=threshold)
+        deep = tuple(range(exit_choice.layer + 1, self.num_layers))
+        trial.set_user_attr("skip_fraction", 2 * len(deep) / (2 * self.num_layers))
+        return SkipPolicy(skip_attention=deep, skip_mlp=deep, draft=draft, exit=exit_choice.settings())
+
+    def _suggest_exit(self, trial: optuna.Trial) -> ExitChoice | None:
+        if not self.exit_choices:
+            return None
+        labels = {choice.label: choice for choice in self.exit_choices}
+        return labels.get(trial.suggest_categorical("exit", ["none", *labels]))
 
     def _suggest_draft(self, trial: optuna.Trial) -> DraftSettings:
         k = trial.suggest_categorical("max_draft_tokens", list(self.draft_token_choices))

@@ -16,7 +16,7 @@ from compare import assert_same_tokens, hf_greedy
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _exact_laws, tv
 from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model
 
-from layerskip.engine.decoding import DecodeSettings, Decoder, decode_speculative
+from layerskip.engine.decoding import Decoder, DecodeSettings, decode_speculative
 from layerskip.engine.exit_adapter import ExitAdapter, ExitSpec
 from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling
@@ -99,7 +99,9 @@ def test_exit_draft_with_every_draft_ending(ending: str, tmp_path: Path) -> None
 def test_exit_draft_with_on_the_fly_selection(tmp_path: Path) -> None:
     model = _model("qwen2")
     prompt = random_prompt()
-    policy = replace(exit_policy(model, tmp_path, "linear", layer=2), on_the_fly=SkipPolicy.adaptive_selection().on_the_fly)
+    policy = replace(
+        exit_policy(model, tmp_path, "linear", layer=2), on_the_fly=SkipPolicy.adaptive_selection().on_the_fly
+    )
     reference, logits = hf_greedy(model, prompt, NEW_TOKENS)
     tokens, _ = Decoder(model, policy).decode(prompt, DecodeSettings(NEW_TOKENS))
     assert_same_tokens(tokens, reference, ref_logits=logits)

@@ -88,3 +88,38 @@ def hf_custom_generate(
         **kwargs,
     )
     return out.sequences[0, ids.shape[1] :].tolist(), out.stats
+
+
+@torch.inference_mode()
+def batched_continuations(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    pad_token_id: int,
+    temperature: float = 0.0,
+    batch_size: int = 16,
+    seed: int = 0,
+) -> list[list[int]]:
+    """The model's own continuations of many prompts, ``batch_size`` at a time (left-padded):
+    greedy, or sampled at ``temperature``. No EOS stop, so every continuation is full length
+    (the data for self-distillation; batching makes it many times faster than one at a time)."""
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    results: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        group = [list(p) for p in prompts[start : start + batch_size]]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in group], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=pad_token_id,
+            eos_token_id=None,
+            **({"do_sample": False, "temperature": None, "top_p": None, "top_k": None} | sampling),
+        )
+        results += out[:, width:].tolist()
+    return results

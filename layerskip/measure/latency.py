@@ -15,6 +15,8 @@ from torch import nn
 
 from layerskip.engine.cache import RollbackCache
 from layerskip.engine.draft import DraftModel
+from layerskip.engine.exit_adapter import ExitAdapter
+from layerskip.engine.exit_draft import capturing_layer_output, fill_adapter_cache
 from layerskip.engine.forward import full_logits
 from layerskip.hf import adapters
 
@@ -38,10 +40,23 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
     return statistics.median(_time_once(fn, device) for _ in range(repeats))
 
 
-def _prefilled_cache(model: nn.Module, context: Sequence[int]) -> tuple[RollbackCache, torch.device]:
+def _prefilled_cache(
+    model: nn.Module, context: Sequence[int], exit: ExitAdapter | None = None
+) -> tuple[RollbackCache, torch.device]:
+    """A cache holding ``context``; with a layer exit adapter, its own cache layer too."""
     device = next(model.parameters()).device
-    cache = RollbackCache(adapters.sliding_windows(model))
-    full_logits(model, torch.tensor([list(context)], device=device), cache, 0, keep=1)
+    windows = adapters.sliding_windows(model)
+    if exit is not None and exit.uses_cache:
+        windows.append(windows[exit.spec.layer])
+    cache = RollbackCache(windows)
+    block = torch.tensor([list(context)], device=device)
+    if exit is None or not exit.uses_cache:
+        full_logits(model, block, cache, 0, keep=1)
+        return cache, device
+    captured: list[torch.Tensor] = []
+    with capturing_layer_output(model, exit.spec.layer, captured):
+        full_logits(model, block, cache, 0, keep=1)
+    fill_adapter_cache(model, exit, block, captured[-1], cache, 0)
     return cache, device
 
 
@@ -55,7 +70,7 @@ def draft_step_seconds(
     repeats: int = 7,
 ) -> float:
     """Median seconds of one draft token (bypassed stack in the draft's precision + its head) after ``context``."""
-    cache, device = _prefilled_cache(draft_model.model, context)
+    cache, device = _prefilled_cache(draft_model.model, context, draft_model.exit)
     length = len(context)
     token = torch.tensor([[context[-1]]], device=device)
     rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
@@ -120,7 +135,7 @@ def draft_step_breakdown(
     of the wall time (Python, module calls, op dispatch). Op times are torch.profiler self times."""
     from torch.profiler import ProfilerActivity, profile
 
-    cache, device = _prefilled_cache(draft_model.model, context)
+    cache, device = _prefilled_cache(draft_model.model, context, draft_model.exit)
     length = len(context)
     token = torch.tensor([[context[-1]]], device=device)
     rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)

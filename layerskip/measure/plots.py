@@ -67,3 +67,23 @@ def heatmap(ax: Axes, values: Any, rows: list[str], label: str, vmax: float | No
     ax.set_yticks(range(len(rows)), rows)
     ax.figure.colorbar(image, ax=ax, label=label, shrink=0.9)
     return image
+
+
+def exit_agreement_plot(report: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Agreement with the full model against exit depth, without and with each adapter kind
+    (layerskip-train-exit's report; held-out domains where there are any, else validation)."""
+    exits = report["exits"]
+    split = "held_out" if any(e["with_adapter"]["held_out"] for e in exits) else "validation"
+    fig, ax = figure(6.0, 3.6)
+    depths = sorted({e["layer"] for e in exits})
+    plain = {e["layer"]: e["without_adapter"][split]["all"]["agreement"] for e in exits}
+    ax.plot([d + 1 for d in depths], [plain[d] for d in depths], "o--", color="grey", label="plain exit")
+    for kind in sorted({e["kind"] for e in exits}):
+        points = sorted((e["layer"], e["with_adapter"][split]["all"]["agreement"]) for e in exits if e["kind"] == kind)
+        ax.plot([d + 1 for d, _ in points], [a for _, a in points], "o-", label=f"{kind} adapter")
+    ax.set_xlabel("layers the draft runs (exit depth)")
+    ax.set_ylabel(f"top-1 agreement ({split.replace('_', '-')})")
+    ax.set_ylim(0, 1)
+    ax.set_title(str(report.get("model", "")))
+    ax.legend()
+    return PNG(fig).save(path)

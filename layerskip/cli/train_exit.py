@@ -1,0 +1,374 @@
+"""layerskip-train-exit: self-distil exit adapters for one model, at several exit layers in one pass.
+
+The full model runs once over the corpus (teacher forcing: every position's next-token law and
+every candidate layer's hidden state from the same forward); then an adapter of each kind is
+trained per exit layer, with early stopping on in-domain validation documents. Agreement is
+reported with and without the adapter, per domain, on validation documents and on held-out
+domains the adapters never saw. Writes, under --out: one safetensors adapter and one policy
+per (layer, kind), report.json / report.csv, agreement.png, and checkpoints/ (a re-run of the
+same command resumes from them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from layerskip.cli.common import add_model_arguments, int_list, run_cli, str_list
+from layerskip.distill.corpus import Document, code_documents, prompt_documents, split_documents
+from layerskip.distill.teacher import TeacherData, cache_key, chunk_documents, collect, own_continuations
+from layerskip.distill.train import Student, TrainSettings, evaluate, rank_rows, state_size, train_adapter
+from layerskip.engine.exit_adapter import KINDS, ExitAdapter, ExitSpec
+from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
+from layerskip.engine.precision import PRECISIONS
+from layerskip.errors import LayerskipError
+from layerskip.fileio import write_bytes_atomic, write_json_atomic, write_text_atomic
+from layerskip.hf import adapters
+
+SPEC_BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+STDLIB = "stdlib"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="layerskip-train-exit", description=__doc__)
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--data",
+        action="append",
+        help="prompt/text file (Spec-Bench JSONL, json/jsonl/csv/parquet); repeatable "
+        "(default: ../shared/data/spec_bench/question.jsonl if present, else the built-in prompts)",
+    )
+    parser.add_argument("--text-field", help="column holding the text (json/csv/parquet)")
+    parser.add_argument(
+        "--code-dir",
+        action="append",
+        default=[],
+        help=f"directory of source code ('{STDLIB}': Python's own); repeatable",
+    )
+    parser.add_argument("--code-files", type=int, default=200, help="at most this many files per code directory")
+    parser.add_argument("--holdout", type=str_list, default=(), help="domains (categories, 'code') never trained on")
+    parser.add_argument("--layers", type=int_list, required=True, help="candidate exit layers, e.g. 6,9,12")
+    parser.add_argument("--kinds", type=str_list, default=("linear",), help=f"adapter kinds: {', '.join(KINDS)}")
+    parser.add_argument("--rank", type=int, default=64, help="linear adapter rank (0 = full square map)")
+    parser.add_argument("--positions", type=int, default=60_000, help="teacher-forced positions to collect")
+    parser.add_argument("--chunk-tokens", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=32, help="teacher probabilities kept per position")
+    parser.add_argument(
+        "--continuations",
+        type=int,
+        default=64,
+        help="prompts the model continues itself (its own text: what a draft faces); 0 = corpus text only",
+    )
+    parser.add_argument("--continuation-tokens", type=int, default=96, help="tokens per own continuation")
+    parser.add_argument("--temperature", type=float, default=0.0, help="own continuations: 0 greedy, else sampled")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="draft head rows (0 = full vocabulary)")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-chunks", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 2e-3 linear, 2e-4 layer)")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--precision", default=None, choices=PRECISIONS, help="the policies' draft precision")
+    parser.add_argument("--max-draft-tokens", type=int, default=6)
+    parser.add_argument("--threshold", type=float, default=0.5, help="the policies' adaptive confidence threshold")
+    parser.add_argument("--reuse-kv", action="store_true", help="policies reuse the draft's K/V (precision 'model')")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="directory for adapters, policies, report and checkpoints")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Everything that can be wrong with the arguments, before any model is loaded."""
+    for kind in args.kinds:
+        if kind not in KINDS:
+            raise LayerskipError(f"unknown adapter kind '{kind}' in --kinds; use {', '.join(KINDS)}")
+    if not args.layers or any(layer < 0 for layer in args.layers):
+        raise LayerskipError("--layers must list exit layers >= 0, e.g. --layers 6,9,12")
+    positive = {
+        "--positions": args.positions,
+        "--chunk-tokens": args.chunk_tokens,
+        "--top-k": args.top_k,
+        "--epochs": args.epochs,
+        "--batch-chunks": args.batch_chunks,
+        "--max-draft-tokens": args.max_draft_tokens,
+        "--code-files": args.code_files,
+        "--continuation-tokens": args.continuation_tokens,
+    }
+    for flag, value in positive.items():
+        if value <= 0:
+            raise LayerskipError(f"{flag} must be > 0 (got {value})")
+    if args.continuations < 0 or not 0 <= args.temperature <= 5:
+        raise LayerskipError("--continuations must be >= 0 and --temperature in [0, 5]")
+    if args.rank < 0 or args.draft_vocab < 0:
+        raise LayerskipError("--rank and --draft-vocab must be >= 0 (0 = full)")
+    if args.lr is not None and not args.lr > 0:
+        raise LayerskipError(f"--lr must be > 0 (got {args.lr})")
+    if not 0 <= args.weight_decay < 1 or not 0 <= args.threshold <= 1:
+        raise LayerskipError("--weight-decay must be in [0, 1) and --threshold in [0, 1]")
+    if not 0 <= args.seed < 2**32:
+        raise LayerskipError(f"--seed must be in 0..{2**32 - 1} (got {args.seed})")
+    if args.reuse_kv and args.precision not in (None, "model"):
+        raise LayerskipError("--reuse-kv needs the draft in the model's own weights; drop --precision or --reuse-kv")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise LayerskipError(f"--out {out} is a file; pass a directory")
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not os.access(probe, os.W_OK):
+        raise LayerskipError(f"cannot write to {probe}; pass a writable --out directory")
+    for path in [*(args.data or []), *(d for d in args.code_dir if d != STDLIB)]:
+        if not Path(path).expanduser().exists():
+            raise LayerskipError(f"{path} not found; pass an existing --data file or --code-dir directory")
+
+
+def gather(args: argparse.Namespace) -> list[Document]:
+    sources = args.data or ([str(SPEC_BENCH)] if SPEC_BENCH.is_file() else ["builtin"])
+    documents: list[Document] = []
+    for source in sources:
+        documents += prompt_documents(source, args.text_field)
+    for directory in args.code_dir:
+        root = sysconfig.get_paths()["stdlib"] if directory == STDLIB else directory
+        documents += code_documents(root, args.code_files, seed=args.seed)
+    return documents
+
+
+def teacher_data(
+    model: torch.nn.Module,
+    tokenizer: object,
+    documents: list[Document],
+    args: argparse.Namespace,
+    out: Path,
+    chat: bool,
+) -> tuple[TeacherData, dict[str, int], list[str]]:
+    """Collect (or reuse from --out) the teacher's data for every split; returns it with chunk counts
+    per split and the training domains. Everything it depends on keys the cache, so a re-run of the
+    same command (after an interruption, say) skips the continuations and the teacher's forward."""
+    split = split_documents(documents, args.holdout, seed=args.seed)
+    settings = {
+        k: getattr(args, k)
+        for k in ("positions", "chunk_tokens", "continuations", "continuation_tokens", "temperature", "seed", "top_k")
+    }
+    key = cache_key(
+        adapters.weights_fingerprint(model),
+        [(d.domain, d.text) for d in documents],
+        sorted(set(args.layers)),
+        {**settings, "holdout": sorted(args.holdout), "chat": chat},
+    )
+    cached = out / "checkpoints" / f"teacher-{key}.pt"
+    if cached.is_file():
+        try:
+            state = torch.load(cached, weights_only=False)
+            return TeacherData.from_state(state["data"]), state["counts"], split.domains()["train"]
+        except Exception:  # a damaged cache: collect again
+            print(f"warning: {cached} is unreadable; collecting the teacher's data again", file=sys.stderr)
+    shares = {"train": 0.8, "validation": 0.1, "held_out": 0.1}
+    wanted = {"train": args.continuations, "validation": args.continuations // 4, "held_out": args.continuations // 4}
+    chunks: list[tuple[str, list[int]]] = []
+    counts: dict[str, int] = {}
+    for name in ("train", "validation", "held_out"):
+        docs = list(getattr(split, name))
+        docs += own_continuations(
+            model, tokenizer, docs, wanted[name], args.continuation_tokens, chat, args.temperature, seed=args.seed
+        )
+        part = chunk_documents(tokenizer, docs, args.chunk_tokens, int(args.positions * shares[name])) if docs else []
+        counts[name] = len(part)
+        chunks += part
+    if counts["train"] == 0:
+        raise LayerskipError(
+            "the training documents hold fewer tokens than one chunk; add --data or lower --chunk-tokens"
+        )
+    data = collect(model, chunks, sorted(set(args.layers)), args.top_k, progress=not args.quiet)
+    buffer = io.BytesIO()
+    torch.save({"data": data.state(), "counts": counts}, buffer)
+    write_bytes_atomic(cached, buffer.getvalue())
+    return data, counts, split.domains()["train"]
+
+
+def _scores(scores: dict) -> dict[str, dict[str, float]]:
+    return {domain: {"positions": s.positions, "agreement": s.agreement, "kl": s.kl} for domain, s in scores.items()}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_arguments(args)
+    from layerskip.hf.models import load_model
+
+    started = time.perf_counter()
+    out = Path(args.out)
+    lm = load_model(args.model, args.dtype, args.device)
+    model, count = lm.model, adapters.num_layers(lm.model)
+    for layer in args.layers:
+        ExitSpec(layer=layer, rank=args.rank).validate(count)
+    precision = args.precision or ("model" if args.reuse_kv or model.device.type != "cpu" else "int4")
+    documents = gather(args)
+    data, counts, trained_domains = teacher_data(model, lm.tokenizer, documents, args, out, lm.instruct)
+    teacher_seconds = time.perf_counter() - started
+    train = data.select(range(counts["train"]))
+    validation = data.select(range(counts["train"], counts["train"] + counts["validation"]))
+    held_out = data.select(range(counts["train"] + counts["validation"], len(data.domains)))
+    vocab_size = adapters.lm_head(model).weight.shape[0]
+    rows = rank_rows(train, vocab_size, args.draft_vocab).to(model.device)
+    report: dict[str, object] = {
+        "model": lm.name,
+        "fingerprint": adapters.weights_fingerprint(model),
+        "positions": {"train": train.positions, "validation": validation.positions, "held_out": held_out.positions},
+        "domains": {
+            "train": sorted(set(train.domains)),
+            "validation": sorted(set(validation.domains)),
+            "held_out": sorted(set(held_out.domains)),
+        },
+        "draft_vocab": len(rows),
+        "teacher_seconds": teacher_seconds,
+        "exits": [],
+    }
+    table: list[dict[str, object]] = []
+    for layer in sorted(set(args.layers)):
+        student = Student(model, layer, rows)
+        plain = {
+            "validation": _scores(evaluate(student, None, validation)),
+            "held_out": _scores(evaluate(student, None, held_out)) if held_out.domains else {},
+        }
+        for kind in args.kinds:
+            spec = ExitSpec(layer=layer, kind=kind, rank=args.rank)
+            settings = TrainSettings(
+                epochs=args.epochs,
+                batch_chunks=args.batch_chunks,
+                learning_rate=args.lr or (2e-3 if kind == "linear" else 2e-4),
+                weight_decay=args.weight_decay,
+                seed=args.seed,
+            )
+            provenance = {
+                "trained_by": "layerskip-train-exit",
+                "command": " ".join(sys.argv[1:]) if argv is None else " ".join(argv),
+                "train_domains": trained_domains,
+                "held_out_domains": list(args.holdout),
+                "positions": train.positions,
+                "settings": asdict(settings),
+            }
+            adapter = ExitAdapter.fresh(model, spec, provenance)
+            began = time.perf_counter()
+            result = train_adapter(
+                model,
+                adapter,
+                rows,
+                train,
+                validation,
+                settings,
+                checkpoint=out / "checkpoints" / f"exit-L{layer}-{kind}.pt",
+                progress=not args.quiet,
+            )
+            seconds = time.perf_counter() - began
+            trained = {
+                "validation": _scores(evaluate(student, adapter.module, validation)),
+                "held_out": _scores(evaluate(student, adapter.module, held_out)) if held_out.domains else {},
+            }
+            adapter.provenance["train_seconds"] = seconds
+            name = f"exit-L{layer}-{kind}"
+            sha = adapter.save(out / f"{name}.safetensors")
+            policy = make_policy(
+                model, lm.name, adapter, sha, f"{name}.safetensors", rows, precision, args, trained_domains
+            )
+            policy = replace(policy, root=str(out.resolve()))
+            policy.save(out / f"{name}.json")
+            entry = {
+                "layer": layer,
+                "kind": kind,
+                "parameters": state_size(adapter.module),
+                "train_seconds": seconds,
+                "steps": result.steps,
+                "stopped_early": result.stopped_early,
+                "adapter": f"{name}.safetensors",
+                "policy": f"{name}.json",
+                "sha256": sha,
+                "without_adapter": plain,
+                "with_adapter": trained,
+                "evaluations": result.evaluations,
+            }
+            report["exits"].append(entry)
+            for split_name in ("validation", "held_out"):
+                for domain, figures in trained[split_name].items():
+                    table.append(
+                        {
+                            "layer": layer,
+                            "kind": kind,
+                            "split": split_name,
+                            "domain": domain,
+                            "positions": figures["positions"],
+                            "agreement_without": plain[split_name][domain]["agreement"],
+                            "agreement_with": figures["agreement"],
+                            "kl_without": plain[split_name][domain]["kl"],
+                            "kl_with": figures["kl"],
+                        }
+                    )
+            print(
+                f"layer {layer} {kind}: held-out agreement {plain['held_out'].get('all', {}).get('agreement', 0):.3f} "
+                f"-> {trained['held_out'].get('all', {}).get('agreement', 0):.3f}, validation "
+                f"{plain['validation']['all']['agreement']:.3f} -> {trained['validation']['all']['agreement']:.3f} "
+                f"({seconds:.0f} s)",
+                file=sys.stderr,
+            )
+    report["total_seconds"] = time.perf_counter() - started
+    write_json_atomic(out / "report.json", report)
+    write_text_atomic(out / "report.csv", _csv(table))
+    from layerskip.measure.plots import exit_agreement_plot
+
+    exit_agreement_plot(report, out / "agreement.png")
+    print(json.dumps({"out": str(out), "total_seconds": round(report["total_seconds"], 1)}))
+    return 0
+
+
+def make_policy(
+    model: torch.nn.Module,
+    name: str,
+    adapter: ExitAdapter,
+    sha: str,
+    relative: str,
+    rows: torch.Tensor,
+    precision: str,
+    args: argparse.Namespace,
+    trained_domains: list[str],
+) -> SkipPolicy:
+    """The policy an exit adapter drafts with: deep layers bypassed, adaptive length, the ranked head rows."""
+    count = adapters.num_layers(model)
+    draft = DraftSettings(
+        max_draft_tokens=args.max_draft_tokens,
+        adaptive=True,
+        initial_threshold=args.threshold,
+        target_acceptance=0.8,
+        draft_vocab_size=args.draft_vocab if args.draft_vocab < len(adapters.lm_head(model).weight) else 0,
+        precision=precision,
+    )
+    policy = SkipPolicy.early_exit(
+        count,
+        adapter.spec.layer + 1,
+        draft=draft,
+        draft_vocabulary=tuple(rows.tolist()) if draft.draft_vocab_size else (),
+        provenance={
+            "source": "layerskip-train-exit",
+            "calibration": {"categories": trained_domains},
+            "adapter": adapter.provenance,
+        },
+    )
+    exit_settings = ExitSettings(relative, sha, adapter.spec.layer, adapter.spec.kind, args.reuse_kv)
+    return replace(policy, exit=exit_settings).with_model(model, name)
+
+
+def _csv(rows: list[dict[str, object]]) -> str:
+    buffer = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(_main, argv)

@@ -1,0 +1,168 @@
+"""Self-distilled exit adapters: training lowers held-out KL, resumes from its checkpoint, and the
+CLI trains, writes usable policies and refuses bad input in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_bad_input, run_script
+from tiny_models import save_checkpoint, tiny_model
+
+from layerskip.distill import train as train_module
+from layerskip.distill.corpus import Document, split_documents
+from layerskip.distill.teacher import TeacherData, chunk_documents, collect
+from layerskip.distill.train import Student, TrainSettings, evaluate, rank_rows, train_adapter
+from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.engine.exit_adapter import ExitAdapter, ExitSpec
+from layerskip.engine.policy import SkipPolicy
+from layerskip.errors import LayerskipError
+
+LAYER = 1
+
+
+def _teacher(model: torch.nn.Module, chunks: int, seed: int) -> TeacherData:
+    """Teacher data over random token chunks (the teacher's law at every position is what is learnt)."""
+    generator = torch.Generator().manual_seed(seed)
+    pieces = [("tiny", torch.randint(0, 128, (32,), generator=generator).tolist()) for _ in range(chunks)]
+    return collect(model, pieces, [LAYER], top_k=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_data() -> tuple[torch.nn.Module, TeacherData, TeacherData]:
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    return model, _teacher(model, 48, seed=1), _teacher(model, 12, seed=2)
+
+
+@pytest.mark.parametrize("kind", ["linear", "layer"])
+def test_training_lowers_held_out_kl(tiny_data, kind: str) -> None:
+    model, train, held_out = tiny_data
+    rows = rank_rows(train, 128, 0)
+    student = Student(model, LAYER, rows)
+    adapter = ExitAdapter.fresh(model, ExitSpec(layer=LAYER, kind=kind, rank=16))
+    before = evaluate(student, adapter.module if kind == "layer" else None, held_out)["all"]
+    settings = TrainSettings(epochs=15, batch_chunks=8, learning_rate=1e-2 if kind == "linear" else 3e-3, hard_weight=0)
+    flags = [p.requires_grad for p in model.parameters()]
+    result = train_adapter(model, adapter, rows, train, held_out, settings, progress=False)
+    assert [p.requires_grad for p in model.parameters()] == flags  # the model is restored as it was
+    after = evaluate(student, adapter.module, held_out)["all"]
+    assert after.kl < (0.9 if kind == "linear" else 0.97) * before.kl, (before, after)
+    assert result.best_loss == pytest.approx(after.kl, rel=1e-4)
+
+
+def test_resumed_training_continues_from_its_checkpoint(tiny_data, tmp_path: Path, monkeypatch) -> None:
+    model, train, held_out = tiny_data
+    rows = rank_rows(train, 128, 64)
+    settings = TrainSettings(epochs=3, batch_chunks=8, evals_per_epoch=2, patience=100)
+    whole = ExitAdapter.fresh(model, ExitSpec(layer=LAYER, rank=8))
+    torch.manual_seed(0)
+    whole.module.load_state_dict(ExitAdapter.fresh(model, ExitSpec(layer=LAYER, rank=8)).module.state_dict())
+    start = {k: v.clone() for k, v in whole.module.state_dict().items()}
+    full = train_adapter(model, whole, rows, train, held_out, settings, progress=False)
+
+    interrupted = ExitAdapter.fresh(model, ExitSpec(layer=LAYER, rank=8))
+    interrupted.module.load_state_dict(start)
+    saves = []
+    original = train_module._save_checkpoint
+
+    def save_then_die(path: Path, state: dict) -> None:
+        original(path, state)
+        saves.append(state["step"])
+        if len(saves) == 2:
+            raise KeyboardInterrupt  # killed right after its second checkpoint
+
+    monkeypatch.setattr(train_module, "_save_checkpoint", save_then_die)
+    checkpoint = tmp_path / "exit.pt"
+    with pytest.raises(KeyboardInterrupt):
+        train_adapter(model, interrupted, rows, train, held_out, settings, checkpoint, progress=False)
+    monkeypatch.setattr(train_module, "_save_checkpoint", original)
+    resumed = ExitAdapter.fresh(model, ExitSpec(layer=LAYER, rank=8))
+    resumed.module.load_state_dict(start)
+    again = train_adapter(model, resumed, rows, train, held_out, settings, checkpoint, progress=False)
+    assert again.steps == full.steps
+    assert [e["step"] for e in again.evaluations] == [e["step"] for e in full.evaluations]  # none repeated
+    for name, value in whole.module.state_dict().items():
+        torch.testing.assert_close(resumed.module.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_corpus_split_holds_out_whole_domains() -> None:
+    documents = [Document(domain, f"{domain} {i}") for domain in ("a", "b", "code") for i in range(10)]
+    split = split_documents(documents, ["code"], validation_fraction=0.2)
+    assert {d.domain for d in split.held_out} == {"code"}
+    assert {d.domain for d in split.validation} == {"a", "b"} and len(split.validation) == 4
+    assert not set(map(id, split.train)) & set(map(id, split.validation))
+    with pytest.raises(LayerskipError, match="held-out domain"):
+        split_documents(documents, ["nope"])
+
+
+def test_chunks_keep_small_domains() -> None:
+    from tiny_models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    documents = [Document("big", " ".join(f"w{i % 60}" for i in range(400))), Document("small", "hello world " * 10)]
+    chunks = chunk_documents(tokenizer, documents, chunk_tokens=16, max_positions=64)
+    assert {domain for domain, _ in chunks} == {"big", "small"}
+    assert all(len(ids) == 16 for _, ids in chunks)
+
+
+def _tiny_checkpoint(root: Path) -> Path:
+    path = root / "tiny-llama"
+    save_checkpoint(tiny_model("llama", vocab_size=66), path)
+    return path
+
+
+def test_cli_trains_writes_policies_and_resumes(tmp_path: Path) -> None:
+    model_dir = _tiny_checkpoint(tmp_path)
+    data = tmp_path / "text.jsonl"
+    words = [" ".join(f"w{(i * 7 + j) % 62}" for j in range(90)) for i in range(24)]
+    rows = [{"category": "prose" if i % 3 else "other", "turns": [w]} for i, w in enumerate(words)]
+    data.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    out = tmp_path / "exits"
+    args = [
+        "--model", str(model_dir), "--data", str(data), "--holdout", "other", "--layers", "0,1",
+        "--kinds", "linear,layer", "--positions", "1200", "--chunk-tokens", "16", "--draft-vocab", "0",
+        "--epochs", "2", "--out", str(out), "--quiet", "--precision", "model", "--continuations", "4",
+        "--continuation-tokens", "12",
+    ]  # fmt: skip
+    result = run_script("train_exit.py", *args)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert {(e["layer"], e["kind"]) for e in report["exits"]} == {
+        (0, "linear"),
+        (0, "layer"),
+        (1, "linear"),
+        (1, "layer"),
+    }
+    assert report["domains"]["held_out"] == ["other", "other:own"]  # its text, and the model continuing it
+    assert (out / "agreement.png").stat().st_size > 0 and (out / "report.csv").is_file()
+    policy = SkipPolicy.load(out / "exit-L1-layer.json")
+    from layerskip.hf.models import load_model
+
+    model = load_model(str(model_dir)).model
+    tokens, _ = Decoder(model, policy).decode([2, 3, 4, 5], DecodeSettings(max_new_tokens=8))
+    assert len(tokens) == 8
+    # Re-running the same command reuses the teacher's data and every finished checkpoint.
+    again = run_script("train_exit.py", *args)
+    assert again.returncode == 0, again.stderr
+    assert "teacher positions" not in again.stderr
+    assert json.loads((out / "report.json").read_text())["exits"][0]["steps"] == report["exits"][0]["steps"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--layers", "1", "--kinds", "mlp"], "unknown adapter kind"),
+        (["--layers", "-1"], "--layers"),
+        (["--layers", "1", "--positions", "0"], "--positions must be > 0"),
+        (["--layers", "1", "--seed", "-3"], "--seed"),
+        (["--layers", "1", "--data", "/no/such/file.jsonl"], "not found"),
+        (["--layers", "1", "--reuse-kv", "--precision", "int4"], "--reuse-kv"),
+    ],
+)
+def test_cli_bad_input_is_one_line_before_loading(tmp_path: Path, args: list[str], fragment: str) -> None:
+    result = run_script("train_exit.py", "--model", "/no/such/model", "--out", str(tmp_path / "o"), *args, timeout=60)
+    assert_bad_input(result, fragment)
+    assert not (tmp_path / "o").exists()
