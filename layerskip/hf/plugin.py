@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.generation import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.generation import GenerateDecoderOnlyOutput
 
 from layerskip.engine.decoding import DecodeSettings
 from layerskip.engine.stats import GenerationStats
@@ -138,4 +138,6 @@ def generate(model: nn.Module, **arguments: Any) -> torch.Tensor | SelfSpeculati
         arguments["stop_strings"], config.stop_strings = config.stop_strings, None
         arguments["generation_config"] = config
     loop = functools.partial(self_speculative_generate, **carried)
-    return GenerationMixin.generate(model, custom_generate=loop, **arguments)
+    # The class's generate: a model class may override it, and an instance attribute may be a
+    # custom_generate that transformers bound at load time (calling it would come back here).
+    return type(model).generate(model, custom_generate=loop, **arguments)
