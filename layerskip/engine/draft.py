@@ -60,6 +60,14 @@ class DraftModel:
                     (module, LowPrecisionProjection(*adapters.projection_weight(module), precision))
                     for module in adapters.sublayer_projections(model, index, kind)
                 ]
+            if exit is not None:
+                # The adapter's own projections run in the draft's precision too (a layer adapter
+                # costs as much as one of the model's layers).
+                self.projections[(-1, "exit")] = [
+                    (module, LowPrecisionProjection(*adapters.projection_weight(module), precision))
+                    for module in exit.module.modules()
+                    if adapters.projection_weight(module) is not None
+                ]
         head = adapters.lm_head(model)
         self._head_bias = head.bias
         self._full_head_copy: torch.Tensor | None = None  # the whole head in the draft dtype, made on first use

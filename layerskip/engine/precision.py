@@ -10,7 +10,7 @@ exactly the full model's (verify decides every token), only the acceptance may m
   bf16 activations); CPU.
 * ``int4``: groupwise (32 inputs) asymmetric int4 weights, the layout of GGUF's Q4_0/Q4_1/Q4_K
   blocks (``_weight_int4pack_mm_for_cpu``, bf16 activations); CPU. A projection whose input
-  width is not a multiple of the group falls back to bf16.
+  width is not a multiple of the group (or output width of 16) falls back to bf16.
 
 Activations are cast to bf16 at each projection and back, so the residual stream, the norms
 and the shared KV cache stay in the model's dtype. The copies cost memory: ``nbytes`` reports it.
@@ -28,6 +28,7 @@ from layerskip.errors import LayerskipError
 PRECISIONS = ("model", "bfloat16", "int8", "int4")
 CPU_ONLY = ("int8", "int4")
 INT4_GROUP = 32
+INT4_OUT_MULTIPLE = 16
 
 
 def check_precision(precision: str, device: torch.device) -> None:
@@ -45,8 +46,8 @@ class LowPrecisionProjection:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, precision: str) -> None:
         weight = weight.detach()
         out_features, in_features = weight.shape
-        if precision == "int4" and in_features % INT4_GROUP:
-            precision = "bfloat16"
+        if precision == "int4" and (in_features % INT4_GROUP or out_features % INT4_OUT_MULTIPLE):
+            precision = "bfloat16"  # the int4 kernel's layout needs these multiples
         self.precision = precision
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
         self._matmul = _BUILDERS[precision](weight)
