@@ -47,23 +47,46 @@ def builtin_prompts() -> list[Prompt]:
     return _from_spec_bench_rows([json.loads(line) for line in text.splitlines() if line.strip()], "built-in prompts")
 
 
+def _check_utf8(path: Path) -> None:
+    """Text prompt files must be UTF-8; the error names the line, before any parser sees the file."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise LayerskipError(f"prompts file {path} is not UTF-8 text (line {line}); save it as UTF-8") from None
+
+
 def _read_jsonl(path: Path) -> list[dict] | None:
     """Rows of a JSONL file if it is one whose rows have 'turns'; None if it is another format."""
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                if number == 1:
-                    return None
-                raise LayerskipError(f"{path} line {number} is not valid JSON; fix or remove that line") from None
-            if not isinstance(row, dict):
-                raise LayerskipError(f"{path} line {number} is not a JSON object")
-            rows.append(row)
-    return rows if rows and all("turns" in row for row in rows) else None
+    text = path.read_text(encoding="utf-8")
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == 1 and _is_json_document(text):
+                return None  # one JSON document (e.g. a pretty-printed list) named .jsonl: datasets reads it
+            raise LayerskipError(f"{path} line {number} is not valid JSON; fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise LayerskipError(f"{path} line {number} is not a JSON object")
+        rows.append((number, row))
+    with_turns = [number for number, row in rows if "turns" in row]
+    if with_turns and len(with_turns) < len(rows):
+        # A Spec-Bench file with a broken row: say which, rather than falling back to another format.
+        missing = next(number for number, row in rows if "turns" not in row)
+        raise LayerskipError(f"{path} line {missing} has no 'turns' (a list of strings) as the other rows do")
+    return [row for _, row in rows] if with_turns else None
+
+
+def _is_json_document(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _read_with_datasets(path: Path, text_field: str | None) -> list[Prompt]:
@@ -77,9 +100,12 @@ def _read_with_datasets(path: Path, text_field: str | None) -> list[Prompt]:
     except Exception as exc:  # datasets raises many types for malformed files
         raise LayerskipError(f"cannot read prompts from {path}: {str(exc).splitlines()[0]}") from None
     field = text_field or next((name for name in ("text", "prompt", "question") if name in table.column_names), None)
-    if field is None or field not in table.column_names:
+    if text_field is not None and text_field not in table.column_names:
+        raise LayerskipError(f"{path} has no text field '{text_field}'; pass --text-field, one of {table.column_names}")
+    if field is None:
         raise LayerskipError(
-            f"{path} has no text field '{text_field or 'text'}'; pass --text-field, one of {table.column_names}"
+            f"{path} has no 'turns' (Spec-Bench rows) and no 'text', 'prompt' or 'question' column; "
+            f"pass --text-field, one of {table.column_names}"
         )
     has_category = "category" in table.column_names
     prompts = []
@@ -114,6 +140,8 @@ def load_prompts(
             raise LayerskipError(f"prompts file {path} not found; pass an existing path or 'builtin'")
         if path.stat().st_size == 0:
             raise LayerskipError(f"prompts file {path} is empty")
+        if path.suffix.lower() != ".parquet":
+            _check_utf8(path)
         rows = _read_jsonl(path) if path.suffix.lower() == ".jsonl" and text_field is None else None
         prompts = _from_spec_bench_rows(rows, str(path)) if rows is not None else _read_with_datasets(path, text_field)
         if not prompts:

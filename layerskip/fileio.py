@@ -1,12 +1,16 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never half of it."""
+"""Atomic file writes (a reader sees the old file or the whole new one, never half of it), and
+checks, made before any work, that an output path can be written."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from layerskip.errors import LayerskipError
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes) -> Path:
@@ -33,3 +37,75 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its closest ancestor that exists (what a later mkdir would start from)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_creatable(path: Path, flag: str) -> None:
+    """``path`` does not exist yet: its closest existing ancestor must be a writable directory."""
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise LayerskipError(f"{flag} {path}: {base} is a file, not a directory; choose another path")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise LayerskipError(f"{flag} {path}: directory {base} is not writable; choose another path")
+
+
+def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """Raise LayerskipError unless a file can be written at ``path``; creates nothing.
+
+    Called before the work starts, so a run never spends minutes and then fails to save.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise LayerskipError(f"{flag} {path} is a directory; name a file, e.g. {path / 'policy.json'}")
+    if path.exists():
+        # Replaced atomically (a new file in the same directory), so the directory must be writable too.
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise LayerskipError(f"{flag} {path}: directory {path.parent} is not writable; choose another path")
+        return path
+    _check_creatable(path, flag)
+    return path
+
+
+def check_output_dir(path: str | os.PathLike[str], flag: str) -> Path:
+    """Raise LayerskipError unless files can be written into directory ``path``; creates nothing."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise LayerskipError(f"{flag} {path} is a file; name a directory")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise LayerskipError(f"{flag} directory {path} is not writable; choose another path")
+        return path
+    _check_creatable(path, flag)
+    return path
+
+
+def write_file_set(directory: str | os.PathLike[str], payloads: dict[str, bytes]) -> list[Path]:
+    """Write several files into ``directory`` as a set.
+
+    Every payload is already computed, so a failure to produce one leaves the directory as it
+    was. They are first written whole into a staging directory beside it, then each is renamed
+    into place (a rename within one file system does not fail half-way), so an earlier run's
+    files are replaced together or not at all.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-", dir=directory.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        for name, payload in payloads.items():
+            (staging / name).write_bytes(payload)
+            os.chmod(staging / name, 0o666 & ~umask)
+        written = []
+        for name in payloads:
+            os.replace(staging / name, directory / name)
+            written.append(directory / name)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

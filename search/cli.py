@@ -16,21 +16,33 @@ from pathlib import Path
 
 import torch
 
-from layerskip.cli.common import add_model_arguments, float_list, int_list, run_cli, str_list
+from layerskip.cli.common import (
+    add_model_arguments,
+    check_fits,
+    check_policies,
+    float_list,
+    int_list,
+    run_cli,
+    str_list,
+)
 from layerskip.data import load_prompts
 from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
+from layerskip.fileio import check_output_dir, check_output_file
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.measure.agreement import sublayer_order
+from search.checks import check_arguments, check_resumed_space
 from search.export import export_policy, verdict
+from search.journal import repair_journal
 from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibration
 from search.plots import write_plots
 from search.space import RANKING_ATTR, SearchSpace, trial_policy
 from search.study import (
     check_storage_url,
+    check_storage_writable,
     check_study_matches,
     confirmations,
     counted_trials,
@@ -188,6 +200,7 @@ def _summary(study, objective: str, top: list) -> str:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _check_numbers(args)
+    check_arguments(args)
     command = shlex.join(["layerskip-search", *(sys.argv[1:] if argv is None else argv)])
     prompts = load_prompts(
         args.prompts,
@@ -199,15 +212,27 @@ def _main(argv: list[str] | None) -> int:
     )
     seeds = {path: SkipPolicy.load(path) for path in args.warm_start}  # bad files fail before the model loads
     study_name = args.study_name or f"{Path(args.model).stem}-{args.objective}"
+    # Outputs are checked now: a search must not end, after all its work, unable to save.
+    check_output_file(args.out or f"{study_name}.policy.json", "--out")
+    if args.plots:
+        check_output_dir(args.plots, "--plots")
     # A database server is contacted now, so an unreachable one fails before the model loads; a
     # new SQLite or journal file is only created once every input has been checked, so a run that
     # fails on bad input leaves nothing behind.
     check_storage_url(args.storage)
     storage_file = local_storage_file(args.storage)
+    check_storage_writable(args.storage)
+    if storage_file is not None and not args.storage.startswith("sqlite:///"):
+        repair = repair_journal(storage_file)  # a damaged last record must go before anything appends
+        if repair is not None:
+            print(repair.warning(storage_file), file=sys.stderr)
     storage = open_storage(args.storage) if storage_file is None or storage_file.exists() else None
+    if storage is not None:  # resuming: a flag that changes the study's space is refused before any work
+        check_resumed_space(existing_study_attrs(storage, study_name), study_name, args)
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
+    check_policies({f"--warm-start {path}": policy for path, policy in seeds.items()}, model)
     identity = {
         "model_name": loaded.name,
         "model_architecture": adapters.architecture_of(model),
@@ -233,6 +258,8 @@ def _main(argv: list[str] | None) -> int:
     )
     chat = loaded.instruct if args.chat is None else args.chat
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
+    for prompt, ids in zip(prompts, prompt_ids):
+        check_fits(model, len(ids), max(args.reference_tokens, args.max_new_tokens), f"calibration prompt {prompt.id}")
     calibration_info = {
         "source": args.prompts,
         "prompts": [p.id for p in prompts],

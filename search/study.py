@@ -88,7 +88,9 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
     except ImportError as exc:
         # Optuna re-raises the driver's ModuleNotFoundError as a bare ImportError: name the module.
         missing = getattr(exc.__cause__, "name", None) or exc.name or "its driver module"
-        package = "pymysql" if url.startswith("mysql") else "psycopg2-binary"
+        # A bare mysql:// URL means SQLAlchemy's default driver, MySQLdb (package mysqlclient).
+        package = {"mysql://": "mysqlclient", "mysql+pymysql://": "pymysql"}.get(url.split("://")[0] + "://")
+        package = package or "psycopg2-binary"
         raise LayerskipError(
             f"storage {_redact(url)} needs a database driver ({missing} is not installed); pip install {package}"
         ) from None
@@ -133,11 +135,34 @@ def _redact(url: str) -> str:
 
 
 def existing_study_attrs(storage: optuna.storages.BaseStorage, name: str) -> dict[str, Any] | None:
-    """The user attributes of study ``name`` if it exists, else None (reads only)."""
-    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+    """The user attributes of study ``name`` if it exists, else None (reads only).
+
+    A storage that cannot be read (a damaged SQLite page, an unreadable journal) is one line
+    here, before any work, rather than a traceback from deep inside Optuna later."""
+    try:
+        summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
+    except Exception as exc:  # sqlalchemy and the journal raise many types
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise LayerskipError(
+            f"cannot read the study storage ({type(exc).__name__}: {first_line[:200]}); it may be damaged: "
+            "restore it from a backup or use another --storage"
+        ) from None
+    for summary in summaries:
         if summary.study_name == name:
             return dict(summary.user_attrs)
     return None
+
+
+def check_storage_writable(url: str) -> None:
+    """A SQLite or journal storage must be writable (file and directory: both write files beside
+    it), or a study fails only when it first writes, after calibration."""
+    path = local_storage_file(url)
+    if path is None:
+        return
+    if path.exists() and not os.access(path, os.W_OK):
+        raise LayerskipError(f"storage {path} is read-only; make it writable or copy it somewhere writable")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise LayerskipError(f"storage {path}: directory {path.parent} is not writable; choose a writable directory")
 
 
 def check_study_matches(attrs: dict[str, Any] | None, name: str, identity: dict[str, Any]) -> None:
@@ -179,12 +204,34 @@ def open_study(
     if new:
         for key, value in metadata.items():
             study.set_user_attr(key, value)
-    for params in [*(seeds or []), *(warm_starts if new else [])]:
-        study.enqueue_trial(params, skip_if_exists=True)
+    # A warm start that a killed or interrupted run left FAIL (or never reached) is run again;
+    # one already evaluated, queued or running elsewhere is not.
+    for params in [*(seeds or []), *warm_starts]:
+        if not has_twin(study, params):
+            study.enqueue_trial(params)
     runs = list(study.user_attrs.get("runs", []))
     runs.append(metadata.get("command", ""))
     study.set_user_attr("runs", runs[-50:])
     return study
+
+
+TWIN_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING, TrialState.RUNNING)
+
+
+def has_twin(study: optuna.Study, params: dict[str, Any]) -> bool:
+    """Whether a trial with exactly ``params`` is evaluated, queued or running (FAIL ones do not count)."""
+    for trial in study.get_trials(deepcopy=False, states=TWIN_STATES):
+        existing = trial.system_attrs.get("fixed_params", trial.params)
+        if existing.keys() == params.keys() and all(_same(existing[k], v) for k, v in params.items()):
+            return True
+    return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+        return float(a) == float(b)
+    return a == b
 
 
 def counted_trials(study: optuna.Study) -> int:

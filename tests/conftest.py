@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before anything imports huggingface_hub: nothing is ever downloaded
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -10,6 +11,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 SMOLLM2 = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint for the search CLI: 4 layers, hidden 32, 2 heads, 300-token byte-level BPE."""
+    from search_fixtures import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def other_llama(tmp_path_factory) -> Path:
+    """Another tiny Llama with different shapes (3 layers, hidden 48): another weights fingerprint."""
+    from search_fixtures import save_tiny_llama
+
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("models") / "other-llama", num_hidden_layers=3, hidden_size=48, intermediate_size=96
+    )
 
 
 @pytest.fixture(scope="session")

@@ -179,3 +179,23 @@ def wait_all(processes: Sequence[subprocess.Popen], timeout: float = 240) -> lis
             raise AssertionError(f"search worker overran {timeout} s\nstdout:\n{out}\nstderr:\n{err}") from None
         results.append((process.returncode, out, err))
     return results
+
+
+def search_in_process(capsys, model: Path | str, *args: str, fast: bool = True) -> subprocess.CompletedProcess:
+    """``layerskip-search`` through its own ``main`` in this process (the same one-line error path as
+    the script, without an interpreter start-up); ``capsys`` collects its output."""
+    from search.cli import main
+
+    argv = ["--model", str(model), *(FAST_ARGS if fast else []), *args]
+    code = main(argv)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+
+
+def generate_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``layerskip-generate`` through its own ``main`` in this process (see ``search_in_process``)."""
+    from layerskip.cli.generate import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from layerskip.data import Prompt
 from layerskip.engine.policy import DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import bench
+from layerskip.measure import report as report_module
 from layerskip.measure.bench import BenchConfig, Method, build_methods, run_benchmark, summarise
 from layerskip.measure.report import COLUMNS, held_out_table, write_outputs
 
@@ -320,9 +322,9 @@ def test_tuning_categories() -> None:
     assert bench.tuning_categories(None) is None
 
 
-def test_write_outputs(benchmark: dict, tmp_path: Path) -> None:
+def _results(benchmark: dict) -> dict:
     env = bench.environment(torch.device("cpu"))
-    results = {
+    return {
         "command": "layerskip-bench --model tiny-llama",
         "device": env["device"],
         "device_name": env.get("cpu_model", env["device_name"]),
@@ -336,12 +338,39 @@ def test_write_outputs(benchmark: dict, tmp_path: Path) -> None:
         "per_prompt": bench.rows_as_dicts(benchmark["rows"]),
         "environment": env,
     }
+
+
+def test_write_outputs(benchmark: dict, tmp_path: Path) -> None:
+    results = _results(benchmark)
     paths = write_outputs(results, tmp_path / "out")
     assert [p.name for p in paths] == list(OUTPUT_FILES)
     assert_output_files(tmp_path / "out", METHOD_NAMES, ["a", "b"])
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["versions"]["torch"] == torch.__version__
     assert len(saved["per_prompt"]) == len(benchmark["rows"])
+
+
+def test_write_outputs_replaces_an_earlier_run_whole_or_not_at_all(
+    benchmark: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--out naming an earlier run: a figure that fails to draw leaves that run's files untouched."""
+    out = tmp_path / "run"
+    results = _results(benchmark)
+    write_outputs(results, out)
+    before = {name: (out / name).read_bytes() for name in OUTPUT_FILES}
+
+    def broken_figure(results: dict) -> bytes:
+        raise RuntimeError("cannot draw")
+
+    monkeypatch.setattr(report_module, "speedup_png", broken_figure)
+    with pytest.raises(RuntimeError, match="cannot draw"):
+        write_outputs({**results, "model": "another"}, out)
+    assert {name: (out / name).read_bytes() for name in OUTPUT_FILES} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "a staging directory was left behind"
+    monkeypatch.undo()
+    write_outputs({**results, "model": "another"}, out)
+    assert json.loads((out / "results.json").read_text())["model"] == "another"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
 def assert_output_files(directory: Path, methods: list[str], categories: list[str]) -> dict:
@@ -441,20 +470,34 @@ def test_cli_end_to_end(cli_inputs: dict[str, str], tmp_path: Path) -> None:
     )
 
 
-def test_cli_from_results_bad_file(tmp_path: Path) -> None:
+@pytest.fixture
+def bench_cli(capsys: pytest.CaptureFixture[str]):
+    """``layerskip-bench ARGS`` in this process: the script's own ``main`` and one-line-error path,
+    without an interpreter start-up per bad-input case."""
+    from layerskip.cli.bench import main
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        code = main(list(args))
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+
+    return run
+
+
+def test_cli_from_results_bad_file(bench_cli, tmp_path: Path) -> None:
     bad = tmp_path / "results.json"
     bad.write_text("[1, 2]")
-    assert_bad_input(run_bench("--from-results", str(bad), "--out", str(tmp_path / "o")), "not a layerskip-bench")
+    assert_bad_input(bench_cli("--from-results", str(bad), "--out", str(tmp_path / "o")), "not a layerskip-bench")
     assert not (tmp_path / "o").exists()
 
 
-def test_cli_unknown_method(cli_inputs: dict[str, str], tmp_path: Path) -> None:
-    result = run_bench("--model", cli_inputs["model"], "--methods", "ar,turbo", "--out", str(tmp_path))
+def test_cli_unknown_method(bench_cli, cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    result = bench_cli("--model", cli_inputs["model"], "--methods", "ar,turbo", "--out", str(tmp_path))
     assert_bad_input(result, "unknown method", "turbo")
 
 
-def test_cli_self_spec_without_policy(cli_inputs: dict[str, str], tmp_path: Path) -> None:
-    result = run_bench("--model", cli_inputs["model"], "--methods", "ar,self-spec", "--out", str(tmp_path))
+def test_cli_self_spec_without_policy(bench_cli, cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    result = bench_cli("--model", cli_inputs["model"], "--methods", "ar,self-spec", "--out", str(tmp_path))
     assert_bad_input(result, "needs a policy", "--policy")
 
 
@@ -467,10 +510,10 @@ def test_cli_self_spec_without_policy(cli_inputs: dict[str, str], tmp_path: Path
     ids=["architecture", "num-layers"],
 )
 def test_cli_policy_for_another_model(
-    cli_inputs: dict[str, str], tmp_path: Path, identity: ModelIdentity, fragments: tuple[str, ...]
+    bench_cli, cli_inputs: dict[str, str], tmp_path: Path, identity: ModelIdentity, fragments: tuple[str, ...]
 ) -> None:
     policy = str(SkipPolicy(skip_mlp=(1,), model=identity).save(tmp_path / "other.json"))
-    result = run_bench(
+    result = bench_cli(
         "--model", cli_inputs["model"], "--prompts", cli_inputs["prompts"], "--policy", policy,
         "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--no-progress", "--no-chat",
     )  # fmt: skip
@@ -478,16 +521,70 @@ def test_cli_policy_for_another_model(
     assert not (tmp_path / "out").exists(), line  # nothing was benchmarked or written
 
 
-def test_cli_missing_prompts_file(cli_inputs: dict[str, str], tmp_path: Path) -> None:
+def test_cli_missing_prompts_file(bench_cli, cli_inputs: dict[str, str], tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.jsonl"
-    result = run_bench(
+    result = bench_cli(
         "--model", cli_inputs["model"], "--prompts", str(missing), "--methods", "ar", "--out", str(tmp_path / "out")
     )
     assert_bad_input(result, "not found", "nowhere.jsonl")
 
 
-def test_cli_per_category_zero(cli_inputs: dict[str, str], tmp_path: Path) -> None:
-    result = run_bench(
+def test_cli_per_category_zero(bench_cli, cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    result = bench_cli(
         "--model", cli_inputs["model"], "--per-category", "0", "--methods", "ar", "--out", str(tmp_path / "out")
     )
     assert_bad_input(result, "--per-category must be > 0")
+
+
+# -- faults: each ends in one line before any work, and leaves no file behind ------------------------------------
+@pytest.mark.parametrize(
+    "rows",
+    [[{"method": "ar"}], [[1, 2]], ["x"], [{"method": 3, "category": "a", "stats": "broken"}]],
+    ids=["missing-fields", "list-row", "string-row", "bad-stats"],
+)
+def test_cli_from_results_malformed_rows(bench_cli, tmp_path: Path, rows: list) -> None:
+    bad = tmp_path / "results.json"
+    bad.write_text(json.dumps({"per_prompt": rows, "policies": {}}))
+    assert_bad_input(bench_cli("--from-results", str(bad), "--out", str(tmp_path / "o")), "not a layerskip-bench")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_out_that_is_a_file_or_under_a_file(bench_cli, cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    # --model names nothing loadable: these checks must come before the model is loaded.
+    for out, fragment in ((taken, "is a file"), (taken / "sub", "is a file, not a directory")):
+        result = bench_cli("--model", str(tmp_path / "no-model"), "--methods", "ar", "--out", str(out))
+        assert_bad_input(result, "--out", fragment)
+    assert taken.read_text() == "mine"
+
+
+def test_cli_unwritable_out_is_refused_before_the_work(
+    bench_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
+    result = bench_cli("--model", str(tmp_path / "no-model"), "--methods", "ar", "--out", str(locked / "run"))
+    assert_bad_input(result, "not writable", str(locked))
+
+
+def test_cli_non_utf8_prompts(bench_cli, tmp_path: Path) -> None:
+    prompts = tmp_path / "latin1.jsonl"
+    prompts.write_bytes(json.dumps({"turns": ["caf\u00e9"]}).encode().replace(b"\\u00e9", "\xe9".encode("latin-1")))
+    args = ["--prompts", str(prompts), "--methods", "ar", "--out", str(tmp_path / "o")]
+    result = bench_cli("--model", str(tmp_path / "no-model"), *args)
+    assert_bad_input(result, "not UTF-8", "line 1")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_prompt_past_the_model_positions(bench_cli, cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"question_id": "long", "turns": [" ".join(["hello world"] * 200)]}) + "\n")
+    result = bench_cli(
+        "--model", cli_inputs["model"], "--prompts", str(prompts), "--methods", "ar", "--max-new-tokens", "8",
+        "--out", str(tmp_path / "o"), "--no-progress", "--no-chat",
+    )  # fmt: skip
+    assert_bad_input(result, "prompt long", "8 new tokens", "256 positions")
+    assert not (tmp_path / "o").exists()

@@ -181,7 +181,7 @@ def test_policy_json_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--policy", str(not_policy)), "not a layerskip")
     missing = str(tmp_path / "none.json")
     assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--policy", missing), "not found")
-    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--policy", str(tmp_path)), "not found")
+    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--policy", str(tmp_path)), "is a directory")
 
 
 @pytest.mark.parametrize(
@@ -191,8 +191,12 @@ def test_policy_json_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         ["--sample", "--temperature", "0"],
         ["--sample", "--top-p", "0"],
         ["--sample", "--top-k", "-1"],
+        ["--sample", "--temperature", "nan"],
+        ["--sample", "--temperature", "inf"],
+        ["--seed", "99999999999999999999999"],
+        ["--seed", "-1"],
     ],
-    ids=["negative-budget", "temperature", "top-p", "top-k"],
+    ids=["negative-budget", "temperature", "top-p", "top-k", "temperature-nan", "temperature-inf", "huge-seed", "seed"],
 )
 def test_bad_numeric_options(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert_bad_input(generate_in_process(capsys, "--prompt", "hi", *args))
@@ -259,3 +263,37 @@ def test_streaming_text_mode(compare_report: dict, smollm2_policy: str) -> None:
     # Greedy decoding is deterministic: the streamed text is the JSON report's text.
     assert result.stdout.strip() == compare_report["text"].strip()
     assert "tokens in" in result.stderr and "acceptance" in result.stderr
+
+
+# -- faults: output paths, positions, extreme sampling values ----------------------------------------------------
+def test_save_policy_path_checked_before_loading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = tmp_path / "file"
+    taken.write_text("mine")
+    common = ["--model", str(tmp_path / "no-model"), "--prompt", "hi", "--policy", "on-the-fly"]
+    for path, fragment in ((tmp_path, "is a directory"), (taken / "p.json", "is a file, not a directory")):
+        assert_bad_input(generate_in_process(capsys, *common, "--save-policy", str(path)), "--save-policy", fragment)
+    assert taken.read_text() == "mine"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary positions, and learned ones (an IndexError before)
+def test_prompt_past_the_model_positions(arch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    directory = tmp_path / arch
+    save_checkpoint(tiny_model(arch), directory)
+    prompt = " ".join(["hello world"] * 200)  # 400 tokens of the word-level tokenizer; the models hold 256
+    line = assert_bad_input(
+        generate_in_process(capsys, "--model", str(directory), "--prompt", prompt, "--no-chat", "--max-new-tokens", "8")
+    )
+    assert "400 tokens" in line and "8 new tokens" in line and "256 positions" in line
+    fits = ["--model", str(directory), "--prompt", "hello world", "--no-chat", "--json"]
+    assert_bad_input(generate_in_process(capsys, *fits, "--max-new-tokens", "300"), "256 positions")
+
+
+def test_tiny_temperature_samples_the_greedy_token(tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature 1e-30 is the limit of sampling: the greedy choice (no NaN from overflowing logits)."""
+    common = ["--model", tiny_llama_dir, "--prompt", "hello world", "--no-chat", "--json", "--max-new-tokens", "8"]
+    greedy = generate_in_process(capsys, *common)
+    assert greedy.returncode == 0, greedy.stderr
+    for policy in ([], ["--policy", "on-the-fly"]):
+        sampled = generate_in_process(capsys, *common, *policy, "--sample", "--temperature", "1e-30", "--seed", "3")
+        assert sampled.returncode == 0, sampled.stderr
+        assert json.loads(sampled.stdout)["text"] == json.loads(greedy.stdout)["text"]

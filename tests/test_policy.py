@@ -109,6 +109,8 @@ BAD_DICTS = {
     "unknown model field": _with(model={"layers": 30}),
     "provenance not an object": _with(provenance=[1]),
     "invalid draft values": _draft(max_draft_tokens=0),
+    "unknown top-level key": _with(skip_atention=[1]),  # misspelt: its setting would be silently lost
+    "negative vocabulary row": _with(draft_vocabulary=[5, -1]),
 }
 
 
@@ -144,8 +146,23 @@ def test_load_rejects_json_that_is_not_a_policy(tmp_path: Path) -> None:
 def test_load_missing_path_or_directory(tmp_path: Path) -> None:
     with pytest.raises(LayerskipError, match="not found"):
         SkipPolicy.load(tmp_path / "missing.json")
-    with pytest.raises(LayerskipError, match="not found"):
+    with pytest.raises(LayerskipError, match="is a directory"):
         SkipPolicy.load(tmp_path)
+
+
+def test_unknown_top_level_key_is_named() -> None:
+    with pytest.raises(LayerskipError, match=r"unknown key\(s\) \['skip_atention'\]"):
+        SkipPolicy.from_dict(_with(skip_atention=[1]))
+
+
+def test_validate_for_vocabulary_rows_out_of_range(llama) -> None:
+    rows = llama.get_output_embeddings().weight.shape[0]
+    SkipPolicy(
+        skip_attention=(1,), draft=DraftSettings(draft_vocab_size=4), draft_vocabulary=(0, rows - 1)
+    ).validate_for(llama)
+    policy = SkipPolicy(skip_attention=(1,), draft=DraftSettings(draft_vocab_size=4), draft_vocabulary=(0, rows))
+    with pytest.raises(LayerskipError, match=f"token id {rows} but this model's head has {rows} rows"):
+        policy.validate_for(llama)
 
 
 # -- validate_for ----------------------------------------------------------------------------------

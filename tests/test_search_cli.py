@@ -1,12 +1,16 @@
 """End-to-end tests of ``scripts/search.py`` on a tiny random Llama saved as a local HF directory.
 
-Every run is a real subprocess (offline, one thread), as a user would start it: resuming a study,
-journal and SQLite storages, two workers on one study, the Pareto objective and its plots, the
-one-line errors for bad input (leaving no file behind), and Ctrl-C in the middle of a study.
+Resuming a study, journal and SQLite storages, two workers on one study, the Pareto objective and
+its plots, the one-line errors for bad input (leaving no file behind), and Ctrl-C in the middle of
+a study. Two workers and Ctrl-C run the real script as subprocesses (offline, one thread), as a
+user would start it; the other runs call the same ``main`` in this process (``search``,
+``generate``): the one-line error path is the same, without an interpreter start-up (most of a
+tiny search's time) per run.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import sqlite3
@@ -20,11 +24,10 @@ from cli_helpers import assert_bad_input
 from optuna.trial import TrialState
 from search_fixtures import (
     counted,
+    generate_in_process,
     load_study,
     ok,
-    run_generate,
-    run_search,
-    save_tiny_llama,
+    search_in_process,
     start_search,
     trial_numbers,
     wait_all,
@@ -36,18 +39,16 @@ from search.space import trial_policy
 FINISHED = {TrialState.COMPLETE, TrialState.PRUNED}
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    """4 layers, hidden 32, 2 heads, 300-token byte-level BPE tokenizer."""
-    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+@pytest.fixture
+def run_search(capsys):
+    """``layerskip-search`` in this process: ``run_search(model, *args, fast=True)``."""
+    return functools.partial(search_in_process, capsys)
 
 
-@pytest.fixture(scope="session")
-def other_llama(tmp_path_factory) -> Path:
-    """Another tiny Llama with different shapes (3 layers, hidden 48): another weights fingerprint."""
-    return save_tiny_llama(
-        tmp_path_factory.mktemp("models") / "other-llama", num_hidden_layers=3, hidden_size=48, intermediate_size=96
-    )
+@pytest.fixture
+def run_generate(capsys):
+    """``layerskip-generate`` in this process: ``run_generate(*args)``."""
+    return functools.partial(generate_in_process, capsys)
 
 
 def states(study) -> list[TrialState]:
@@ -66,23 +67,24 @@ def snapshot(path: Path) -> tuple[bytes, int] | None:
 
 
 # -- the done-when flow ---------------------------------------------------------------------------------------------
-def test_search_writes_policy_resumes_and_policy_is_lossless(tiny_llama, tmp_path):
+def test_search_writes_policy_resumes_and_policy_is_lossless(run_search, run_generate, tiny_llama, tmp_path):
     db, out = tmp_path / "s.db", tmp_path / "p.json"
-    args = ["--n-trials", "12", "--storage", f"sqlite:///{db}", "--study-name", "t", "--out", str(out)]
+    args = ["--n-trials", "6", "--storage", f"sqlite:///{db}", "--study-name", "t", "--out", str(out)]
 
     first = ok(run_search(tiny_llama, *args))
-    assert "12 trials (complete + pruned)" in first.stdout
+    assert "6 trials (complete + pruned)" in first.stdout
     policy = SkipPolicy.load(out)
     study = load_study(f"sqlite:///{db}", "t")
     assert policy.model.fingerprint and policy.model.fingerprint == study.user_attrs["model_fingerprint"]
     assert policy.model.num_layers == 4 and policy.model.architecture == "llama"
     assert policy.provenance["study"] == "t" and policy.provenance["method"] == "optuna"
-    assert_clean_numbering(study, 12)
+    assert_clean_numbering(study, 6)
 
     second = ok(run_search(tiny_llama, *args))  # the same command again resumes the study
-    assert "12 trials so far" in second.stderr and "24 trials (complete + pruned)" in second.stdout
+    # 6 + 6: the second run also samples past TPE's 8 random start-up trials
+    assert "6 trials so far" in second.stderr and "12 trials (complete + pruned)" in second.stdout
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{db}")
-    assert_clean_numbering(study, 24)
+    assert_clean_numbering(study, 12)
     assert len(study.user_attrs["runs"]) == 2
     SkipPolicy.load(out)
 
@@ -107,7 +109,7 @@ def test_search_writes_policy_resumes_and_policy_is_lossless(tiny_llama, tmp_pat
 
 
 # -- what is scored is what is exported ------------------------------------------------------------------------------
-def test_single_choice_knobs_and_head_rows_reach_the_exported_policy(tiny_llama, tmp_path):
+def test_single_choice_knobs_and_head_rows_reach_the_exported_policy(run_search, tiny_llama, tmp_path):
     """Knobs given one value are no Optuna parameters, yet the trials score them and the export keeps them;
     the truncated head's rows in the file are the study's ranking, the rows every trial was scored with."""
     db, out = tmp_path / "k.db", tmp_path / "p.json"
@@ -126,7 +128,7 @@ def test_single_choice_knobs_and_head_rows_reach_the_exported_policy(tiny_llama,
 
 
 # -- journal storage, Pareto objective, plots, --total-trials ---------------------------------------------------------
-def test_journal_storage_pareto_plots_and_total_trials(tiny_llama, tmp_path):
+def test_journal_storage_pareto_plots_and_total_trials(run_search, tiny_llama, tmp_path):
     journal, out, plots = tmp_path / "j.log", tmp_path / "p.json", tmp_path / "plots"
     # With the lookup knobs: every trial keeps a skip draft, lookup runs have their own lengths and cut.
     lookup = ["--lookup", "0,3", "--lookup-tokens", "4,12", "--lookup-confidence", "0,0.2", "--require-skip-draft"]
@@ -145,9 +147,15 @@ def test_journal_storage_pareto_plots_and_total_trials(tiny_llama, tmp_path):
     assert all("use_skip_draft" not in t.params for t in study.trials)
     assert policy.draft.use_skip_draft
 
+    # A worker killed mid-append left half a record: the resume removes it (kept in a backup), warns, goes on.
+    whole = journal.read_bytes()
+    with journal.open("ab") as handle:
+        handle.write(b'{"op_code": 6, "worker_id": "w", "trial_id": 3, "user_at')
     # --total-trials caps the study, not this process: 3 more although 50 were asked for ...
     capped = ok(run_search(tiny_llama, *args, "--n-trials", "50", "--total-trials", "9"))
     assert "9 trials (complete + pruned)" in capped.stdout
+    assert "warning: journal" in capped.stderr and "damaged record" in capped.stderr
+    assert (tmp_path / "j.log.damaged-1").read_bytes().startswith(whole)
     assert_clean_numbering(load_study(str(journal), "tiny-llama-pareto"), 9)
     # ... and a study already at its cap runs none, but still exports.
     out.unlink()
@@ -217,7 +225,7 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_line_and_writes_nothing(tiny_llama, tmp_path, case):
+def test_bad_input_is_one_line_and_writes_nothing(run_search, tiny_llama, tmp_path, case):
     extra, kind, fragments = BAD_INPUTS[case]
     _prompt_files(tmp_path)
     db, journal, out = tmp_path / "s.db", tmp_path / "j.log", tmp_path / "p.json"
@@ -234,7 +242,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny_llama, tmp_path, case):
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
-def test_study_of_another_model_is_refused_untouched(tiny_llama, other_llama, tmp_path, kind):
+def test_study_of_another_model_is_refused_untouched(run_search, tiny_llama, other_llama, tmp_path, kind):
     path = tmp_path / ("s.db" if kind == "sqlite" else "j.log")
     url = f"sqlite:///{path}" if kind == "sqlite" else str(path)
     ok(
@@ -273,7 +281,7 @@ def _finished_trials(db: Path) -> int:
         return 0
 
 
-def test_ctrl_c_leaves_a_resumable_study(tiny_llama, tmp_path):
+def test_ctrl_c_leaves_a_resumable_study(run_search, tiny_llama, tmp_path):
     db = tmp_path / "s.db"
     url = f"sqlite:///{db}"
     args = ["--storage", url, "--study-name", "int", "--out", str(tmp_path / "p.json")]
@@ -305,7 +313,7 @@ def test_ctrl_c_leaves_a_resumable_study(tiny_llama, tmp_path):
 
 
 # -- warm start from what on-the-fly selection ended on ---------------------------------------------------------------
-def test_on_the_fly_set_seeds_a_study(tiny_llama, tmp_path):
+def test_on_the_fly_set_seeds_a_study(run_search, run_generate, tiny_llama, tmp_path):
     """generate.py --policy on-the-fly --save-policy writes the set it ended on; search --warm-start runs it first."""
     saved, db, out = tmp_path / "otf.json", tmp_path / "w.db", tmp_path / "p.json"
     common = ["--model", str(tiny_llama), "--no-chat", "--prompt", "Write a short story about a robot.", "--json"]

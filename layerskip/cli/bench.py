@@ -8,10 +8,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli, str_list
+from layerskip.cli.common import add_model_arguments, check_fits, check_policies, load_policies, run_cli, str_list
 from layerskip.data import load_prompts
 from layerskip.engine.policy import SkipPolicy
 from layerskip.errors import LayerskipError
+from layerskip.fileio import check_output_dir
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.measure.bench import (
@@ -84,9 +85,15 @@ def resummarise(results: dict) -> dict:
         # Only the provenance matters here; a run saved by an older version may hold fields since renamed.
         recorded = results["policies"].items()
         policies = {label: SkipPolicy(provenance=dict(data["provenance"])) for label, data in recorded}
-    except (KeyError, TypeError) as error:
-        problem = f"missing {error}" if isinstance(error, KeyError) else str(error)
+        return {**results, "methods": summarise(rows, _tuned_on(rows, policies))}
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as error:
+        # A hand-edited or truncated file: rows of the wrong shape fail anywhere in the summary.
+        detail = (str(error).strip().splitlines() or [""])[0]
+        problem = f"missing {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {detail}"
         raise LayerskipError(f"not a layerskip-bench results.json ({problem}); pass the file bench wrote") from None
+
+
+def _tuned_on(rows: list, policies: dict[str, SkipPolicy]) -> dict[str, frozenset[str]]:
     # Method names as build_methods gave them: "self-spec" for a lone policy, else "self-spec:LABEL".
     tuned_on = {}
     for name in {row.method for row in rows}:
@@ -96,11 +103,12 @@ def resummarise(results: dict) -> dict:
         policy = policies.get(label) if label else next(iter(policies.values()), None)
         if (cats := tuning_categories(policy)) is not None:
             tuned_on[name] = cats
-    return {**results, "methods": summarise(rows, tuned_on)}
+    return tuned_on
 
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    check_output_dir(args.out, "--out")  # before any work: a run that cannot be saved is not started
     if args.from_results:
         results = resummarise(read_results(args.from_results))
         for path in write_outputs(results, args.out):
@@ -127,6 +135,8 @@ def _main(argv: list[str] | None) -> int:
     assistant = load_model(args.assistant_model, args.dtype, args.device).model if args.assistant_model else None
     chat = loaded.instruct if args.chat is None else args.chat
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
+    for prompt, ids in zip(prompts, prompt_ids):
+        check_fits(model, len(ids), args.max_new_tokens, f"prompt {prompt.id}")
     methods = build_methods(model, names, eos_token_ids(model, tokenizer), policies, assistant, ablate=args.ablate)
     rows = run_benchmark(
         model, methods, prompts, prompt_ids, BenchConfig(args.max_new_tokens, progress=not args.no_progress)

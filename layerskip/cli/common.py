@@ -13,6 +13,7 @@ import torch
 
 from layerskip.engine.policy import OnTheFlySettings, SkipPolicy
 from layerskip.errors import LayerskipError
+from layerskip.hf import adapters
 
 EXIT_BAD_INPUT = 2
 
@@ -126,3 +127,20 @@ def check_policies(policies: dict[str, SkipPolicy | None], model: object) -> Non
             policy.validate_for(model)
         except LayerskipError as exc:
             raise LayerskipError(f"policy {label}: {exc}") from None
+
+
+def check_fits(model: torch.nn.Module, prompt_tokens: int, new_tokens: int, what: str = "the prompt") -> None:
+    """Refuse a prompt that, with the tokens to generate, runs past the model's positions: past
+    them, rotary models write garbage and learned-position models (GPT-2) fail with an IndexError."""
+    limit = adapters.max_positions(model)
+    if limit is not None and prompt_tokens + new_tokens > limit:
+        raise LayerskipError(
+            f"{what} has {prompt_tokens} tokens; with {new_tokens} new tokens that is {prompt_tokens + new_tokens}, "
+            f"past the model's {limit} positions; shorten the prompt or lower the number of new tokens"
+        )
+
+
+def check_seed(seed: int | None, flag: str = "--seed") -> None:
+    """torch seeds are 64-bit: a larger or negative number fails deep inside with an overflow."""
+    if seed is not None and not 0 <= seed < 2**63:
+        raise LayerskipError(f"{flag} must be between 0 and {2**63 - 1} (got {seed})")

@@ -6,11 +6,12 @@ import argparse
 import json
 import sys
 
-from layerskip.cli.common import add_model_arguments, load_policy, read_prompt, run_cli
+from layerskip.cli.common import add_model_arguments, check_fits, check_seed, load_policy, read_prompt, run_cli
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.onthefly import converged_policy
 from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
+from layerskip.fileio import check_output_file
 from layerskip.hf.baselines import hf_generate
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
@@ -77,6 +78,9 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    check_seed(args.seed)
+    if args.save_policy:
+        check_output_file(args.save_policy, "--save-policy")
     prompt = read_prompt(args.prompt, args.prompt_file)
     policy = load_policy(args.policy, resolve_device(args.device))[1] if args.policy else None
     if args.save_policy and (policy is None or policy.on_the_fly is None):
@@ -87,6 +91,7 @@ def _main(argv: list[str] | None) -> int:
     decoder = Decoder(model, policy)  # checks the policy against the model, prepares its draft once
     chat = loaded.instruct if args.chat is None else args.chat
     ids = encode_prompt(tokenizer, prompt, chat)
+    check_fits(model, len(ids), args.max_new_tokens)
     eos = eos_token_ids(model, tokenizer)
 
     def settings(max_new: int) -> DecodeSettings:

@@ -292,6 +292,12 @@ class SkipPolicy:
                 "use a policy made for this model"
             )
         adapters.check_indices(model, self.skip_attention, self.skip_mlp)
+        rows = adapters.lm_head(model).weight.shape[0]
+        if self.draft_vocabulary and max(self.draft_vocabulary) >= rows:
+            raise LayerskipError(
+                f"draft_vocabulary holds token id {max(self.draft_vocabulary)} but this model's head has {rows} rows; "
+                "use a policy made for this model"
+            )
         if self.exit is not None:
             self._validate_exit(count)
         if len(self.skip_attention) == count and len(self.skip_mlp) == count:
@@ -392,6 +398,11 @@ class SkipPolicy:
             raise LayerskipError(f'{source} is not a layerskip policy (missing "format": "{FORMAT}")')
         if data.get("version") != VERSION:
             raise LayerskipError(f"{source} has policy version {data.get('version')!r}; this layerskip reads {VERSION}")
+        # A misspelt key would be ignored and its setting silently lost: refused, as inside "draft".
+        known = {"format", "version"} | {f.name for f in fields(cls) if f.name != "root"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise LayerskipError(f"{source} has unknown key(s) {unknown}; known keys are {sorted(known)}")
         try:
             draft = _dataclass_from(DraftSettings, data.get("draft", {}))
             model = _dataclass_from(ModelIdentity, data.get("model", {}))
@@ -404,6 +415,8 @@ class SkipPolicy:
             exit_settings = None if exit_data is None else _dataclass_from(ExitSettings, exit_data)
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp, *vocabulary]):
                 raise TypeError("skip lists and draft_vocabulary must hold integers")
+            if any(i < 0 for i in vocabulary):
+                raise ValueError("draft_vocabulary must hold token ids >= 0")
             policy = cls(
                 skip_attention=tuple(attention),
                 skip_mlp=tuple(mlp),
@@ -438,6 +451,8 @@ class SkipPolicy:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SkipPolicy:
         path = Path(path)
+        if path.is_dir():
+            raise LayerskipError(f"policy path {path} is a directory; pass a policy JSON file")
         if not path.is_file():
             raise LayerskipError(f"policy file {path} not found; pass an existing --policy path")
         try:

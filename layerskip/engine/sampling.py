@@ -7,6 +7,7 @@ rejection sampling then makes the output distribution exactly p whatever q is.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +22,11 @@ class Sampling:
     top_p: float = 1.0  # 1.0 = no nucleus filter
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise LayerskipError("temperature must be > 0 (use greedy decoding instead of temperature 0)")
+        if not math.isfinite(self.temperature) or self.temperature <= 0:
+            raise LayerskipError(
+                f"temperature must be a finite number > 0, got {self.temperature} "
+                "(use greedy decoding instead of temperature 0)"
+            )
         if self.top_k < 0:
             raise LayerskipError("top_k must be >= 0 (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
@@ -30,7 +34,10 @@ class Sampling:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., V]`` logits -> ``[..., V]`` float32 probabilities after the transform."""
-        logits = logits.float() / self.temperature
+        logits = logits.float()
+        # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf (the
+        # limit, greedy) instead of overflowing every logit to inf, whose softmax is NaN.
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / self.temperature
         if self.top_k and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

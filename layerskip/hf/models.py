@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,10 +120,55 @@ def _gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
+def cache_is_whole(directory: Path) -> bool:
+    """Whether a cached copy is complete: its config parses and model.safetensors is as long as
+    its own header says (a truncated copy, from a killed write or a disk fault, is not)."""
+    weights = directory / "model.safetensors"
+    try:
+        json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        with weights.open("rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            if header_size > weights.stat().st_size:  # garbage where the header's length should be
+                return False
+            header = json.loads(handle.read(header_size))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        return weights.stat().st_size == 8 + header_size + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+def _usable_cache(target: Path) -> bool:
+    """A whole cached copy is used; a damaged one is moved aside (then removed) to be rebuilt."""
+    if not target.exists():
+        return False
+    if cache_is_whole(target):
+        return True
+    damaged = target.with_name(f".{target.name}.damaged-{os.getpid()}")
+    try:
+        os.replace(target, damaged)
+    except OSError as exc:
+        raise LayerskipError(
+            f"the model cache {target} is damaged and cannot be removed ({exc.strerror}); delete that directory"
+        ) from None
+    print(f"warning: the model cache {target} was damaged (incomplete weights); rebuilding it", file=sys.stderr)
+    shutil.rmtree(damaged, ignore_errors=True)
+    return False
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Move a finished copy into place. Another process converting the same file may have got
+    there first (the rename then fails: the directory is not empty); its copy is as good."""
+    try:
+        os.replace(staging, target)  # atomic: a half-written copy is never picked up
+    except OSError:
+        if not cache_is_whole(target):
+            raise
+
+
 def _convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF once and keep a safetensors copy; returns the HF directory."""
     target = _gguf_cache_path(gguf)
-    if (target / "config.json").is_file():
+    if _usable_cache(target):
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -146,7 +192,7 @@ def _convert_gguf(gguf: Path) -> Path:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(staging)
-        os.replace(staging, target)  # atomic: a half-written copy is never picked up
+        _publish(staging, target)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 from typing import Any
 
-from layerskip.fileio import write_bytes_atomic, write_json_atomic, write_text_atomic
+from layerskip.fileio import write_file_set
 
 COLUMNS = ("tokens_per_second", "speedup", "mean_accepted", "acceptance_rate", "identical_fraction", "n_prompts")
 
@@ -144,11 +145,13 @@ def speedup_png(results: dict[str, Any]) -> bytes:
 
 
 def write_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    return [
-        write_json_atomic(directory / "results.json", results),
-        write_text_atomic(directory / "results.csv", csv_text(results)),
-        write_text_atomic(directory / "results.md", markdown_report(results) + "\n"),
-        write_bytes_atomic(directory / "speedup.png", speedup_png(results)),
-    ]
+    """A run's four files, written as a set: all rendered first (a figure that fails to draw
+    changes nothing), then staged and moved into ``directory`` together, so an earlier run's
+    files there are never half replaced."""
+    payloads = {
+        "results.json": (json.dumps(results, indent=2) + "\n").encode(),
+        "results.csv": csv_text(results).encode(),
+        "results.md": (markdown_report(results) + "\n").encode(),
+        "speedup.png": speedup_png(results),
+    }
+    return write_file_set(directory, payloads)

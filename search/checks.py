@@ -1,0 +1,136 @@
+"""Checks of a search's command line made before any model loads or any storage is written.
+
+Two kinds: values no study can use (a negative seed, timeout or head size), and, for a study
+that already exists, flags that would change its search space. Optuna refuses a parameter whose
+choices changed ("dynamic value space") only when a trial samples it, after minutes of
+calibration, and records a FAIL trial; here it is one line before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from layerskip.errors import LayerskipError
+
+# numpy's RandomState (under Optuna's samplers) takes seeds in [0, 2**32); the sampler seed
+# adds the worker and trial counts to --seed, so --seed leaves them room.
+MAX_SEED = 2**31 - 1
+
+# The search-space field a study records (SearchSpace.to_dict) -> the flag that sets it.
+SPACE_FLAGS: dict[str, str] = {
+    "never_skip": "--never-skip",
+    "min_fraction": "--min-skip-fraction",
+    "max_fraction": "--max-skip-fraction",
+    "draft_token_choices": "--draft-tokens",
+    "tune_adaptive": "--no-adaptive",
+    "draft_vocab_choices": "--draft-vocab",
+    "lookup_ngram_choices": "--lookup",
+    "lookup_token_choices": "--lookup-tokens",
+    "lookup_confidence_choices": "--lookup-confidence",
+    "lookup_min_ngram_choices": "--lookup-min",
+    "verify_pad_choices": "--verify-pad",
+    "precision_choices": "--draft-precision",
+    "require_skip_draft": "--require-skip-draft",
+}
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """One-line LayerskipError for a value the search cannot use; reads nothing, writes nothing."""
+    if not 0 <= args.seed <= MAX_SEED:
+        raise LayerskipError(f"--seed must be between 0 and {MAX_SEED} (got {args.seed})")
+    if not 0 <= args.worker <= 999_999:
+        raise LayerskipError(f"--worker must be between 0 and 999999 (got {args.worker})")
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise LayerskipError(f"--timeout must be a number of seconds > 0 (got {args.timeout})")
+    if args.export_trial is not None and args.export_trial < 0:
+        raise LayerskipError(f"--export-trial must be a trial number >= 0 (got {args.export_trial})")
+    _at_least("--draft-vocab", args.draft_vocab, 0, "0 = the full head")
+    _at_least("--lookup", args.lookup, 0, "0 = off")
+    _at_least("--lookup-tokens", args.lookup_tokens, 1)
+    _at_least("--lookup-min", args.lookup_min, 1)
+    _at_least("--verify-pad", args.verify_pad, 0, "0 = no padding")
+    _at_least("--never-skip", args.never_skip, 0)
+    if not args.lookup_confidence or not all(0 <= c < 1 for c in args.lookup_confidence):
+        got = _flag_value(args.lookup_confidence)
+        raise LayerskipError(f"--lookup-confidence choices must be in [0, 1) (got {got})")
+    low, high = args.min_skip_fraction, args.max_skip_fraction
+    if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= high <= 1.0):
+        raise LayerskipError(f"need 0 <= --min-skip-fraction ({low}) <= --max-skip-fraction ({high}) <= 1")
+
+
+def _at_least(flag: str, values: Sequence[int], low: int, note: str = "") -> None:
+    bad = [v for v in values if v < low]
+    if bad:
+        hint = f" ({note})" if note else ""
+        raise LayerskipError(f"{flag} choices must be >= {low}{hint}; got {_flag_value(values)}")
+
+
+def requested_space(args: argparse.Namespace) -> dict[str, Any]:
+    """The space fields this command line sets, as the study records them (JSON: lists, not tuples)."""
+    return {
+        "never_skip": sorted(set(args.never_skip)),
+        "min_fraction": args.min_skip_fraction,
+        "max_fraction": args.max_skip_fraction,
+        "draft_token_choices": list(args.draft_tokens),
+        "tune_adaptive": not args.no_adaptive,
+        "draft_vocab_choices": list(args.draft_vocab),
+        "lookup_ngram_choices": list(args.lookup),
+        "lookup_token_choices": list(args.lookup_tokens),
+        "lookup_confidence_choices": list(args.lookup_confidence),
+        "lookup_min_ngram_choices": list(args.lookup_min),
+        "verify_pad_choices": list(args.verify_pad),
+        "precision_choices": list(args.draft_precision),
+        "require_skip_draft": bool(args.require_skip_draft),
+    }
+
+
+def check_resumed_space(attrs: dict[str, Any] | None, study_name: str, args: argparse.Namespace) -> None:
+    """A resumed study keeps the space it was made with: a changed flag is refused, naming the
+    flag, the study's value and the way out. A new study (``attrs`` None) passes."""
+    recorded = (attrs or {}).get("space")
+    if not isinstance(recorded, dict):
+        return
+    for key, value in requested_space(args).items():
+        if key not in recorded:  # a study made before the field existed
+            continue
+        was = recorded[key]
+        if _normalise(key, was) != _normalise(key, value):
+            flag = SPACE_FLAGS[key]
+            raise LayerskipError(
+                f"study '{study_name}' was made with {_describe(flag, was)} but this run has {_describe(flag, value)}; "
+                f"re-run with the study's value, or start a new study with another --study-name"
+            )
+    was_ranked = bool(recorded.get("sublayer_order"))
+    if "sublayer_order" in recorded and was_ranked != (args.space == "ranked"):
+        made = "ranked" if was_ranked else "switches"
+        raise LayerskipError(
+            f"study '{study_name}' was made with --space {made} but this run has --space {args.space}; "
+            f"re-run with --space {made}, or start a new study with another --study-name"
+        )
+
+
+def _normalise(key: str, value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        items = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
+        return sorted(items) if key == "never_skip" else items
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value) if value else "(none)"
+    return str(value)
+
+
+def _describe(flag: str, value: Any) -> str:
+    """How the flag reads on a command line that gives ``value``."""
+    if flag == "--no-adaptive":
+        return "adaptive draft endings" if value else "--no-adaptive"
+    if flag == "--require-skip-draft":
+        return flag if value else f"no {flag}"
+    return f"{flag} {_flag_value(value)}"

@@ -1,0 +1,285 @@
+"""Faults a search meets: each ends in one ``error:`` line, exit 2, before any work and with no file
+changed, or, where going on is right, in success with a one-line warning (a journal whose last
+record an interrupted write damaged).
+
+The CLI runs in this process (``search_in_process``: its own ``main`` and one-line error path).
+Most cases pass ``--model`` a path that does not exist: a check made after loading the model would
+answer "unknown model" instead, so these tests also prove the order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+import optuna
+import pytest
+from cli_helpers import assert_bad_input
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+from search_fixtures import search_in_process
+
+from layerskip.engine.policy import ModelIdentity, SkipPolicy
+from layerskip.errors import LayerskipError
+from search import journal as journal_module
+from search.study import open_storage, open_study
+
+NO_MODEL = "/nonexistent/model-dir"
+
+
+def listing(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+# -- argument values no study can use --------------------------------------------------------------------------------
+ARGUMENT_ERRORS = {
+    "seed-negative": (["--seed", "-1"], ["--seed", "-1"]),
+    "seed-huge": (["--seed", "99999999999999999999999"], ["--seed"]),
+    "timeout-negative": (["--timeout", "-1"], ["--timeout", "-1"]),
+    "timeout-nan": (["--timeout", "nan"], ["--timeout"]),
+    "draft-vocab-negative": (["--draft-vocab", "0,-5"], ["--draft-vocab", "-5"]),
+    "lookup-negative": (["--lookup", "-1"], ["--lookup", "-1"]),
+    "lookup-min-zero": (["--lookup-min", "0"], ["--lookup-min"]),
+    "lookup-confidence": (["--lookup-confidence", "1.5"], ["--lookup-confidence"]),
+    "verify-pad-negative": (["--verify-pad", "-4"], ["--verify-pad"]),
+    "worker-negative": (["--worker", "-1"], ["--worker"]),
+    "fractions-crossed": (["--min-skip-fraction", "0.8", "--max-skip-fraction", "0.2"], ["--min-skip-fraction"]),
+    "export-trial-negative": (["--export-trial", "-2"], ["--export-trial"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ARGUMENT_ERRORS))
+def test_bad_values_are_refused_before_loading(case: str, tmp_path: Path, capsys) -> None:
+    extra, fragments = ARGUMENT_ERRORS[case]
+    storage = ["--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "p.json")]
+    assert_bad_input(search_in_process(capsys, NO_MODEL, *storage, *extra), *fragments)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- output paths are checked before the work ------------------------------------------------------------------------
+def test_output_paths_that_cannot_be_written(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("mine")
+    storage = ["--storage", f"sqlite:///{tmp_path / 's.db'}"]
+    cases = [
+        (["--out", str(tmp_path / "dir")], ["--out", "is a directory"]),
+        (["--out", str(tmp_path / "file" / "p.json")], ["--out", "is a file, not a directory"]),
+        (["--out", str(tmp_path / "p.json"), "--plots", str(tmp_path / "file")], ["--plots", "is a file"]),
+    ]
+    for extra, fragments in cases:
+        assert_bad_input(search_in_process(capsys, NO_MODEL, *storage, *extra), *fragments)
+    locked = tmp_path / "dir"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
+    result = search_in_process(capsys, NO_MODEL, *storage, "--out", str(locked / "p.json"))
+    assert_bad_input(result, "--out", "not writable")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file"]
+
+
+# -- storages that cannot be written or read -------------------------------------------------------------------------
+def test_read_only_storages(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    db, journal = tmp_path / "s.db", tmp_path / "j.log"
+    db.write_bytes(b"")
+    journal.write_bytes(b"")
+    real_access = os.access
+    out = ["--out", str(tmp_path / "p.json")]
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) not in (db, journal) and real_access(path, mode))
+    assert_bad_input(search_in_process(capsys, NO_MODEL, "--storage", f"sqlite:///{db}", *out), "read-only")
+    assert_bad_input(search_in_process(capsys, NO_MODEL, "--storage", str(journal), *out), "read-only")
+    # A journal's directory must be writable too: Optuna locks the journal with a file beside it.
+    (tmp_path / "outputs").mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path and real_access(path, mode))
+    new_journal, out = str(tmp_path / "new.log"), str(tmp_path / "outputs" / "p.json")
+    result = search_in_process(capsys, NO_MODEL, "--storage", new_journal, "--out", out)
+    assert_bad_input(result, "storage", str(tmp_path), "not writable")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.log", "outputs", "s.db"]
+
+
+def test_damaged_sqlite_file_is_one_line(tmp_path: Path, capsys) -> None:
+    db = tmp_path / "s.db"
+    db.write_bytes(b"SQLite format 3\x00" + os.urandom(4096))
+    before = db.read_bytes()
+    result = search_in_process(capsys, NO_MODEL, "--storage", f"sqlite:///{db}", "--out", str(tmp_path / "p.json"))
+    assert_bad_input(result, "storage")
+    assert db.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.db"]
+
+
+def test_mysql_url_names_the_driver_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_driver(*args: object, **kwargs: object) -> None:
+        try:
+            raise ModuleNotFoundError("No module named 'MySQLdb'", name="MySQLdb")
+        except ModuleNotFoundError as cause:
+            raise ImportError("Failed to import DB access module") from cause
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", no_driver)
+    with pytest.raises(LayerskipError, match=r"MySQLdb is not installed\); pip install mysqlclient"):
+        open_storage("mysql://user:secret@127.0.0.1:1/db")
+    with pytest.raises(LayerskipError, match=r"pip install pymysql"):
+        open_storage("mysql+pymysql://user:secret@127.0.0.1:1/db")
+
+
+# -- journal files damaged by an interrupted write -------------------------------------------------------------------
+def _journal_study(path: Path, trials: int = 3) -> None:
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="j", storage=storage)
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=trials)
+
+
+def _complete(path: Path) -> int:
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    return len(optuna.load_study(study_name="j", storage=storage).get_trials(states=(TrialState.COMPLETE,)))
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b'{"op_code": 5, "worker_id": "a", "trial_id"', b"\x00\x00\x00garbage\n", b'{"op_code": \xff\xfe}\n'],
+    ids=["partial", "garbage-line", "non-utf8"],
+)
+def test_a_damaged_last_record_is_removed_after_a_backup(tmp_path: Path, tail: bytes) -> None:
+    path = tmp_path / "j.log"
+    _journal_study(path)
+    whole = path.read_bytes()
+    path.write_bytes(whole + tail)
+
+    repair = journal_module.repair_journal(path)
+
+    assert repair is not None and repair.line == whole.count(b"\n") + 1
+    assert path.read_bytes() == whole, "every complete record is kept, the damaged one removed"
+    assert repair.backup.read_bytes() == whole + tail, "the original is kept"
+    assert "damaged record" in repair.warning(path) and str(repair.backup) in repair.warning(path)
+    assert not Path(f"{path}.lock").exists()
+    _journal_study_resumes(path)
+
+
+def _journal_study_resumes(path: Path) -> None:
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    study = optuna.load_study(study_name="j", storage=storage)
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=2)
+    assert _complete(path) == 5  # appended after the repair, and still readable
+
+
+def test_a_whole_journal_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "j.log"
+    _journal_study(path)
+    before = path.read_bytes()
+    assert journal_module.repair_journal(path) is None
+    assert journal_module.repair_journal(tmp_path / "new.log") is None
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["j.log"]
+
+
+def test_a_damaged_middle_record_is_refused_untouched(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "j.log"
+    _journal_study(path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines.insert(2, b"\xff\xfe random bytes\n")
+    path.write_bytes(b"".join(lines))
+    before = listing(tmp_path)
+
+    result = search_in_process(capsys, NO_MODEL, "--storage", str(path), "--out", str(tmp_path / "p.json"))
+
+    assert_bad_input(result, str(path), "line 3", "restore the file from a backup")
+    assert listing(tmp_path) == before
+
+
+# -- a resumed study keeps its search space --------------------------------------------------------------------------
+def _study_made_with(url: str, **space: object) -> None:
+    study = optuna.create_study(study_name="s", storage=url)
+    study.set_user_attr("space", {"lookup_ngram_choices": [3], "draft_token_choices": [2, 3], **space})
+    study.set_user_attr("model_fingerprint", "f")
+
+
+@pytest.mark.parametrize(
+    "extra, recorded, fragments",
+    [
+        (["--lookup", "0,3"], {}, ["was made with --lookup 3", "this run has --lookup 0,3"]),
+        (["--lookup", "3", "--draft-tokens", "2,3,4"], {}, ["--draft-tokens 2,3", "--draft-tokens 2,3,4"]),
+        (["--lookup", "3", "--no-adaptive"], {"tune_adaptive": True}, ["--no-adaptive"]),
+        (["--lookup", "3", "--space", "switches"], {"sublayer_order": [[0, "mlp"]]}, ["--space ranked"]),
+    ],
+    ids=["lookup", "draft-tokens", "adaptive", "space"],
+)
+def test_a_changed_space_flag_is_refused_before_any_work(
+    tmp_path: Path, capsys, extra: list[str], recorded: dict, fragments: list[str]
+) -> None:
+    db = tmp_path / "s.db"
+    url = f"sqlite:///{db}"
+    _study_made_with(url, **recorded)
+    before = db.read_bytes()
+    args = ["--storage", url, "--study-name", "s", "--out", str(tmp_path / "p.json"), "--draft-tokens", "2,3"]
+    result = search_in_process(capsys, NO_MODEL, *args, *extra, fast=False)
+    assert_bad_input(result, "study 's'", "another --study-name", *fragments)
+    assert db.read_bytes() == before
+    with sqlite3.connect(db) as connection:
+        assert connection.execute("SELECT count(*) FROM trials").fetchone()[0] == 0
+
+
+# -- warm starts -----------------------------------------------------------------------------------------------------
+def test_a_failed_warm_start_is_queued_again_until_it_completes(tmp_path: Path) -> None:
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'w.db'}")
+    metadata = {"model_fingerprint": "f"}
+    warm = [{"skip_count": 2, "max_draft_tokens": 4}]
+
+    def reopen() -> optuna.Study:
+        return open_study(storage, "w", "speedup", 0, metadata, warm)
+
+    study = reopen()
+    trial = study.ask()  # the warm start, claimed by a worker that is then killed
+    assert study.trials[0].system_attrs["fixed_params"] == warm[0]
+    study.tell(trial, state=TrialState.FAIL)
+    study = reopen()  # the documented resume: the same command again
+    waiting = study.get_trials(states=(TrialState.WAITING,))
+    assert [t.system_attrs["fixed_params"] for t in waiting] == warm
+    study = reopen()  # queued already: not twice
+    assert len(study.get_trials(states=(TrialState.WAITING,))) == 1
+    trial = study.ask()
+    study.tell(trial, 1.0)
+    study = reopen()  # evaluated: not again
+    assert study.get_trials(states=(TrialState.WAITING,)) == []
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.COMPLETE]
+
+
+def test_a_warm_start_for_another_model_is_refused_before_calibration(
+    tiny_llama: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import search.cli
+
+    def calibrating(*args: object, **kwargs: object) -> None:
+        raise AssertionError("calibration started")
+
+    monkeypatch.setattr(search.cli, "prepare_calibration", calibrating)
+    other = SkipPolicy(skip_mlp=(1,), model=ModelIdentity(name="big", architecture="llama", num_layers=7))
+    seed = other.save(tmp_path / "other.json")
+    args = ["--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "p.json"), "--warm-start", str(seed)]
+    assert_bad_input(search_in_process(capsys, tiny_llama, *args), "--warm-start", "7-layer model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.json"]
+
+
+# -- prompt files ----------------------------------------------------------------------------------------------------
+PROMPT_FILES = {
+    "non-utf8": ('{"turns": ["caf\xe9"]}\n'.encode("latin-1"), ["not UTF-8", "line 1"]),
+    "malformed-line-1": (b'{"turns": ["a"]\n{"turns": ["b"]}\n', ["line 1 is not valid JSON"]),
+    "row-without-turns": (b'{"turns": ["a"]}\n{"text": "b"}\n', ["line 2 has no 'turns'"]),
+    "no-text-column": (b'{"body": "a"}\n', ["no 'turns'", "--text-field", "body"]),
+}
+
+
+@pytest.mark.parametrize("case", list(PROMPT_FILES))
+def test_prompt_file_problems_are_one_clear_line(case: str, tmp_path: Path, capsys) -> None:
+    content, fragments = PROMPT_FILES[case]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(content)
+    args = ["--prompts", str(prompts), "--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "p.json")]
+    line = assert_bad_input(search_in_process(capsys, NO_MODEL, *args), *fragments)
+    assert "unknown model" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+
+
+def test_a_json_document_named_jsonl_is_still_read(tmp_path: Path) -> None:
+    from layerskip.data import load_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps([{"text": "first"}, {"text": "second"}], indent=2))
+    assert [p.text for p in load_prompts(str(prompts))] == ["first", "second"]
