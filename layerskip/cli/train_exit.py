@@ -176,7 +176,15 @@ def teacher_data(
     for name in ("train", "validation", "held_out"):
         docs = list(getattr(split, name))
         docs += own_continuations(
-            model, tokenizer, docs, wanted[name], args.continuation_tokens, chat, args.temperature, seed=args.seed
+            model,
+            tokenizer,
+            docs,
+            wanted[name],
+            args.continuation_tokens,
+            chat,
+            args.temperature,
+            seed=args.seed,
+            progress=not args.quiet,
         )
         part = chunk_documents(tokenizer, docs, args.chunk_tokens, int(args.positions * shares[name])) if docs else []
         counts[name] = len(part)

@@ -150,6 +150,7 @@ def own_continuations(
     temperature: float = 0.0,
     max_prompt_tokens: int = 320,
     seed: int = 0,
+    progress: bool = False,
 ) -> list[Document]:
     """The model's own continuations of up to ``count`` prompt documents (code files are not
     prompts), as tokenised documents in domain ``<domain>:own``: prompt (its last
@@ -166,7 +167,7 @@ def own_continuations(
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths batch with little padding
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     continued = batched_continuations(
-        model, [encoded[i] for i in order], new_tokens, pad, temperature=temperature, seed=seed
+        model, [encoded[i] for i in order], new_tokens, pad, temperature=temperature, seed=seed, progress=progress
     )
     documents_out = [
         Document(chosen[i].domain + OWN_SUFFIX, "", tuple(encoded[i] + c)) for i, c in zip(order, continued)

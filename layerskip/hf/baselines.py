@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.sampling import Sampling
@@ -99,6 +100,7 @@ def batched_continuations(
     temperature: float = 0.0,
     batch_size: int = 16,
     seed: int = 0,
+    progress: bool = False,
 ) -> list[list[int]]:
     """The model's own continuations of many prompts, ``batch_size`` at a time (left-padded):
     greedy, or sampled at ``temperature``. No EOS stop, so every continuation is full length
@@ -106,7 +108,7 @@ def batched_continuations(
     device = next(model.parameters()).device
     torch.manual_seed(seed)
     results: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
+    for start in tqdm(range(0, len(prompts), batch_size), desc="own continuations", unit="batch", disable=not progress):
         group = [list(p) for p in prompts[start : start + batch_size]]
         width = max(len(p) for p in group)
         ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in group], device=device)
