@@ -19,6 +19,7 @@ from pathlib import Path
 
 from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import builtin_prompts
+from layerskip.engine.decoding import exit_adapter_for
 from layerskip.engine.draft import DraftModel
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.fileio import write_json_atomic, write_text_atomic
@@ -73,7 +74,10 @@ def _main(argv: list[str] | None) -> int:
     draft_models: dict[str, DraftModel] = {}
     for name, policy in {**candidate_policies(adapters.num_layers(model), cpu), **extra}.items():
         precision = policy.draft.precision
-        draft_model = draft_models.setdefault(precision, DraftModel(model, precision))
+        key = f"{precision}:{policy.exit.sha256 if policy.exit else ''}"  # an exit draft carries its adapter
+        if key not in draft_models:
+            draft_models[key] = DraftModel(model, precision, exit=exit_adapter_for(policy, model))
+        draft_model = draft_models[key]
         head_rows = policy.head_rows(head.shape[0])
         args_ = (draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows)
         seconds = draft_step_seconds(*args_, repeats=args.repeats)

@@ -128,6 +128,19 @@ def _as_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return ids
 
 
+def exit_adapter_for(policy: SkipPolicy, model: nn.Module) -> ExitAdapter | None:
+    """The exit adapter ``policy`` drafts through, loaded and checked against the policy (None: no exit)."""
+    if policy.exit is None:
+        return None
+    adapter = ExitAdapter.load(policy.exit_adapter_path(), model, policy.exit.sha256)
+    if adapter.spec.layer != policy.exit.layer or adapter.spec.kind != policy.exit.kind:
+        raise LayerskipError(
+            f"exit adapter {policy.exit_adapter_path()} is a {adapter.spec.kind} exit after layer "
+            f"{adapter.spec.layer}, but the policy says {policy.exit.kind} after {policy.exit.layer}"
+        )
+    return adapter
+
+
 class Decoder:
     """Decodes with ``model``: self-speculatively with ``policy``, plainly without one.
 
@@ -148,13 +161,7 @@ class Decoder:
         self.exit: ExitAdapter | None = None
         if policy is not None:
             policy.validate_for(model)
-            if policy.exit is not None:
-                self.exit = ExitAdapter.load(policy.exit_adapter_path(), model, policy.exit.sha256)
-                if self.exit.spec.layer != policy.exit.layer or self.exit.spec.kind != policy.exit.kind:
-                    raise LayerskipError(
-                        f"exit adapter {policy.exit_adapter_path()} is a {self.exit.spec.kind} exit after layer "
-                        f"{self.exit.spec.layer}, but the policy says {policy.exit.kind} after {policy.exit.layer}"
-                    )
+            self.exit = exit_adapter_for(policy, model)
             if policy.on_the_fly is not None:
                 self.selection = SelectionState.start(policy, model)
                 # any sublayer may be kept
