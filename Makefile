@@ -25,8 +25,10 @@ setup: $(STAMP)
 demo: setup
 	$(PY) scripts/demo.py
 
+# Two processes (pytest-xdist), one test file each at a time: a file's module fixtures (a loaded
+# model, the executed notebooks) are built once, and each test runs single-threaded anyway.
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 lint: setup
 	$(PY) -m ruff check layerskip search scripts tests

@@ -187,6 +187,7 @@ def search_in_process(capsys, model: Path | str, *args: str, fast: bool = True) 
     from search.cli import main
 
     argv = ["--model", str(model), *(FAST_ARGS if fast else []), *args]
+    capsys.readouterr()  # drop what the test printed before
     code = main(argv)
     captured = capsys.readouterr()
     return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
@@ -196,6 +197,7 @@ def generate_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     """``layerskip-generate`` through its own ``main`` in this process (see ``search_in_process``)."""
     from layerskip.cli.generate import main
 
+    capsys.readouterr()  # drop what the test printed before
     code = main(list(args))
     captured = capsys.readouterr()
     return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)

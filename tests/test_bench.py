@@ -477,6 +477,7 @@ def bench_cli(capsys: pytest.CaptureFixture[str]):
     from layerskip.cli.bench import main
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()  # drop what the test printed before
         code = main(list(args))
         captured = capsys.readouterr()
         return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)

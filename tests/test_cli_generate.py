@@ -8,6 +8,8 @@ bad-input checks call the same ``main(argv)`` in-process (same run_cli path, no 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 from pathlib import Path
@@ -162,6 +164,7 @@ def generate_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subpr
     """``main(argv)`` in this process; an exception that escapes run_cli fails the test with its traceback."""
     from layerskip.cli.generate import main
 
+    capsys.readouterr()  # drop what the test printed before (e.g. saving a checkpoint)
     code = main(list(args))
     captured = capsys.readouterr()
     return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
@@ -232,7 +235,14 @@ def smollm2_policy(tmp_path_factory: pytest.TempPathFactory, smollm2) -> str:
 
 @pytest.fixture(scope="module")
 def compare_report(smollm2_policy: str) -> dict:
-    result = generate("--compare", "--json", "--prompt", PROMPT, "--policy", smollm2_policy, "--max-new-tokens", "24")
+    """One --compare --json run in this process (the model loads from its cache, no interpreter start-up)."""
+    from layerskip.cli.generate import main
+
+    args = ["--compare", "--json", "--prompt", PROMPT, "--policy", smollm2_policy, "--max-new-tokens", "24"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    result = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stdout.strip().splitlines()
@@ -256,8 +266,8 @@ def test_compare_json_reports_identical_output(compare_report: dict, smollm2_pol
 
 
 @pytest.mark.slow
-def test_streaming_text_mode(compare_report: dict, smollm2_policy: str) -> None:
-    result = generate("--prompt", PROMPT, "--policy", smollm2_policy, "--max-new-tokens", "24")
+def test_streaming_text_mode(compare_report: dict, smollm2_policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    result = generate_in_process(capsys, "--prompt", PROMPT, "--policy", smollm2_policy, "--max-new-tokens", "24")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     # Greedy decoding is deterministic: the streamed text is the JSON report's text.

@@ -78,3 +78,35 @@ def test_a_racing_writer_never_replaces_a_damaged_copy_silently(tmp_path: Path) 
     (occupied / "partial").write_text("x")
     with pytest.raises(OSError):
         models._publish(_cached_copy(tmp_path / ".m.staging"), occupied)
+
+
+def test_concurrent_conversions_of_one_file_dequantise_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second process waits on the conversion lock, then uses the first one's copy."""
+    import threading
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    inside, release = threading.Event(), threading.Event()
+    calls: list[Path] = []
+
+    def dequantise(source: Path, target: Path) -> Path:
+        calls.append(target)
+        inside.set()
+        release.wait()
+        staging = _cached_copy(target.parent / f".{target.name}.staging")
+        models._publish(staging, target)
+        return target
+
+    monkeypatch.setattr(models, "_dequantise", dequantise)
+    results: list[Path] = []
+    first = threading.Thread(target=lambda: results.append(models._convert_gguf(gguf)))
+    second = threading.Thread(target=lambda: results.append(models._convert_gguf(gguf)))
+    first.start()
+    assert inside.wait(60)
+    second.start()  # blocks on the lock while the first converts
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1] == calls[0]
+    assert models.cache_is_whole(calls[0])

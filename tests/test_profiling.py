@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 
 import pytest
 import torch
-from cli_helpers import assert_bad_input, run_script
+from cli_helpers import REPO, assert_bad_input, run_script
 from tiny_models import ARCHS, random_prompt, save_checkpoint, tiny_model
 
 from layerskip.engine.policy import DraftSettings, SkipPolicy
@@ -68,7 +70,7 @@ def test_profile_splits_each_configuration() -> None:
     assert "| lookup |" in table and "c(b)/c(1)" in table
 
 
-def test_profile_script_end_to_end_and_bad_input(tmp_path) -> None:
+def test_profile_script_end_to_end_and_bad_input(tmp_path, capsys) -> None:
     """``scripts/profile_decode.py`` on a tiny local checkpoint: writes profile.json/.md; bad input is one line."""
     model = tiny_model("llama")
     save_checkpoint(model, tmp_path / "tiny")
@@ -90,12 +92,20 @@ def test_profile_script_end_to_end_and_bad_input(tmp_path) -> None:
     assert "| hybrid-lookup-only |" in (out / "profile.md").read_text()
     rows = (out / "profile.csv").read_text().splitlines()
     assert rows[0].startswith("config,tokens_per_second") and [r.split(",")[0] for r in rows[1:]] == names
-    assert_bad_input(
-        run_script("profile_decode.py", *common, "--max-new-tokens", "0", "--out", str(out)), "--max-new-tokens"
-    )
+    # Bad input through the script's own main in this process: the same one-line path, no interpreter start-up.
+    assert_bad_input(_in_process(capsys, *common, "--max-new-tokens", "0", "--out", str(out)), "--max-new-tokens")
     other = SkipPolicy(skip_mlp=(1,)).with_model(tiny_model("llama", num_hidden_layers=2), "other")
     other.save(tmp_path / "other.json")
     assert_bad_input(
-        run_script("profile_decode.py", *common, "--policy", str(tmp_path / "other.json"), "--out", str(out)),
-        "policy other",
+        _in_process(capsys, *common, "--policy", str(tmp_path / "other.json"), "--out", str(out)), "policy other"
     )
+
+
+def _in_process(capsys, *args: str) -> subprocess.CompletedProcess[str]:
+    spec = importlib.util.spec_from_file_location("profile_decode_script", REPO / "scripts" / "profile_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()  # drop what the test printed before
+    code = module.main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)

@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,11 +165,37 @@ def _publish(staging: Path, target: Path) -> None:
             raise
 
 
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``target``'s conversion: a second process (another worker, a
+    parallel test run) waits for the first one's copy instead of dequantising the file again."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks (Windows): racing writers still end with one whole copy
+        yield
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF once and keep a safetensors copy; returns the HF directory."""
     target = _gguf_cache_path(gguf)
-    if _usable_cache(target):
+    if cache_is_whole(target):
         return target
+    with _conversion_lock(target):
+        if _usable_cache(target):  # converted while this process waited, or damaged: moved aside
+            return target
+        return _dequantise(gguf, target)
+
+
+def _dequantise(gguf: Path, target: Path) -> Path:
+    """Load the GGUF (dequantised to float32) and write its safetensors copy to ``target``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
