@@ -323,12 +323,8 @@ def _main(argv: list[str] | None = None) -> int:
                 f"({seconds:.0f} s)",
                 file=sys.stderr,
             )
-    report["total_seconds"] = time.perf_counter() - started
-    write_json_atomic(out / "report.json", report)
-    write_text_atomic(out / "report.csv", _csv(table))
-    from layerskip.measure.plots import exit_agreement_plot
-
-    exit_agreement_plot(report, out / "agreement.png")
+            report["total_seconds"] = time.perf_counter() - started
+            write_report(report, table, out)  # after every exit: a long run's finished part is readable
     print(json.dumps({"out": str(out), "total_seconds": round(report["total_seconds"], 1)}))
     return 0
 
@@ -367,6 +363,17 @@ def make_policy(
     )
     exit_settings = ExitSettings(relative, sha, adapter.spec.layer, adapter.spec.kind, args.reuse_kv)
     return replace(policy, exit=exit_settings).with_model(model, name)
+
+
+def write_report(report: dict, table: list[dict[str, object]], out: Path) -> None:
+    """report.json, report.csv (one row per exit, split and domain) and agreement.png, each atomically."""
+    from layerskip.measure.plots import exit_agreement_plot
+
+    write_json_atomic(out / "report.json", report)
+    write_text_atomic(out / "report.csv", _csv(table))
+    staged = out / ".agreement.png.tmp"
+    exit_agreement_plot(report, staged)
+    os.replace(staged, out / "agreement.png")
 
 
 def _csv(rows: list[dict[str, object]]) -> str:

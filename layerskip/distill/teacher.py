@@ -125,10 +125,16 @@ def collect(
             last = adapters.base_model(model)(input_ids=batch, use_cache=False).last_hidden_state  # [B, T, H]
         for layer in layers:
             hidden[layer].append(captured[layer][-1].float().cpu())
-        logits = adapters.logits_from_hidden(model, last.reshape(-1, last.shape[-1])).float()  # [B*T, V]
-        top = torch.topk(logits.softmax(-1), top_k, dim=-1)
-        top_ids.append(top.indices.to(torch.int32).reshape(*batch.shape, top_k).cpu())
-        top_probs.append(top.values.reshape(*batch.shape, top_k).cpu())
+        flat = last.reshape(-1, last.shape[-1])  # [B*T, H]
+        rows = max(1, (1 << 26) // adapters.lm_head(model).weight.shape[0])  # a [rows, V] slice: ~256 MB in fp32
+        ids_part, probs_part = [], []
+        for begin in range(0, flat.shape[0], rows):
+            logits = adapters.logits_from_hidden(model, flat[begin : begin + rows]).float()  # [rows, V]
+            top = torch.topk(logits.softmax(-1), top_k, dim=-1)
+            ids_part.append(top.indices.to(torch.int32).cpu())
+            probs_part.append(top.values.cpu())
+        top_ids.append(torch.cat(ids_part).reshape(*batch.shape, top_k))
+        top_probs.append(torch.cat(probs_part).reshape(*batch.shape, top_k))
         bar.update(batch.numel())
     bar.close()
     return TeacherData(
