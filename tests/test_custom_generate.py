@@ -204,6 +204,30 @@ def test_a_batch_and_several_return_sequences() -> None:
     assert len({tuple(row) for row in runs[0].tolist()}) > 1  # three draws, not one copied
 
 
+def test_output_scores_and_logits_match_generate() -> None:
+    model = tiny_model("llama")
+    ids = _ids()
+    common = dict(
+        max_new_tokens=NEW, repetition_penalty=1.5, return_dict_in_generate=True, output_scores=True, output_logits=True
+    )
+    plain, ours = _both(model, ids, **common)
+    assert ours.sequences.tolist() == plain.sequences.tolist() and ours.stats.accepted > 0
+    for mine, theirs in ((ours.scores, plain.scores), (ours.logits, plain.logits)):
+        assert len(mine) == len(theirs) == NEW
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(ours.scores, ours.logits))  # the penalty is in the scores
+    torch.manual_seed(0)
+    sampled = _ours(
+        model, ids, max_new_tokens=NEW, do_sample=True, top_k=20, return_dict_in_generate=True, output_scores=True
+    )
+    new = sampled.sequences[0, ids.shape[1] :].tolist()
+    for token, row in zip(new, sampled.scores, strict=True):  # warped as generate warps: top-k kept, token among them
+        assert row.shape == (1, 128) and torch.isfinite(row).sum() == 20 and torch.isfinite(row[0, token])
+    with pytest.raises(LayerskipError, match="output_scores"):
+        _ours(model, torch.cat([ids, ids]), max_new_tokens=4, return_dict_in_generate=True, output_scores=True)
+
+
 # -- text: streamers, stop strings, pipeline (a model whose vocabulary is the tiny tokenizer's) --------
 
 
@@ -316,8 +340,8 @@ def test_sampling_follows_the_model() -> None:
     "kwargs, name",
     [
         (dict(num_beams=2), "num_beams"),
-        (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
-        (dict(output_logits=True, return_dict_in_generate=True), "output_logits"),
+        (dict(output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+        (dict(output_hidden_states=True, return_dict_in_generate=True), "output_hidden_states"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
         (dict(guidance_scale=2.0), "guidance_scale"),
         (dict(synced_gpus=True), "synced_gpus"),

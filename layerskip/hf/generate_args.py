@@ -23,6 +23,7 @@ the argument.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ class EngineCall:
     settings: DecodeSettings
     logits_hook: LogitsHook | None
     stop_check: StopCheck | None
+    warpers: list[object]  # generate's sampling warpers that ``settings.sampling`` stands for
 
 
 def _refuse_config(config: Any) -> None:
@@ -61,9 +63,9 @@ def _refuse_config(config: Any) -> None:
     if config.guidance_scale is not None and config.guidance_scale != 1:
         raise LayerskipError(f"guidance_scale (classifier-free guidance) {UNSUPPORTED}")
     if config.return_dict_in_generate:
-        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        for name in ("output_attentions", "output_hidden_states"):
             if getattr(config, name, False):
-                raise LayerskipError(f"{name}=True {UNSUPPORTED}; it returns sequences and its stats")
+                raise LayerskipError(f"{name}=True {UNSUPPORTED}; it returns sequences, scores and its stats")
 
 
 def _prompts(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
@@ -101,11 +103,14 @@ def _is_plain_warper(processor: object) -> bool:
     )
 
 
-def _split_processors(processors: Sequence[object], do_sample: bool) -> tuple[list[object], Sampling | None]:
-    """(processors run on the verify's logits, the sampling transform for target and draft alike)."""
+def _split_processors(
+    processors: Sequence[object], do_sample: bool
+) -> tuple[list[object], list[object], Sampling | None]:
+    """(processors run on the verify's logits, the warpers after them, the sampling transform that
+    stands for those warpers, for target and draft alike)."""
     items = list(processors)
     if not do_sample:
-        return items, None
+        return items, [], None
     cut = len(items)
     while cut > 0 and _is_plain_warper(items[cut - 1]):
         rank = _WARPER_ORDER.index(type(items[cut - 1]).__name__)
@@ -121,7 +126,7 @@ def _split_processors(processors: Sequence[object], do_sample: bool) -> tuple[li
             values["top_k"] = int(warper.top_k)
         else:
             values["top_p"] = float(warper.top_p)
-    return items[:cut], Sampling(**values)
+    return items[:cut], items[cut:], Sampling(**values)
 
 
 def _check_processors(processors: list[object], rows: int) -> None:
@@ -133,23 +138,25 @@ def _check_processors(processors: list[object], rows: int) -> None:
             raise LayerskipError(f"prefix_allowed_tokens_fn with a batch of {rows} {UNSUPPORTED}; pass one prompt")
 
 
+def apply_by_row(
+    processors: Sequence[object], padding: list[int], context: list[int], logits: torch.Tensor
+) -> torch.Tensor:
+    """HF processors over ``logits [k+1, V]``, each row with the ids before it (as in ``LogitsHook``)."""
+    first = len(context) - logits.shape[0] + 1  # row i scores the token after context[:first + i]
+    rows = []
+    for i in range(logits.shape[0]):
+        ids = torch.tensor([[*padding, *context[: first + i]]], device=logits.device)
+        scores = logits[i : i + 1].to(torch.float32)  # HF hands processors float32 scores
+        for processor in processors:
+            scores = processor(ids, scores)
+        rows.append(scores)
+    return torch.cat(rows)
+
+
 def _logits_hook(processors: list[object], padding: list[int]) -> LogitsHook | None:
     if not processors:
         return None
-
-    def process(context: list[int], logits: torch.Tensor) -> torch.Tensor:
-        # Row i scores the token after context[:first + i]; HF passes float32 scores.
-        first = len(context) - logits.shape[0] + 1
-        rows = []
-        for i in range(logits.shape[0]):
-            ids = torch.tensor([[*padding, *context[: first + i]]], device=logits.device)
-            scores = logits[i : i + 1].to(torch.float32)
-            for processor in processors:
-                scores = processor(ids, scores)
-            rows.append(scores)
-        return torch.cat(rows)
-
-    return process
+    return functools.partial(apply_by_row, processors, padding)
 
 
 def _stop_check(criteria: list[object], padding: list[int], device: torch.device) -> StopCheck | None:
@@ -200,8 +207,12 @@ def engine_calls(
         from transformers import StopStringCriteria
 
         others.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-    processors, sampling = _split_processors(logits_processor, bool(generation_config.do_sample))
+    processors, warpers, sampling = _split_processors(logits_processor, bool(generation_config.do_sample))
     _check_processors(processors, len(prompts))
+    if len(prompts) > 1 and generation_config.return_dict_in_generate:
+        for name in ("output_scores", "output_logits"):  # generate scores a finished row's padding too
+            if getattr(generation_config, name, False):
+                raise LayerskipError(f"{name}=True with a batch of {len(prompts)} {UNSUPPORTED}; pass one prompt")
     settings = DecodeSettings(
         max_new_tokens=max_length - input_ids.shape[1],  # generate's max_length counts the padded input
         sampling=sampling,
@@ -214,6 +225,7 @@ def engine_calls(
             settings=settings,
             logits_hook=_logits_hook(processors, padding),
             stop_check=_stop_check(others, padding, input_ids.device),
+            warpers=warpers,
         )
         for prompt, padding in prompts
     ]

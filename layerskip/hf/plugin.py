@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +25,12 @@ import torch
 from torch import nn
 from transformers.generation import GenerateDecoderOnlyOutput
 
-from layerskip.engine.decoding import DecodeSettings
+from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.stats import GenerationStats
 from layerskip.errors import LayerskipError
 from layerskip.hf.decoders import PolicySpec, decoder_for
-from layerskip.hf.generate_args import UNSUPPORTED, engine_calls
+from layerskip.hf.generate_args import UNSUPPORTED, EngineCall, engine_calls
+from layerskip.hf.scores import ScoreRecorder
 
 
 @dataclass
@@ -79,17 +80,11 @@ def self_speculative_generate(
             tokenizer,
         )
         decoder = decoder_for(model, skip_policy)
-        on_tokens = None if streamer is None else lambda tokens: streamer.put(torch.tensor(tokens))
-        results = [
-            decoder.decode(
-                call.prompt,
-                call.settings,
-                on_tokens=on_tokens,
-                logits_hook=call.logits_hook,
-                stop_check=call.stop_check,
-            )
-            for call in calls
-        ]
+        record = generation_config.return_dict_in_generate and (
+            generation_config.output_scores or generation_config.output_logits
+        )
+        recorders = [ScoreRecorder(call.logits_hook, call.warpers, call.padding) if record else None for call in calls]
+        results = [_decode(decoder, call, streamer, recorder) for call, recorder in zip(calls, recorders)]
     finally:
         if streamer is not None:  # also on an error, so a reader of a TextIteratorStreamer is released
             streamer.end()
@@ -97,12 +92,38 @@ def self_speculative_generate(
     if not generation_config.return_dict_in_generate:
         return sequences
     stats = GenerationStats.combined([row_stats for _, row_stats in results])
+    recorder = recorders[0]  # scores are recorded for a batch of one only (engine_calls)
     return SelfSpeculativeOutput(
         sequences=sequences,
+        scores=tuple(recorder.scores) if recorder is not None and generation_config.output_scores else None,
+        logits=tuple(recorder.logits) if recorder is not None and generation_config.output_logits else None,
         stats=stats,
         mean_accepted=stats.mean_accepted,
         acceptance_rate=stats.acceptance_rate,
         skip_sets=dict(stats.skip_sets),
+    )
+
+
+def _decode(
+    decoder: Decoder, call: EngineCall, streamer: Any, recorder: ScoreRecorder | None
+) -> tuple[list[int], GenerationStats]:
+    """One row through the engine; accepted tokens go to the streamer and the score record."""
+    listeners: list[Callable[[list[int]], None]] = []
+    if recorder is not None:
+        listeners.append(recorder.on_tokens)
+    if streamer is not None:
+        listeners.append(lambda tokens: streamer.put(torch.tensor(tokens)))
+
+    def on_tokens(tokens: list[int]) -> None:
+        for listener in listeners:
+            listener(tokens)
+
+    return decoder.decode(
+        call.prompt,
+        call.settings,
+        on_tokens=on_tokens if listeners else None,
+        logits_hook=recorder.process if recorder is not None else call.logits_hook,
+        stop_check=call.stop_check,
     )
 
 

@@ -1,0 +1,44 @@
+"""``output_scores`` / ``output_logits``: generate's per-token record, kept for the tokens we emit.
+
+Each verify scores every position of its block at once. The recorder sits in the logits hook
+(it sees the block's raw logits and turns them into generate's processed scores: processors,
+then the sampling warpers) and in the token callback (it learns how many of the block's
+positions became output tokens: row j of the block chose token j). So token t's record is the
+full model's logits at the position that chose it, as plain ``generate`` records them; the
+values agree with plain ``generate``'s to float rounding (a block forward is not a one-token
+forward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from layerskip.engine.decoding import LogitsHook
+from layerskip.hf.generate_args import apply_by_row
+
+
+class ScoreRecorder:
+    """Wraps a call's logits hook; ``scores`` / ``logits`` hold one ``[1, V]`` float32 row per token."""
+
+    def __init__(self, hook: LogitsHook | None, warpers: list[object], padding: list[int]) -> None:
+        self.hook = hook
+        self.warpers = warpers
+        self.padding = padding
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        self._block: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw, scores) of the last verify
+
+    def process(self, context: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The logits hook: what the engine chooses from is unchanged; the block is kept for the record."""
+        raw = logits.to(torch.float32)
+        processed = raw if self.hook is None else self.hook(context, logits)
+        scores = apply_by_row(self.warpers, self.padding, context, processed) if self.warpers else processed
+        self._block = (raw, scores)
+        return processed
+
+    def on_tokens(self, tokens: list[int]) -> None:
+        """The token callback: the first ``len(tokens)`` rows of the last block chose them."""
+        assert self._block is not None
+        raw, scores = self._block
+        self.logits.extend(raw[j : j + 1] for j in range(len(tokens)))
+        self.scores.extend(scores[j : j + 1] for j in range(len(tokens)))
