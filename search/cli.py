@@ -41,8 +41,8 @@ from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibr
 from search.plots import write_plots
 from search.space import RANKING_ATTR, SearchSpace, trial_policy
 from search.study import (
+    check_local_storage,
     check_storage_url,
-    check_storage_writable,
     check_study_matches,
     confirmations,
     counted_trials,
@@ -221,7 +221,7 @@ def _main(argv: list[str] | None) -> int:
     # fails on bad input leaves nothing behind.
     check_storage_url(args.storage)
     storage_file = local_storage_file(args.storage)
-    check_storage_writable(args.storage)
+    check_local_storage(args.storage)
     if storage_file is not None and not args.storage.startswith("sqlite:///"):
         repair = repair_journal(storage_file)  # a damaged last record must go before anything appends
         if repair is not None:

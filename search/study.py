@@ -8,6 +8,7 @@ once; ``total_trials`` caps the trials of all workers together.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -153,9 +154,9 @@ def existing_study_attrs(storage: optuna.storages.BaseStorage, name: str) -> dic
     return None
 
 
-def check_storage_writable(url: str) -> None:
+def check_local_storage(url: str) -> None:
     """A SQLite or journal storage must be writable (file and directory: both write files beside
-    it), or a study fails only when it first writes, after calibration."""
+    it) and a SQLite file intact, or a study fails only when it first writes, after calibration."""
     path = local_storage_file(url)
     if path is None:
         return
@@ -163,6 +164,24 @@ def check_storage_writable(url: str) -> None:
         raise LayerskipError(f"storage {path} is read-only; make it writable or copy it somewhere writable")
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise LayerskipError(f"storage {path}: directory {path.parent} is not writable; choose a writable directory")
+    if url.startswith("sqlite:///") and path.is_file() and path.stat().st_size > 0:
+        _check_sqlite_intact(path)
+
+
+def _check_sqlite_intact(path: Path) -> None:
+    """SQLite's own quick check (read-only; reads every page, milliseconds for a study's size)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as connection:
+            problems = [row[0] for row in connection.execute("PRAGMA quick_check").fetchall()]
+    except sqlite3.DatabaseError as exc:
+        problems = [str(exc)]
+    if problems != ["ok"]:
+        problems = [" ".join(str(problem).split()) for problem in problems]  # SQLite's reports span lines
+        raise LayerskipError(
+            f"SQLite storage {path} is damaged ({problems[0][:160]}); restore it from a backup or use another --storage"
+        )
 
 
 def check_study_matches(attrs: dict[str, Any] | None, name: str, identity: dict[str, Any]) -> None:

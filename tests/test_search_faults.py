@@ -106,6 +106,23 @@ def test_damaged_sqlite_file_is_one_line(tmp_path: Path, capsys) -> None:
     assert db.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.db"]
 
 
+def test_sqlite_study_with_a_damaged_page_is_one_line(tmp_path: Path, capsys) -> None:
+    """A page damaged inside a study that otherwise opens: caught before any work, not at the first write."""
+    db = tmp_path / "s.db"
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{db}")
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=3)
+    data = bytearray(db.read_bytes())
+    page = 4096
+    pages = len(data) // page
+    assert pages > 3
+    data[page * (pages - 1) : page * pages] = b"\x0d" + bytes(range(256)) * 15 + b"\x00" * 255  # the last page
+    db.write_bytes(bytes(data))
+    before = db.read_bytes()
+    args = ["--storage", f"sqlite:///{db}", "--study-name", "s", "--out", str(tmp_path / "p.json")]
+    assert_bad_input(search_in_process(capsys, NO_MODEL, *args), "SQLite storage", "damaged", "restore it")
+    assert db.read_bytes() == before
+
+
 def test_mysql_url_names_the_driver_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_driver(*args: object, **kwargs: object) -> None:
         try:
