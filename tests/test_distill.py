@@ -166,3 +166,37 @@ def test_cli_bad_input_is_one_line_before_loading(tmp_path: Path, args: list[str
     result = run_script("train_exit.py", "--model", "/no/such/model", "--out", str(tmp_path / "o"), *args, timeout=60)
     assert_bad_input(result, fragment)
     assert not (tmp_path / "o").exists()
+
+
+def test_search_chooses_among_trained_exits(tmp_path: Path) -> None:
+    """A study offered trained exits (--exit-adapters) scores them with their adapters and exports one."""
+    model_dir = _tiny_checkpoint(tmp_path)
+    data = tmp_path / "text.jsonl"
+    rows = [{"category": "prose", "turns": [" ".join(f"w{(i * 5 + j) % 62}" for j in range(60))]} for i in range(12)]
+    data.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    exits = tmp_path / "exits"
+    trained = run_script(
+        "train_exit.py", "--model", str(model_dir), "--data", str(data), "--layers", "1,2", "--positions", "400",
+        "--chunk-tokens", "16", "--draft-vocab", "0", "--epochs", "1", "--continuations", "0", "--out", str(exits),
+        "--quiet", "--precision", "model",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    out = tmp_path / "policy.json"
+    result = run_script(
+        "search.py", "--model", str(model_dir), "--prompts", str(data), "--n-prompts", "2", "--n-trials", "5",
+        "--reference-tokens", "8", "--max-new-tokens", "8", "--confirm-top", "1", "--exit-adapters", str(exits),
+        "--exit-thresholds", "0.2,0.6", "--storage", f"sqlite:///{tmp_path / 'study.db'}", "--out", str(out),
+        "--no-progress", "--no-chat",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    import optuna
+
+    study = optuna.load_study(study_name="tiny-llama-speedup", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    chosen = {t.params.get("exit") for t in study.trials}
+    assert chosen & {"L1-linear", "L2-linear"}, chosen  # exit drafts were tried
+    for trial in study.trials:
+        if trial.params.get("exit", "none") != "none" and trial.state.name == "COMPLETE":
+            assert trial.user_attrs["policy"]["exit"]["layer"] in (1, 2)
+    policy = SkipPolicy.load(out)
+    if policy.exit is not None:  # an exported exit policy finds its adapter from where it was written
+        assert policy.exit_adapter_path().is_file()

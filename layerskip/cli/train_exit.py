@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from layerskip.cli.common import add_model_arguments, int_list, run_cli, str_list
-from layerskip.distill.corpus import Document, code_documents, prompt_documents, split_documents
+from layerskip.distill.corpus import CODE_DOMAIN, Document, code_documents, prompt_documents, split_documents
 from layerskip.distill.teacher import TeacherData, cache_key, chunk_documents, collect, own_continuations
 from layerskip.distill.train import Student, TrainSettings, evaluate, rank_rows, state_size, train_adapter
 from layerskip.engine.exit_adapter import KINDS, ExitAdapter, ExitSpec
@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--code-files", type=int, default=200, help="at most this many files per code directory")
     parser.add_argument("--holdout", type=str_list, default=(), help="domains (categories, 'code') never trained on")
+    parser.add_argument(
+        "--categories",
+        type=str_list,
+        default=(),
+        help="train on these prompt categories only (as search's --categories); the other categories are held out",
+    )
     parser.add_argument("--layers", type=int_list, required=True, help="candidate exit layers, e.g. 6,9,12")
     parser.add_argument("--kinds", type=str_list, default=("linear",), help=f"adapter kinds: {', '.join(KINDS)}")
     parser.add_argument("--rank", type=int, default=64, help="linear adapter rank (0 = full square map)")
@@ -140,6 +146,21 @@ def gather(args: argparse.Namespace) -> list[Document]:
     return documents
 
 
+def held_out_domains(documents: list[Document], args: argparse.Namespace) -> list[str]:
+    """--holdout, plus with --categories every prompt category not listed (code stays in training)."""
+    held = set(args.holdout)
+    if args.categories:
+        known = {d.domain for d in documents}
+        unknown = sorted(set(args.categories) - known)
+        if unknown:
+            raise LayerskipError(
+                f"no documents in categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                f"choose from {', '.join(sorted(known))}"
+            )
+        held |= {d for d in known if d not in set(args.categories) and d != CODE_DOMAIN}
+    return sorted(held)
+
+
 def teacher_data(
     model: torch.nn.Module,
     tokenizer: object,
@@ -151,7 +172,7 @@ def teacher_data(
     """Collect (or reuse from --out) the teacher's data for every split; returns it with chunk counts
     per split and the training domains. Everything it depends on keys the cache, so a re-run of the
     same command (after an interruption, say) skips the continuations and the teacher's forward."""
-    split = split_documents(documents, args.holdout, seed=args.seed)
+    split = split_documents(documents, held_out_domains(documents, args), seed=args.seed)
     settings = {
         k: getattr(args, k)
         for k in ("positions", "chunk_tokens", "continuations", "continuation_tokens", "temperature", "seed", "top_k")
@@ -160,7 +181,7 @@ def teacher_data(
         adapters.weights_fingerprint(model),
         [(d.domain, d.text) for d in documents],
         sorted(set(args.layers)),
-        {**settings, "holdout": sorted(args.holdout), "chat": chat},
+        {**settings, "holdout": held_out_domains(documents, args), "chat": chat},
     )
     cached = out / "checkpoints" / f"teacher-{key}.pt"
     if cached.is_file():
@@ -257,7 +278,7 @@ def _main(argv: list[str] | None = None) -> int:
                 "trained_by": "layerskip-train-exit",
                 "command": " ".join(sys.argv[1:]) if argv is None else " ".join(argv),
                 "train_domains": trained_domains,
-                "held_out_domains": list(args.holdout),
+                "held_out_domains": held_out_domains(documents, args),
                 "positions": train.positions,
                 "settings": asdict(settings),
             }
