@@ -8,6 +8,7 @@ the best policy as JSON.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -26,6 +27,7 @@ from layerskip.cli.common import (
     str_list,
 )
 from layerskip.data import load_prompts
+from layerskip.engine.exit_adapter import ExitAdapter
 from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
@@ -39,7 +41,7 @@ from search.export import export_policy, verdict
 from search.journal import repair_journal
 from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibration
 from search.plots import write_plots
-from search.space import RANKING_ATTR, SearchSpace, trial_policy
+from search.space import RANKING_ATTR, ExitChoice, SearchSpace, trial_policy
 from search.study import (
     check_local_storage,
     check_storage_url,
@@ -145,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(generate.py --policy on-the-fly --save-policy PATH); in the ranked space a new study's order "
         "starts with its bypassed sublayers",
     )
+    parser.add_argument(
+        "--exit-adapters",
+        action="append",
+        default=[],
+        help="a layerskip-train-exit --out directory: its trained exit adapters become choices of an 'exit' knob "
+        "(repeatable; adapters are loaded, never trained, by trials)",
+    )
+    parser.add_argument(
+        "--exit-thresholds", type=float_list, default=(0.3, 0.5, 0.7), help="exit drafts' confidence threshold choices"
+    )
     parser.add_argument("--never-skip", type=int_list, default=(), help="layers never to bypass, e.g. 0,1")
     parser.add_argument("--min-skip-fraction", type=float, default=0.0)
     parser.add_argument("--max-skip-fraction", type=float, default=1.0)
@@ -167,6 +179,28 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise LayerskipError("--confirm-top must be >= 0")
     if any(k < 1 for k in args.draft_tokens) or not args.draft_tokens:
         raise LayerskipError("--draft-tokens must list integers >= 1")
+
+
+def read_exit_choices(directories: list[str]) -> tuple[ExitChoice, ...]:
+    """The exit adapters listed in each layerskip-train-exit output directory's report.json."""
+    choices: dict[str, ExitChoice] = {}
+    for directory in directories:
+        report_path = Path(directory) / "report.json"
+        try:
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+            exits = report["exits"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise LayerskipError(
+                f"--exit-adapters {directory} holds no readable report.json; "
+                "pass a layerskip-train-exit --out directory"
+            ) from None
+        for entry in exits:
+            path = (Path(directory) / entry["adapter"]).resolve()
+            if not path.is_file():
+                raise LayerskipError(f"exit adapter {path} listed in {report_path} is missing; train it again")
+            label = f"L{entry['layer']}-{entry['kind']}"
+            choices.setdefault(label, ExitChoice(label, entry["layer"], entry["kind"], str(path), entry["sha256"]))
+    return tuple(choices.values())
 
 
 def _summary(study, objective: str, top: list) -> str:
@@ -211,6 +245,9 @@ def _main(argv: list[str] | None) -> int:
         categories=args.categories,
     )
     seeds = {path: SkipPolicy.load(path) for path in args.warm_start}  # bad files fail before the model loads
+    exit_choices = read_exit_choices(args.exit_adapters)
+    if not args.exit_thresholds or not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
+        raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
     study_name = args.study_name or f"{Path(args.model).stem}-{args.objective}"
     # Outputs are checked now: a search must not end, after all its work, unable to save.
     check_output_file(args.out or f"{study_name}.policy.json", "--out")
@@ -255,7 +292,11 @@ def _main(argv: list[str] | None) -> int:
         verify_pad_choices=args.verify_pad,
         precision_choices=args.draft_precision,
         require_skip_draft=args.require_skip_draft,
+        exit_choices=exit_choices,
+        exit_threshold_choices=args.exit_thresholds,
     )
+    for choice in exit_choices:  # another model's adapter, or a changed file, fails before any work
+        ExitAdapter.load(choice.adapter, model, choice.sha256)
     chat = loaded.instruct if args.chat is None else args.chat
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     for prompt, ids in zip(prompts, prompt_ids):

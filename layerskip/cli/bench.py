@@ -10,7 +10,7 @@ from pathlib import Path
 
 from layerskip.cli.common import add_model_arguments, check_fits, check_policies, load_policies, run_cli, str_list
 from layerskip.data import load_prompts
-from layerskip.engine.policy import SkipPolicy
+from layerskip.engine.policy import ABLATIONS, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir
 from layerskip.hf.models import load_model, resolve_device
@@ -50,8 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", action="append", default=[], help="policy JSON for self-spec (repeat for several)")
     parser.add_argument(
         "--ablate",
-        action="store_true",
-        help="also run each policy with each drafting ingredient off (lookup, skip draft, truncated head)",
+        nargs="?",
+        const=True,
+        default=False,
+        type=str_list,
+        metavar="NAMES",
+        help="also run each policy with each drafting ingredient off (lookup, skip draft, truncated head, exit "
+        "adapter); with NAMES (e.g. no-adapter,full-head) only those ablations",
     )
     parser.add_argument("--assistant-model", help="a second, smaller model for hf-assistant")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -120,6 +125,9 @@ def _main(argv: list[str] | None) -> int:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     check_methods(names, bool(args.policy), bool(args.assistant_model))
+    if not isinstance(args.ablate, bool) and set(args.ablate) - set(ABLATIONS):
+        unknown = sorted(set(args.ablate) - set(ABLATIONS))
+        raise LayerskipError(f"unknown --ablate name(s) {unknown}; choose from {', '.join(ABLATIONS)}")
     prompts = load_prompts(
         args.prompts,
         n=args.n_prompts,

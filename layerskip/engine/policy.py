@@ -31,6 +31,17 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
 
+# Names of SkipPolicy.ablations() (which of them a policy has depends on what it uses).
+ABLATIONS = (
+    "no-lookup",
+    "lookup-only",
+    "full-head",
+    "model-precision",
+    "fixed",
+    "no-adapter",
+    "no-kv-reuse",
+    "no-bypass",
+)
 FORMAT = "layerskip-policy"
 VERSION = 1
 
@@ -443,7 +454,7 @@ class SkipPolicy:
         """Write the policy as JSON (atomically); a relative exit adapter path is rewritten to stay
         right from the new file's directory."""
         data = self.to_dict()
-        if self.exit is not None and not Path(self.exit.adapter).is_absolute():
+        if self.exit is not None:
             target = Path(path).expanduser().resolve().parent
             data["exit"]["adapter"] = os.path.relpath(self.exit_adapter_path().resolve(), target)
         return write_json_atomic(path, data)

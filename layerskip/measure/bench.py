@@ -113,7 +113,7 @@ def build_methods(
     policies: dict[str, SkipPolicy],
     assistant: nn.Module | None = None,
     lookup_tokens: int = 10,
-    ablate: bool = False,
+    ablate: bool | Sequence[str] = False,
 ) -> list[Method]:
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
@@ -157,7 +157,10 @@ def build_methods(
             for label, policy in policies.items():
                 variants[label] = policy
                 if ablate:
-                    variants.update({f"{label}-{suffix}": v for suffix, v in policy.ablations().items()})
+                    chosen = policy.ablations()
+                    if not isinstance(ablate, bool):  # only the ablations named
+                        chosen = {suffix: v for suffix, v in chosen.items() if suffix in set(ablate)}
+                    variants.update({f"{label}-{suffix}": v for suffix, v in chosen.items()})
             for label, policy in variants.items():
                 full = name if len(variants) == 1 else f"{name}:{label}"
                 run, memory = ours(policy)
