@@ -303,11 +303,45 @@ def test_seeded_sampling_is_reproducible() -> None:
     assert with_penalty.shape[1] == ids.shape[1] + NEW
 
 
-def test_sampling_follows_the_model() -> None:
-    """As tests/test_sampling.py's end-to-end check, through ``model.generate``."""
+def _history_bias():
+    """A logits processor that depends on the history: a random bias row picked by the last token."""
+    from transformers import LogitsProcessor
+
+    bias = torch.randn(E2E_VOCAB, E2E_VOCAB, generator=torch.Generator().manual_seed(4)) * 2.0
+
+    class HistoryBias(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores + bias[input_ids[:, -1]]
+
+    return HistoryBias()
+
+
+def _processed_laws(model, prompt: list[int], processor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The laws of tokens 1 and 2 after ``processor`` (plain generate's sampling distribution)."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        p1 = processor(ids, model(input_ids=ids).logits[:, -1]).softmax(-1)[0]
+        batch = torch.tensor([[*prompt, x] for x in range(E2E_VOCAB)])
+        p2 = processor(batch, model(input_ids=batch).logits[:, -1]).softmax(-1)
+    return p1, p1 @ p2
+
+
+@pytest.mark.parametrize("processed", [False, True], ids=["plain", "history-processor"])
+def test_sampling_follows_the_model(processed: bool) -> None:
+    """As tests/test_sampling.py's end-to-end check, through ``model.generate``; with a processor the
+    output must follow the processed distribution, though the draft proposes from unprocessed logits."""
+    from transformers import LogitsProcessorList
+
     model = _e2e_model()
     prompt = random_prompt(E2E_VOCAB, 6)
     p1, p2, q2 = _exact_laws(model, prompt)
+    extra = {}
+    if processed:
+        processor = _history_bias()
+        unprocessed = p2
+        p1, p2 = _processed_laws(model, prompt, processor)
+        assert tv(p2, unprocessed) > 2 * E2E_TV_BOUND  # a plug-in that ignored the processor would fail
+        extra["logits_processor"] = LogitsProcessorList([processor])
     policy = SkipPolicy.early_exit(adapters.num_layers(model), 1, draft=DraftSettings(max_draft_tokens=1))
     first, second = torch.zeros(E2E_VOCAB), torch.zeros(E2E_VOCAB)
     seeds = 800
@@ -322,6 +356,7 @@ def test_sampling_follows_the_model() -> None:
             do_sample=True,
             top_k=0,
             return_dict_in_generate=True,
+            **extra,
         )
         tokens = out.sequences[0, len(prompt) :].tolist()
         first[tokens[0]] += 1
@@ -331,6 +366,34 @@ def test_sampling_follows_the_model() -> None:
     assert tv(p2, q2) > 2 * E2E_TV_BOUND
     assert tv(first / seeds, p1) < E2E_TV_BOUND
     assert tv(second / seeds, p2) < E2E_TV_BOUND
+
+
+def test_sampling_warpers_become_the_engine_transform() -> None:
+    """The temperature -> top-k -> top-p tail is our Sampling (target and draft alike); any other
+    processor, or a warper after one, runs on the verify's logits instead."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from layerskip.engine.sampling import Sampling
+    from layerskip.hf.generate_args import _split_processors
+
+    penalty, warpers = (
+        RepetitionPenaltyLogitsProcessor(1.2),
+        [
+            TemperatureLogitsWarper(0.7),
+            TopKLogitsWarper(20),
+            TopPLogitsWarper(0.9),
+        ],
+    )
+    assert _split_processors([penalty, *warpers], True) == ([penalty], warpers, Sampling(0.7, 20, 0.9))
+    min_p = MinPLogitsWarper(0.1)
+    assert _split_processors([penalty, *warpers, min_p], True) == ([penalty, *warpers, min_p], [], Sampling())
+    assert _split_processors([penalty], False) == ([penalty], [], None)
 
 
 # -- refused, in one line naming the argument ------------------------------------------------------------
