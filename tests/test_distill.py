@@ -200,3 +200,15 @@ def test_search_chooses_among_trained_exits(tmp_path: Path) -> None:
     policy = SkipPolicy.load(out)
     if policy.exit is not None:  # an exported exit policy finds its adapter from where it was written
         assert policy.exit_adapter_path().is_file()
+
+
+def test_projected_speedup_formula() -> None:
+    from layerskip.measure.frontier import expected_tokens, projected_speedup
+
+    assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    # A free draft that is always right, verified at the cost of one step: k + 1 tokens per step at k = 8.
+    assert projected_speedup(1.0, 0.0, lambda n: 1.0) == (9.0, 8)
+    # A draft as costly as a step that is never right never pays.
+    best, _ = projected_speedup(0.0, 1.0, lambda n: 1.0)
+    assert best < 1.0

@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 
 from layerskip.cli.common import add_model_arguments, int_list, run_cli, str_list
-from layerskip.distill.corpus import CODE_DOMAIN, Document, code_documents, prompt_documents, split_documents
+from layerskip.distill.corpus import (
+    CODE_DOMAIN,
+    OWN_SUFFIX,
+    Document,
+    code_documents,
+    prompt_documents,
+    split_documents,
+)
 from layerskip.distill.teacher import TeacherData, cache_key, chunk_documents, collect, own_continuations
 from layerskip.distill.train import Student, TrainSettings, evaluate, rank_rows, state_size, train_adapter
 from layerskip.engine.exit_adapter import KINDS, ExitAdapter, ExitSpec
@@ -89,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="directory for adapters, policies, report and checkpoints")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--no-cost", action="store_true", help="skip timing each exit's draft step (the frontier's cost side)"
+    )
     return parser
 
 
@@ -307,9 +317,13 @@ def _main(argv: list[str] | None = None) -> int:
             )
             policy = replace(policy, root=str(out.resolve()))
             policy.save(out / f"{name}.json")
+            frontier = {}
+            if not args.no_cost:
+                frontier = exit_frontier(model, policy, adapter, lm.tokenizer, trained, plain, vocab_size)
             entry = {
                 "layer": layer,
                 "kind": kind,
+                "frontier": frontier,
                 "parameters": state_size(adapter.module),
                 "train_seconds": seconds,
                 "steps": result.steps,
@@ -341,7 +355,7 @@ def _main(argv: list[str] | None = None) -> int:
                 f"layer {layer} {kind}: held-out agreement {plain['held_out'].get('all', {}).get('agreement', 0):.3f} "
                 f"-> {trained['held_out'].get('all', {}).get('agreement', 0):.3f}, validation "
                 f"{plain['validation']['all']['agreement']:.3f} -> {trained['validation']['all']['agreement']:.3f} "
-                f"({seconds:.0f} s)",
+                f"({seconds:.0f} s)" + (f"; projected {frontier['projected_speedup']:.2f}x" if frontier else ""),
                 file=sys.stderr,
             )
             report["total_seconds"] = time.perf_counter() - started
@@ -384,6 +398,59 @@ def make_policy(
     )
     exit_settings = ExitSettings(relative, sha, adapter.spec.layer, adapter.spec.kind, args.reuse_kv)
     return replace(policy, exit=exit_settings).with_model(model, name)
+
+
+def exit_frontier(
+    model: torch.nn.Module,
+    policy: SkipPolicy,
+    adapter: ExitAdapter,
+    tokenizer: object,
+    trained: dict,
+    plain: dict,
+    vocab_size: int,
+) -> dict[str, float]:
+    """The exit's measured draft cost and the speedup its acceptance would project to, with the
+    adapter and without it (the plain early exit at the same depth). Acceptance is the top-1
+    agreement on the model's own continuations of held-out prompts (validation ones if none)."""
+    from layerskip.data import builtin_prompts
+    from layerskip.engine.draft import DraftModel
+    from layerskip.hf.prompting import encode_prompt
+    from layerskip.measure.frontier import measure_exit_cost, projected_speedup
+
+    context = encode_prompt(tokenizer, builtin_prompts()[6].text, False)[:128]
+    with_adapter = DraftModel(model, policy.draft.precision, exit=adapter)
+    without = DraftModel(model, policy.draft.precision)
+    cost = measure_exit_cost(with_adapter, policy, context, vocab_size)
+    plain_cost = measure_exit_cost(without, replace(policy, exit=None), context, vocab_size)
+
+    def acceptance(scores: dict) -> tuple[float, str]:
+        for split in ("held_out", "validation"):
+            own = [v for d, v in scores[split].items() if d.endswith(OWN_SUFFIX)]
+            if own:
+                total = sum(v["positions"] for v in own)
+                return sum(v["agreement"] * v["positions"] for v in own) / total, f"{split} own continuations"
+            if scores[split]:
+                return scores[split]["all"]["agreement"], f"{split} text"
+        return 0.0, "none"
+
+    a_with, source = acceptance(trained)
+    a_without, _ = acceptance(plain)
+    verify = lambda n: cost.verify_cost.get(n, cost.verify_cost[9])  # noqa: E731
+    best, k = projected_speedup(a_with, cost.draft_cost, verify)
+    best_plain, k_plain = projected_speedup(a_without, plain_cost.draft_cost, verify)
+    return {
+        "acceptance_source": source,
+        "agreement_with": a_with,
+        "agreement_without": a_without,
+        "plain_step_ms": cost.plain_ms,
+        "draft_cost": cost.draft_cost,
+        "draft_cost_without_adapter": plain_cost.draft_cost,
+        "verify_cost_k_plus_1": verify(k + 1),
+        "projected_speedup": best,
+        "projected_k": k,
+        "projected_speedup_without_adapter": best_plain,
+        "projected_k_without_adapter": k_plain,
+    }
 
 
 def write_report(report: dict, table: list[dict[str, object]], out: Path) -> None:

@@ -1,0 +1,46 @@
+"""What an exit draft would buy: its measured cost per depth against its acceptance.
+
+Expected tokens per verify with per-token acceptance ``a`` and draft length ``k`` are
+``(1 - a^(k+1)) / (1 - a)``; a step costs ``k * c + v(k + 1)`` plain steps, ``c`` the draft
+step's and ``v(n)`` a verify over ``n`` tokens' measured cost. The projected speedup is the best
+ratio over ``k``: the frontier table of docs/benchmarks.md reads it for every exit depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from layerskip.engine.draft import DraftModel
+from layerskip.engine.policy import SkipPolicy
+from layerskip.measure.latency import draft_step_seconds, verify_seconds
+
+
+@dataclass(frozen=True)
+class ExitCost:
+    draft_cost: float  # one draft step / one plain step
+    verify_cost: dict[int, float]  # block length -> verify / plain step
+    plain_ms: float
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def projected_speedup(acceptance: float, draft_cost: float, verify_cost: Callable[[int], float]) -> tuple[float, int]:
+    """(best projected speedup, its draft length) over k = 1..8."""
+    return max((expected_tokens(acceptance, k) / (k * draft_cost + verify_cost(k + 1)), k) for k in range(1, 9))
+
+
+def measure_exit_cost(
+    draft_model: DraftModel, policy: SkipPolicy, context: Sequence[int], vocab_size: int, repeats: int = 7
+) -> ExitCost:
+    """Time one draft step of ``policy`` (its draft model carries the exit adapter) and verifies of 1..9 tokens."""
+    model = draft_model.model
+    plain = verify_seconds(model, context, 1, repeats)
+    head_rows = policy.head_rows(vocab_size)
+    draft = draft_step_seconds(draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows, repeats)
+    verify = {n: verify_seconds(model, context, n, repeats) / plain for n in range(2, 10)}
+    return ExitCost(draft / plain, {1: 1.0, **verify}, 1000 * plain)
