@@ -8,7 +8,8 @@ from layerskip.engine.decoding import (
     decode_speculative,
     generate,
 )
-from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.exit_adapter import ExitAdapter, ExitSpec
+from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.engine.sampling import Sampling
 from layerskip.engine.stats import GenerationResult, GenerationStats
 from layerskip.errors import LayerskipError
@@ -18,6 +19,9 @@ __all__ = [
     "DecodeSettings",
     "Decoder",
     "DraftSettings",
+    "ExitAdapter",
+    "ExitSettings",
+    "ExitSpec",
     "GenerationResult",
     "GenerationStats",
     "LayerskipError",
