@@ -52,3 +52,16 @@ def _one_torch_thread():
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+# Files that take longest run first: under pytest-xdist (make test) they then overlap the rest of
+# the suite on the other worker, instead of starting late and running alone at the end.
+LONGEST_FIRST = ("tests/test_notebooks.py", "tests/test_search_cli.py", "tests/test_real_model.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: every file keeps its own order
