@@ -122,7 +122,7 @@ def collect(
         with contextlib.ExitStack() as stack:
             for layer in layers:
                 stack.enter_context(capturing_layer_output(model, layer, captured[layer]))
-            last = adapters.base_model(model)(input_ids=batch, use_cache=False).last_hidden_state  # [B, T, H]
+            last = adapters.stack_hidden(model, batch)  # [B, T, H]
         for layer in layers:
             hidden[layer].append(captured[layer][-1].float().cpu())
         flat = last.reshape(-1, last.shape[-1])  # [B*T, H]

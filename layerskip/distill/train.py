@@ -101,7 +101,7 @@ class Student:
         replacements = adapters.bypass_replacements(self.model, self._others, self._others)
         replacements.append(adapters.layer_output_replacement(self.model, self.layer, transform, lambda: hidden))
         with adapters.patched_forwards(replacements):
-            final = adapters.base_model(self.model)(input_ids=ids, use_cache=False).last_hidden_state
+            final = adapters.stack_hidden(self.model, ids)
         logits = nn.functional.linear(final, self.weight, self.bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap

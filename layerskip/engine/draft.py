@@ -134,12 +134,8 @@ class DraftModel:
 
     def hidden(self, input_ids: torch.Tensor, cache: RollbackCache | None, start: int) -> torch.Tensor:
         """The decoder stack's final hidden states ``[1, q, hidden]`` (call inside ``active``)."""
-        return adapters.base_model(self.model)(
-            input_ids=input_ids,
-            past_key_values=cache,
-            position_ids=positions(start, input_ids.shape[1], input_ids.device),
-            use_cache=cache is not None,
-        ).last_hidden_state
+        where = positions(start, input_ids.shape[1], input_ids.device)
+        return adapters.stack_hidden(self.model, input_ids, cache, where)
 
     def logits(self, input_ids: torch.Tensor, cache: RollbackCache, start: int, head: DraftHead) -> torch.Tensor:
         """The draft's logits for the last input position, ``[n]`` over the head's rows (inside ``active``)."""

@@ -70,12 +70,7 @@ def fill_adapter_cache(
     replacements.append(adapters.layer_output_replacement(model, layer, adapter.module, lambda: hidden))
     cache.rollback(start)
     with adapters.patched_forwards(replacements):
-        adapters.base_model(model)(
-            input_ids=block,
-            past_key_values=cache,
-            position_ids=positions(start, block.shape[1], block.device),
-            use_cache=True,
-        )
+        adapters.stack_hidden(model, block, cache, positions(start, block.shape[1], block.device))
     cache.reveal(start + block.shape[1], list(range(count)))
 
 

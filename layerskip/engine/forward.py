@@ -23,10 +23,5 @@ def full_logits(model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache,
     Returns the logits of the last ``keep`` positions, ``[keep, V]`` (the head applied by
     ``adapters.logits_from_hidden``, which picks the fastest product for a few rows).
     """
-    hidden = adapters.base_model(model)(
-        input_ids=input_ids,
-        past_key_values=cache,
-        position_ids=positions(start, input_ids.shape[1], input_ids.device),
-        use_cache=True,
-    ).last_hidden_state  # [1, q, hidden]
+    hidden = adapters.stack_hidden(model, input_ids, cache, positions(start, input_ids.shape[1], input_ids.device))
     return adapters.logits_from_hidden(model, hidden[0, -keep:])

@@ -399,3 +399,32 @@ def layer_output_replacement(
         return transform(output, *args, **kwargs)
 
     return layer, forward
+
+
+def stack_hidden(
+    model: nn.Module, input_ids: torch.Tensor, cache: object | None = None, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The decoder stack's final hidden states ``[B, q, hidden]`` for ``input_ids [B, q]``.
+
+    The stack's cache argument was renamed from ``past_key_values`` to ``cache`` in transformers
+    5.24 (the old name warns, and goes in 5.40): pass whichever this version's forward takes.
+    """
+    stack = base_model(model)
+    kwargs: dict[str, object] = {"input_ids": input_ids, "use_cache": cache is not None}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if cache is not None:
+        kwargs[_cache_argument(type(stack))] = cache
+    return stack(**kwargs).last_hidden_state
+
+
+_CACHE_ARGUMENT: dict[type, str] = {}
+
+
+def _cache_argument(stack_class: type) -> str:
+    if stack_class not in _CACHE_ARGUMENT:
+        import inspect
+
+        parameters = inspect.signature(stack_class.forward).parameters
+        _CACHE_ARGUMENT[stack_class] = "cache" if "cache" in parameters else "past_key_values"
+    return _CACHE_ARGUMENT[stack_class]
