@@ -34,6 +34,7 @@ SPACE_FLAGS: dict[str, str] = {
     "verify_pad_choices": "--verify-pad",
     "precision_choices": "--draft-precision",
     "require_skip_draft": "--require-skip-draft",
+    "exit_threshold_choices": "--exit-thresholds",
 }
 
 
@@ -84,6 +85,7 @@ def requested_space(args: argparse.Namespace) -> dict[str, Any]:
         "verify_pad_choices": list(args.verify_pad),
         "precision_choices": list(args.draft_precision),
         "require_skip_draft": bool(args.require_skip_draft),
+        "exit_threshold_choices": list(args.exit_thresholds),
     }
 
 

@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from cli_helpers import assert_bad_input, run_script
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
@@ -240,8 +241,15 @@ def compare_report(smollm2_policy: str) -> dict:
 
     args = ["--compare", "--json", "--prompt", PROMPT, "--policy", smollm2_policy, "--max-new-tokens", "24"]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(args)
+    # A module fixture runs before conftest's one-thread fixture: on a busy 2-core machine torch's
+    # default pool would spin-wait for descheduled threads (as a script, OMP_NUM_THREADS=1 did this).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+    finally:
+        torch.set_num_threads(threads)
     result = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr

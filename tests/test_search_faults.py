@@ -215,8 +215,9 @@ def _study_made_with(url: str, **space: object) -> None:
         (["--lookup", "3", "--draft-tokens", "2,3,4"], {}, ["--draft-tokens 2,3", "--draft-tokens 2,3,4"]),
         (["--lookup", "3", "--no-adaptive"], {"tune_adaptive": True}, ["--no-adaptive"]),
         (["--lookup", "3", "--space", "switches"], {"sublayer_order": [[0, "mlp"]]}, ["--space ranked"]),
+        (["--lookup", "3", "--exit-thresholds", "0.4"], {"exit_threshold_choices": [0.5]}, ["--exit-thresholds 0.5"]),
     ],
-    ids=["lookup", "draft-tokens", "adaptive", "space"],
+    ids=["lookup", "draft-tokens", "adaptive", "space", "exit-thresholds"],
 )
 def test_a_changed_space_flag_is_refused_before_any_work(
     tmp_path: Path, capsys, extra: list[str], recorded: dict, fragments: list[str]
