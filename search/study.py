@@ -14,6 +14,8 @@ import logging
 import os
 import random
 import signal
+import socket
+import sys
 import threading
 import time
 import warnings
@@ -32,6 +34,7 @@ from search.space import exportable, trial_policy
 COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
 CONFIRMED_PREFIX = "confirmed:"
 HEARTBEAT_SECONDS = 30
+WORKER_ATTR = "worker"  # "host:pid" of the process running a trial
 SERVER_SCHEMES = ("postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://", "mysql://", "mysql+pymysql://")
 
 
@@ -279,6 +282,9 @@ def run_trials(
     if total_trials is not None:
         callbacks.append(optuna.study.MaxTrialsCallback(total_trials, states=COUNTED_STATES))
     deadline = None if timeout is None else time.monotonic() + timeout
+    failed = fail_trials_of_dead_workers(study)
+    if failed:
+        print(f"trial(s) {failed} were left RUNNING by a process that no longer runs: marked FAIL", file=sys.stderr)
     with _InterruptGuard(objective) as guarded:
         while told < n_trials:
             if total_trials is not None and counted_trials(study) >= total_trials:
@@ -302,6 +308,43 @@ def run_trials(
                 # drop it and run the trials this worker still owes.
                 if "Cannot tell a COMPLETE trial" not in str(exc):
                     raise
+
+
+def _this_worker() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def fail_trials_of_dead_workers(study: optuna.Study) -> list[int]:
+    """Mark FAIL the RUNNING trials of processes on this machine that no longer exist (a worker
+    killed with ``kill -9``, an out-of-memory kill, a closed terminal), so a resumed study has no
+    trial stuck RUNNING. Heartbeats do this for SQLite and PostgreSQL only after their grace period
+    (90 s), and a journal file has none. Trials of other machines, or of live processes, are left
+    alone. A trial is marked with its worker when its objective starts, so a process killed in the
+    moment between Optuna creating a trial and starting it leaves an unmarked trial: heartbeats
+    fail that one on SQLite and PostgreSQL; on a journal it stays RUNNING (it is never counted).
+    Returns the trial numbers failed."""
+    host = socket.gethostname()
+    failed = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker_host, _, pid = str(trial.user_attrs.get(WORKER_ATTR, "")).rpartition(":")
+        if worker_host != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            study.tell(trial.number, state=TrialState.FAIL)
+        except (ValueError, RuntimeError):  # finished meanwhile (another worker got there first)
+            continue
+        failed.append(trial.number)
+    return failed
 
 
 class _QuietInterrupt(logging.Filter):
@@ -337,6 +380,7 @@ class _InterruptGuard:
 
     def __call__(self, trial: optuna.Trial) -> Any:
         self.check()
+        trial.set_user_attr(WORKER_ATTR, _this_worker())  # a later run can tell if this process died
         return self.objective(_CheckedTrial(trial, self))  # type: ignore[arg-type]
 
     def _on_sigint(self, signum: int, frame: Any) -> None:

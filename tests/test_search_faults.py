@@ -301,3 +301,29 @@ def test_a_json_document_named_jsonl_is_still_read(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps([{"text": "first"}, {"text": "second"}], indent=2))
     assert [p.text for p in load_prompts(str(prompts))] == ["first", "second"]
+
+
+def test_running_trials_of_dead_local_workers_are_failed(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    from search.study import WORKER_ATTR, fail_trials_of_dead_workers
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process id that no longer runs
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    host = socket.gethostname()
+    owners = {"dead": f"{host}:{gone.pid}", "alive": f"{host}:{os.getpid()}", "elsewhere": "other-host:1", "none": ""}
+    trials = {}
+    for label, owner in owners.items():
+        trial = study.ask()
+        if owner:
+            trial.set_user_attr(WORKER_ATTR, owner)
+        trials[label] = trial.number
+
+    assert fail_trials_of_dead_workers(study) == [trials["dead"]]
+
+    state = {t.number: t.state for t in study.trials}
+    assert state[trials["dead"]] == TrialState.FAIL
+    assert all(state[trials[label]] == TrialState.RUNNING for label in ("alive", "elsewhere", "none"))
