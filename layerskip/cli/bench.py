@@ -8,7 +8,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, check_fits, check_policies, load_policies, run_cli, str_list
+from layerskip.cli.common import (
+    THREADS_HELP,
+    add_model_arguments,
+    check_fits,
+    check_policies,
+    load_policies,
+    run_cli,
+    str_list,
+    thread_settings,
+)
 from layerskip.data import load_prompts
 from layerskip.engine.policy import ABLATIONS, SkipPolicy
 from layerskip.errors import LayerskipError
@@ -27,6 +36,7 @@ from layerskip.measure.bench import (
     summarise,
     tuning_categories,
 )
+from layerskip.measure.load import busy_processes
 from layerskip.measure.report import markdown_report, write_outputs
 
 
@@ -57,6 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAMES",
         help="also run each policy with each drafting ingredient off (lookup, skip draft, truncated head, exit "
         "adapter); with NAMES (e.g. no-adapter,full-head) only those ablations",
+    )
+    parser.add_argument(
+        "--threads",
+        type=thread_settings,
+        default=("auto",),
+        help=THREADS_HELP + ". A list (e.g. auto,1,2) runs every method again under each further setting, "
+        "named NAME@t1 ...; HF methods take counts only and the hf-ar baseline keeps the process's count",
+    )
+    parser.add_argument(
+        "--busy-processes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N spinning processes during the timed runs, to measure on a machine that is not idle",
     )
     parser.add_argument("--assistant-model", help="a second, smaller model for hf-assistant")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -123,6 +147,8 @@ def _main(argv: list[str] | None) -> int:
     command = shlex.join(["layerskip-bench", *(sys.argv[1:] if argv is None else argv)])
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    if args.busy_processes < 0:
+        raise LayerskipError(f"--busy-processes must be >= 0 (got {args.busy_processes})")
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     check_methods(names, bool(args.policy), bool(args.assistant_model))
     if not isinstance(args.ablate, bool) and set(args.ablate) - set(ABLATIONS):
@@ -145,10 +171,13 @@ def _main(argv: list[str] | None) -> int:
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     for prompt, ids in zip(prompts, prompt_ids):
         check_fits(model, len(ids), args.max_new_tokens, f"prompt {prompt.id}")
-    methods = build_methods(model, names, eos_token_ids(model, tokenizer), policies, assistant, ablate=args.ablate)
-    rows = run_benchmark(
-        model, methods, prompts, prompt_ids, BenchConfig(args.max_new_tokens, progress=not args.no_progress)
+    methods = build_methods(
+        model, names, eos_token_ids(model, tokenizer), policies, assistant, ablate=args.ablate, threads=args.threads
     )
+    with busy_processes(args.busy_processes):
+        rows = run_benchmark(
+            model, methods, prompts, prompt_ids, BenchConfig(args.max_new_tokens, progress=not args.no_progress)
+        )
     env = environment(next(model.parameters()).device)
     results = {
         "command": command,
@@ -158,6 +187,8 @@ def _main(argv: list[str] | None) -> int:
         "versions": env["versions"],
         "model": loaded.name,
         "max_new_tokens": args.max_new_tokens,
+        "threads": list(args.threads),
+        "busy_processes": args.busy_processes,
         "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
         "policies": {label: policy.to_dict() for label, policy in policies.items()},
         "draft_memory_mb": {m.name: m.draft_memory_mb for m in methods if m.draft_memory_mb is not None},

@@ -66,6 +66,34 @@ def float_list(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
 
 
+def thread_setting(text: str) -> int | str:
+    """An argparse type: ``"auto"`` or a positive thread count."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive thread count, got '{text}'")
+    return count
+
+
+def thread_settings(text: str) -> tuple[int | str, ...]:
+    """An argparse type: ``"auto,1,2"`` -> ``("auto", 1, 2)`` (no duplicates)."""
+    settings = tuple(thread_setting(part) for part in text.split(",") if part.strip())
+    if not settings or len(set(settings)) != len(settings):
+        raise argparse.ArgumentTypeError(f"expected distinct settings like 'auto,1,2', got '{text}'")
+    return settings
+
+
+THREADS_HELP = (
+    "CPU threads of the draft and the verify: 'auto' (default) picks each phase's count by its "
+    "measured time while generating, which keeps the draft fast when other processes share the CPU; "
+    "a number fixes it"
+)
+
+
 def str_list(text: str) -> tuple[str, ...]:
     """An argparse type: ``"qa, rag"`` -> ``("qa", "rag")``."""
     return tuple(part.strip() for part in text.split(",") if part.strip())

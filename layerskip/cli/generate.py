@@ -6,7 +6,16 @@ import argparse
 import json
 import sys
 
-from layerskip.cli.common import add_model_arguments, check_fits, check_seed, load_policy, read_prompt, run_cli
+from layerskip.cli.common import (
+    THREADS_HELP,
+    add_model_arguments,
+    check_fits,
+    check_seed,
+    load_policy,
+    read_prompt,
+    run_cli,
+    thread_setting,
+)
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.onthefly import converged_policy
 from layerskip.engine.sampling import Sampling
@@ -36,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply the chat template (default: on for instruct models)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=thread_setting, default="auto", help=THREADS_HELP)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -88,7 +98,8 @@ def _main(argv: list[str] | None) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    decoder = Decoder(model, policy)  # checks the policy against the model, prepares its draft once
+    # checks the policy against the model, prepares its draft once
+    decoder = Decoder(model, policy, threads=args.threads)
     chat = loaded.instruct if args.chat is None else args.chat
     ids = encode_prompt(tokenizer, prompt, chat)
     check_fits(model, len(ids), args.max_new_tokens)

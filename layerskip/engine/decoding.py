@@ -32,6 +32,7 @@ from layerskip.engine.onthefly import OnTheFlyDrafter, SelectionState
 from layerskip.engine.policy import SkipPolicy
 from layerskip.engine.sampling import Sampling, verify_greedy, verify_sampled
 from layerskip.engine.stats import DeviceClock, GenerationResult, GenerationStats
+from layerskip.engine.threads import ThreadTuner
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
@@ -149,12 +150,22 @@ class Decoder:
     serves any number of ``decode`` calls. ``vocab_rows`` overrides the truncated draft head's
     starting rows (default: the policy's). A policy with ``on_the_fly`` settings gets its skip
     sets re-chosen while generating; what that learns (``selection``) carries over between calls.
+    ``threads`` (CPU only): "auto" picks the draft's and the verify's thread counts by their
+    measured time (see ``engine.threads``; robust when the machine is busy), an int fixes both;
+    the caller's thread count is restored after each call.
     """
 
-    def __init__(self, model: nn.Module, policy: SkipPolicy | None = None, vocab_rows: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: SkipPolicy | None = None,
+        vocab_rows: torch.Tensor | None = None,
+        threads: int | str = "auto",
+    ):
         self.model = model
         self.policy = policy
         self.device = next(model.parameters()).device
+        self.threads = ThreadTuner(threads, self.device)
         self.vocab_size = adapters.lm_head(model).weight.shape[0]
         self.draft_model: DraftModel | None = None
         self.selection: SelectionState | None = None
@@ -222,8 +233,33 @@ class Decoder:
         processes the full model's logits before a token is chosen (HF logits processors);
         ``stop_check`` ends the generation after a token (HF stopping criteria).
         """
+        with self.threads.session():
+            return self._decode(
+                input_ids,
+                settings,
+                tokenizer=tokenizer,
+                on_tokens=on_tokens,
+                cache_observer=cache_observer,
+                drafter=drafter,
+                logits_hook=logits_hook,
+                stop_check=stop_check,
+            )
+
+    def _decode(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        settings: DecodeSettings,
+        *,
+        tokenizer: object | None,
+        on_tokens: TokenCallback | None,
+        cache_observer: CacheObserver | None,
+        drafter: Drafter | None,
+        logits_hook: LogitsHook | None,
+        stop_check: StopCheck | None,
+    ) -> tuple[list[int], GenerationStats]:
         clock = DeviceClock(self.device)
         start = clock.now()  # everything this call does is timed, set-up included
+        used_before = dict(self.threads.used)
         settings.validate()
         prompt = _as_ids(input_ids)
         stats = GenerationStats()
@@ -243,7 +279,12 @@ class Decoder:
             block = torch.tensor([block_ids], device=self.device)  # [1, prompt] or [1, k+1 (+ fillers)]
             drafted = draft.tokens if draft is not None else []
             keep = 1 if draft is None else len(block_ids)
-            with drafter.watch_verify(len(block_ids)), drafter.around_verify(cache, committed, block):
+            with (
+                self.threads.phase("verify") as run,
+                drafter.watch_verify(len(block_ids)),
+                drafter.around_verify(cache, committed, block),
+            ):
+                run.units = 0 if draft is None else 1  # the prefill teaches nothing about a step
                 logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
             if logits_hook is not None:
                 logits = logits_hook([*output.history, *drafted], logits)
@@ -276,7 +317,14 @@ class Decoder:
             t2 = clock.now()
             budget = output.remaining - 1
             request = DraftRequest(output.history, cache, budget, self.device)
-            draft = drafter.propose(request) if budget > 0 else Draft([])
+            if budget > 0:
+                with self.threads.phase("draft") as run:
+                    draft = drafter.propose(request)
+                    # forwards run ~ tokens proposed (a draft that stopped at once still ran one);
+                    # a lookup or an empty plain draft ran none and teaches nothing
+                    run.units = max(1, len(draft.tokens)) if draft.source == "skip" else 0
+            else:
+                draft = Draft([])
             if draft.source != "none":  # plain decoding drafts nothing: its loop time is "other"
                 stats.draft_seconds += clock.now() - t2
             cache.rollback(committed)
@@ -287,6 +335,8 @@ class Decoder:
                 block_ids += [block_ids[-1]] * (pad_to - len(block_ids))
 
         drafter.report(stats)
+        used = self.threads.used
+        stats.thread_runs = {k: n - used_before.get(k, 0) for k, n in used.items() if n > used_before.get(k, 0)}
         stats.total_seconds = clock.now() - start
         stats.new_tokens = len(output.generated)
         return output.generated, stats

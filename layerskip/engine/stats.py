@@ -39,6 +39,8 @@ class GenerationStats:
     # (label "a<layers>|m<layers>", e.g. "a3,7|m" bypasses the attention of layers 3 and 7).
     skip_changes: int = 0
     skip_sets: dict[str, int] = field(default_factory=dict)
+    # CPU thread counts used ("draft:1", "verify:2" -> runs of that phase): see engine.threads.
+    thread_runs: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_accepted(self) -> float:

@@ -114,6 +114,7 @@ def build_methods(
     assistant: nn.Module | None = None,
     lookup_tokens: int = 10,
     ablate: bool | Sequence[str] = False,
+    threads: Sequence[int | str] = ("auto",),
 ) -> list[Method]:
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
@@ -123,11 +124,72 @@ def build_methods(
     decoder keeps what it learns from prompt to prompt, as a server would). ``hf-custom`` runs each
     policy through ``model.generate(custom_generate=...)`` (``hf-custom:NAME`` when there are
     several), so the plug-in's overhead against ``self-spec`` is measured. Each policy's draft is
-    prepared here, once (like loading a model), not inside the timed calls."""
+    prepared here, once (like loading a model), not inside the timed calls.
+
+    ``threads``: our decoders' CPU thread setting ("auto" or a count, ``Decoder(threads=...)``);
+    each further entry adds every method again under that setting, named ``NAME@tN`` /
+    ``NAME@auto`` (HF methods only for counts: they have no "auto"), so thread settings are
+    compared in one interleaved run. The baseline stays at the process's own thread count."""
     check_methods(names, bool(policies), assistant is not None)
+    if not threads:
+        raise LayerskipError("threads needs at least one setting ('auto' or a count)")
+    methods = _methods_for(model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, threads[0], None)
+    for setting in threads[1:]:
+        suffix = f"@t{setting}" if setting != "auto" else "@auto"
+        hf_threads = setting if isinstance(setting, int) else None
+        again = _methods_for(
+            model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, setting, hf_threads
+        )
+        for method in again:
+            if setting == "auto" and method.name.startswith("hf-") and method.name != "hf-custom":
+                continue
+            if method.name == BASELINE and setting == "auto":
+                continue
+            methods.append(replace(method, name=method.name + suffix))
+    if BASELINE not in [m.name for m in methods]:
+        methods.insert(0, Method(BASELINE, _with_threads(_hf_runner(model, eos_token_ids, {}), None)))
+    return methods
+
+
+def _hf_runner(model: nn.Module, eos_token_ids: tuple[int, ...], extra: dict[str, Any]) -> Runner:
+    def run(ids: list[int], max_new: int) -> tuple[list[int], None]:
+        return hf_generate(model, ids, max_new, eos_token_ids, **extra), None
+
+    return run
+
+
+def _with_threads(runner: Runner, count: int | None) -> Runner:
+    """``runner`` under ``count`` CPU threads (None: the process's own), restored afterwards."""
+    if count is None:
+        return runner
+
+    def run(ids: list[int], max_new: int) -> Any:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(count)
+        try:
+            return runner(ids, max_new)
+        finally:
+            torch.set_num_threads(previous)
+
+    return run
+
+
+def _methods_for(
+    model: nn.Module,
+    names: Sequence[str],
+    eos_token_ids: tuple[int, ...],
+    policies: dict[str, SkipPolicy],
+    assistant: nn.Module | None,
+    lookup_tokens: int,
+    ablate: bool | Sequence[str],
+    threads: int | str,
+    hf_threads: int | None,
+) -> list[Method]:
+    """``build_methods`` for one thread setting: ``threads`` for our decoders, ``hf_threads`` for
+    HF's own methods (None: the process's count)."""
 
     def ours(policy: SkipPolicy | None) -> tuple[Runner, float | None]:
-        decoder = Decoder(model, policy)
+        decoder = Decoder(model, policy, threads=threads)
 
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
             return decoder.decode(ids, DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos_token_ids))
@@ -138,13 +200,10 @@ def build_methods(
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
             return hf_custom_generate(model, ids, max_new, policy, eos_token_ids)
 
-        return run
+        return _with_threads(run, hf_threads)
 
     def hf(**extra: Any) -> Runner:
-        def run(ids: list[int], max_new: int) -> tuple[list[int], None]:
-            return hf_generate(model, ids, max_new, eos_token_ids, **extra), None
-
-        return run
+        return _with_threads(_hf_runner(model, eos_token_ids, extra), hf_threads)
 
     methods: list[Method] = []
     for name in names:
@@ -186,8 +245,6 @@ def build_methods(
             methods.append(Method(name, hf(assistant_early_exit=depth)))
         elif name == "hf-assistant":
             methods.append(Method(name, hf(assistant_model=assistant)))
-    if BASELINE not in [m.name for m in methods]:
-        methods.insert(0, Method(BASELINE, hf()))  # every figure is a ratio against it
     return methods
 
 
@@ -303,6 +360,8 @@ def summarise(
             # On-the-fly selection: how often the bypassed set changed, and the sets it drafted with.
             "skip_changes": stats.skip_changes if stats is not None and stats.skip_sets else None,
             "skip_sets": dict(stats.skip_sets) if stats is not None and stats.skip_sets else None,
+            # CPU thread counts the draft and verify ran with ("draft:1" -> runs): see engine.threads.
+            "thread_runs": dict(stats.thread_runs) if stats is not None and stats.thread_runs else None,
         }
 
     by_method: dict[str, list[PromptResult]] = defaultdict(list)

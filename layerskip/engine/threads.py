@@ -1,0 +1,161 @@
+"""CPU thread counts for the draft and the verify, chosen by their measured time while generating.
+
+Why: on a CPU that another process keeps busy, a multi-threaded torch kernel waits for its
+descheduled thread at every barrier. Small kernels (a one-token int4 draft forward) are hit
+hardest: on a 2-core machine with one competing busy process the Gemma-3 draft ran 3.6x slower
+on 2 threads than on 1, while on an idle machine 2 threads are 1.3x faster. No fixed count is
+right for both, and a machine's load changes while a server runs, so each phase keeps a moving
+average of its own time per unit under each candidate count, uses the fastest, and now and then
+re-tries another (less often while the choice holds).
+
+Thread counts change no result: greedy output is the verify's argmax whatever the count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("draft", "verify")
+
+
+def candidate_counts(available: int) -> tuple[int, ...]:
+    """Thread counts worth trying with ``available`` threads: all of them, one, and half on big machines."""
+    if available <= 1:
+        return (1,)
+    if available <= 4:
+        return (available, 1)
+    return (available, available // 2, 1)
+
+
+@dataclass
+class PhaseThreads:
+    """The thread count of one phase: the fastest by moving average, with sparse re-tries of the others.
+
+    ``record(threads, seconds_per_unit)`` after each run of the phase; ``next()`` says the count for
+    the next run. Each candidate is tried ``warmup`` times first. Then every ``interval`` runs one
+    other candidate is tried once; the interval doubles (up to ``max_interval``) while the choice
+    holds and goes back to ``min_interval`` when it changes.
+    """
+
+    candidates: tuple[int, ...]
+    alpha: float = 0.3
+    warmup: int = 2
+    min_interval: int = 8
+    max_interval: int = 128
+    average: dict[int, float] = field(default_factory=dict)  # threads -> seconds per unit (EMA)
+    uses: dict[int, int] = field(default_factory=dict)  # threads -> runs recorded
+    last_run: dict[int, int] = field(default_factory=dict)  # threads -> index of its latest recorded run
+    runs: int = 0
+    chosen: int | None = None
+    interval: int = 0
+    since_probe: int = 0
+    probe_turn: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("PhaseThreads needs at least one candidate thread count")
+        self.interval = self.min_interval
+
+    def next(self) -> int:
+        for count in self.candidates:  # warm-up: every candidate a few times, in turn
+            if self.uses.get(count, 0) < self.warmup:
+                return count
+        best = self._fastest()
+        if best != self.chosen:
+            self.chosen, self.interval, self.since_probe = best, self.min_interval, 0
+        self.since_probe += 1
+        if self.since_probe >= self.interval and len(self.candidates) > 1:
+            self.since_probe = 0
+            self.interval = min(2 * self.interval, self.max_interval)
+            others = [c for c in self.candidates if c != best]
+            self.probe_turn += 1
+            return others[self.probe_turn % len(others)]
+        return best
+
+    def record(self, threads: int, seconds_per_unit: float) -> None:
+        if threads not in self.candidates or seconds_per_unit <= 0:
+            return
+        previous = self.average.get(threads)
+        # A count last measured long ago (a re-try) starts afresh: its old average describes the
+        # machine as it was then, and blending it in would take many sparse re-tries to forget.
+        stale = self.runs - self.last_run.get(threads, self.runs) > 2
+        self.average[threads] = (
+            seconds_per_unit
+            if previous is None or stale
+            else (1 - self.alpha) * previous + self.alpha * seconds_per_unit
+        )
+        self.uses[threads] = self.uses.get(threads, 0) + 1
+        self.runs += 1
+        self.last_run[threads] = self.runs
+
+    def _fastest(self) -> int:
+        return min(self.candidates, key=lambda c: (self.average.get(c, float("inf")), -c))
+
+
+class ThreadTuner:
+    """Sets torch's CPU thread count per phase (``draft``, ``verify``) and learns which count is fastest.
+
+    ``threads="auto"`` tunes between ``candidate_counts(torch.get_num_threads())``; an int fixes
+    both phases to that count; on a GPU nothing is set. Built once per ``Decoder``, so what it
+    learns carries over from prompt to prompt. ``session()`` restores the caller's thread count.
+    """
+
+    def __init__(self, threads: int | str, device: torch.device) -> None:
+        if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ValueError(f"threads must be 'auto' or a positive integer (got {threads!r})")
+        self.requested = threads
+        self.enabled = torch.device(device).type == "cpu"
+        available = torch.get_num_threads()
+        counts = candidate_counts(available) if threads == "auto" else (int(threads),)
+        self.phases = {name: PhaseThreads(counts) for name in PHASES}
+        self.used: dict[str, int] = {}  # "phase:threads" -> runs, for stats
+
+    @property
+    def tuning(self) -> bool:
+        return self.enabled and len(self.phases["verify"].candidates) > 1
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """One generation: the caller's thread count comes back afterwards, whatever happens."""
+        previous = torch.get_num_threads()
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != previous:
+                torch.set_num_threads(previous)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[PhaseRun]:
+        """Run one phase under its chosen count; its time per unit is recorded afterwards.
+
+        The caller sets ``run.units`` (drafted tokens for a draft; 0 = do not learn from this run,
+        e.g. a prompt-lookup draft that ran no forward, or the prefill).
+        """
+        run = PhaseRun()
+        if not self.enabled:
+            yield run
+            return
+        tuner = self.phases[name]
+        run.threads = tuner.next()
+        if torch.get_num_threads() != run.threads:
+            torch.set_num_threads(run.threads)
+        start = time.perf_counter()
+        yield run
+        seconds = time.perf_counter() - start
+        key = f"{name}:{run.threads}"
+        self.used[key] = self.used.get(key, 0) + 1
+        if run.units > 0:
+            tuner.record(run.threads, seconds / run.units)
+
+
+@dataclass
+class PhaseRun:
+    """One run of a phase: the thread count it got, and how many units of work it did."""
+
+    threads: int = 0
+    units: int = 1
