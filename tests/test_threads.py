@@ -8,7 +8,7 @@ import torch
 from compare import assert_same_tokens
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.engine.decoding import DecodeSettings, Decoder
+from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.engine.threads import PhaseThreads, ThreadTuner, candidate_counts
 from layerskip.measure.bench import build_methods
@@ -146,3 +146,20 @@ def test_busy_processes_are_started_and_always_stopped() -> None:
     with pytest.raises(ValueError):
         with busy_processes(-1):
             pass
+
+
+def test_the_verify_follows_the_drafts_count_and_learns_alone_without_draft_forwards() -> None:
+    torch.set_num_threads(2)
+    tuner = ThreadTuner("auto", torch.device("cpu"))
+    with tuner.session():
+        for _ in range(10):
+            with tuner.phase("draft") as draft:
+                draft.units = 3
+            with tuner.phase("verify") as verify:
+                assert verify.threads == draft.threads
+        assert tuner.phases["verify"].uses == {}  # learnt nothing: the draft decides
+        with tuner.phase("draft") as lookup:
+            lookup.units = 0  # a lookup draft: no forwards, no signal
+        with tuner.phase("verify"):
+            pass
+        assert sum(tuner.phases["verify"].uses.values()) == 1

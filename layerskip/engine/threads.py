@@ -103,6 +103,13 @@ class ThreadTuner:
     ``threads="auto"`` tunes between ``candidate_counts(torch.get_num_threads())``; an int fixes
     both phases to that count; on a GPU nothing is set. Built once per ``Decoder``, so what it
     learns carries over from prompt to prompt. ``session()`` restores the caller's thread count.
+
+    One choice serves both phases, learnt from the draft when there is one: a draft forward is
+    the same work every time (one token), so its time per token is a clean signal, while a
+    verify's time depends on its block length (1 to k+1 tokens), which moves it as much as the
+    thread count does. Busy or idle, the two phases measured the same way (one thread wins both
+    under contention, all threads win both when idle), so the verify follows the draft's choice.
+    Plain decoding and lookup-only drafts (no draft forwards) learn from the verify instead.
     """
 
     def __init__(self, threads: int | str, device: torch.device) -> None:
@@ -113,6 +120,7 @@ class ThreadTuner:
         available = torch.get_num_threads()
         counts = candidate_counts(available) if threads == "auto" else (int(threads),)
         self.phases = {name: PhaseThreads(counts) for name in PHASES}
+        self.last_draft_threads: int | None = None
         self.used: dict[str, int] = {}  # "phase:threads" -> runs, for stats
 
     @property
@@ -126,6 +134,7 @@ class ThreadTuner:
         try:
             yield
         finally:
+            self.last_draft_threads = None
             if torch.get_num_threads() != previous:
                 torch.set_num_threads(previous)
 
@@ -140,8 +149,8 @@ class ThreadTuner:
         if not self.enabled:
             yield run
             return
-        tuner = self.phases[name]
-        run.threads = tuner.next()
+        follows_draft = name == "verify" and self.last_draft_threads is not None
+        run.threads = self.last_draft_threads if follows_draft else self.phases[name].next()
         if torch.get_num_threads() != run.threads:
             torch.set_num_threads(run.threads)
         start = time.perf_counter()
@@ -149,8 +158,11 @@ class ThreadTuner:
         seconds = time.perf_counter() - start
         key = f"{name}:{run.threads}"
         self.used[key] = self.used.get(key, 0) + 1
-        if run.units > 0:
-            tuner.record(run.threads, seconds / run.units)
+        if name == "draft":
+            # only a draft that ran forwards sets the verify's count
+            self.last_draft_threads = run.threads if run.units > 0 else None
+        if run.units > 0 and not follows_draft:
+            self.phases[name].record(run.threads, seconds / run.units)
 
 
 @dataclass
