@@ -8,6 +8,7 @@ well under a second. Everything else runs the real scripts as subprocesses.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -201,3 +202,60 @@ def generate_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     code = main(list(args))
     captured = capsys.readouterr()
     return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+
+
+def kill_9_then_resume(run: Any, model: Path | str, url: str, name: str, out: Path) -> None:
+    """Kill -9 a search in the middle of a trial, then run the same command again (``run``, e.g.
+    ``search_in_process`` bound to ``capsys``): nothing completed is lost, the killed worker's trial is
+    marked FAIL (none stays RUNNING), and --out is untouched by the killed run and whole after the resume.
+    Works for every storage kind: SQLite, journal file, PostgreSQL."""
+    from optuna.trial import TrialState
+
+    from search.study import WORKER_ATTR, local_storage_file
+
+    # A database server is polled through one storage (a new one per poll would open new connections);
+    # a local file is reopened, since polling must not create it before the worker does.
+    shared = None if local_storage_file(url) is not None else load_storage(url)
+
+    def study():
+        import optuna
+
+        return optuna.load_study(study_name=name, storage=shared or load_storage(url))
+
+    def in_a_trial_after_two() -> bool:
+        """Two trials finished and a third one's objective is running (it has marked its worker)."""
+        try:
+            current = study()
+        except (KeyError, ValueError, OSError):  # not created yet, or a record being appended
+            return False
+        running = current.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return len(counted(current)) >= 2 and any(WORKER_ATTR in t.user_attrs for t in running)
+
+    args = ["--storage", url, "--study-name", name, "--out", str(out)]
+    worker = start_search(model, *args, "--n-trials", "10000")
+    try:
+        deadline = time.monotonic() + 180
+        while not in_a_trial_after_two():
+            assert worker.poll() is None, worker.communicate()
+            assert time.monotonic() < deadline, "no trials finished in 180 s"
+            time.sleep(0.1)
+        worker.send_signal(signal.SIGKILL)
+        worker.communicate()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()
+    assert not out.exists()  # the killed run never reached its export
+    before = len(counted(study()))
+
+    result = ok(run(model, *args, "--n-trials", "2"))
+
+    resumed = study()
+    states = [t.state for t in resumed.get_trials(deepcopy=False)]
+    assert TrialState.RUNNING not in states, f"a trial of the killed worker stayed RUNNING: {states}"
+    assert len(counted(resumed)) == before + 2, states
+    assert trial_numbers(resumed) == list(range(len(states)))
+    assert TrialState.FAIL in states and "marked FAIL" in result.stderr, result.stderr
+    from layerskip.engine.policy import SkipPolicy
+
+    SkipPolicy.load(out)

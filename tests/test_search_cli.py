@@ -25,6 +25,7 @@ from optuna.trial import TrialState
 from search_fixtures import (
     counted,
     generate_in_process,
+    kill_9_then_resume,
     load_study,
     ok,
     search_in_process,
@@ -344,41 +345,9 @@ def test_on_the_fly_set_seeds_a_study(run_search, run_generate, tiny_llama, tmp_
 
 
 # -- kill -9 in the middle of a study ----------------------------------------------------------------------------------
-def _in_a_trial_after_two(url: str, name: str) -> bool:
-    """Two trials finished and a third one's objective is running (it has marked its worker)."""
-    from search.study import WORKER_ATTR
-
-    try:
-        study = load_study(url, name)
-    except (KeyError, ValueError, OSError):  # not created yet, or a record being appended
-        return False
-    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    return len(counted(study)) >= 2 and any(WORKER_ATTR in t.user_attrs for t in running)
-
-
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_kill_9_then_the_same_command_resumes(run_search, tiny_llama, tmp_path, kind):
     """Killed in the middle of a trial: nothing completed is lost, the trial is marked FAIL (no trial
-    stays RUNNING), and --out is whole after the resume."""
+    stays RUNNING), and --out is whole after the resume. (PostgreSQL: tests/test_search_postgres.py.)"""
     url = f"sqlite:///{tmp_path / 'k.db'}" if kind == "sqlite" else str(tmp_path / "k.log")
-    out = tmp_path / "p.json"
-    args = ["--storage", url, "--study-name", "k", "--out", str(out)]
-    worker = start_search(tiny_llama, *args, "--n-trials", "10000")
-    deadline = time.monotonic() + 180
-    while not _in_a_trial_after_two(url, "k"):
-        assert worker.poll() is None, worker.communicate()
-        assert time.monotonic() < deadline, "no trials finished in 180 s"
-        time.sleep(0.1)
-    worker.send_signal(signal.SIGKILL)
-    worker.communicate()
-    assert not out.exists()  # the killed run never reached its export
-    before = len(counted(load_study(url, "k")))
-
-    result = ok(run_search(tiny_llama, *args, "--n-trials", "2"))
-
-    study = load_study(url, "k")
-    assert TrialState.RUNNING not in states(study), "a trial of the killed worker stayed RUNNING"
-    assert len(counted(study)) == before + 2
-    assert trial_numbers(study) == list(range(len(study.get_trials(deepcopy=False))))
-    assert TrialState.FAIL in states(study) and "marked FAIL" in result.stderr
-    SkipPolicy.load(out)
+    kill_9_then_resume(run_search, tiny_llama, url, "k", tmp_path / "p.json")

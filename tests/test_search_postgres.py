@@ -1,4 +1,6 @@
-"""Distributed search on a real PostgreSQL server: two workers, one study, nothing lost or duplicated.
+"""Distributed search on a real PostgreSQL server: two workers, one study, nothing lost or duplicated;
+and a worker killed with ``kill -9`` mid-trial, resumed by the same command (as for SQLite and journal
+files in tests/test_search_cli.py).
 
 Needs ``LAYERSKIP_TEST_POSTGRES_URL=postgresql://user:password@host:port/database`` (``.ci/run``
 starts a throwaway server and sets it); without it, or when no server answers there, the test
@@ -7,6 +9,7 @@ is skipped and says why.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import uuid
@@ -14,7 +17,16 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from search_fixtures import counted, load_storage, save_tiny_llama, start_search, trial_numbers, wait_all
+from search_fixtures import (
+    counted,
+    kill_9_then_resume,
+    load_storage,
+    save_tiny_llama,
+    search_in_process,
+    start_search,
+    trial_numbers,
+    wait_all,
+)
 
 from layerskip.engine.policy import SkipPolicy
 
@@ -82,3 +94,25 @@ def test_two_workers_on_postgresql(postgres_url, tiny_llama, tmp_path):
             optuna.delete_study(study_name=name, storage=storage or load_storage(postgres_url))
         except Exception:  # noqa: BLE001 - the study may never have been created; cleanup only
             pass
+
+
+def _delete_study(url: str, name: str) -> None:
+    import optuna
+
+    try:
+        optuna.delete_study(study_name=name, storage=load_storage(url))
+    except Exception:  # noqa: BLE001 - the study may never have been created; cleanup only
+        pass
+
+
+def test_kill_9_then_the_same_command_resumes_on_postgresql(postgres_url, tiny_llama, tmp_path, capsys):
+    """Killed in the middle of a trial: nothing completed is lost, the killed worker's trial is marked FAIL
+    at once by the resume (host:pid of a process that no longer runs; no waiting for the heartbeat grace
+    period), no trial stays RUNNING, and --out is whole after the resume."""
+    name = f"layerskip-kill-{uuid.uuid4().hex[:12]}"  # a fresh study even on a reused database
+    try:
+        kill_9_then_resume(
+            functools.partial(search_in_process, capsys), tiny_llama, postgres_url, name, tmp_path / "p.json"
+        )
+    finally:
+        _delete_study(postgres_url, name)
