@@ -159,7 +159,26 @@ def test_the_verify_follows_the_drafts_count_and_learns_alone_without_draft_forw
                 assert verify.threads == draft.threads
         assert tuner.phases["verify"].uses == {}  # learnt nothing: the draft decides
         with tuner.phase("draft") as lookup:
-            lookup.units = 0  # a lookup draft: no forwards, no signal
-        with tuner.phase("verify"):
-            pass
-        assert sum(tuner.phases["verify"].uses.values()) == 1
+            lookup.units = 0  # a lookup draft: no forwards, no signal; the verify takes the draft's best
+        with tuner.phase("verify") as verify:
+            assert verify.threads == tuner.phases["draft"].best()
+        assert tuner.phases["verify"].uses == {}
+    lookup_only = ThreadTuner("auto", torch.device("cpu"))  # never a draft forward: the verify learns
+    with lookup_only.session():
+        for _ in range(3):
+            with lookup_only.phase("draft") as lookup:
+                lookup.units = 0
+            with lookup_only.phase("verify"):
+                pass
+    assert sum(lookup_only.phases["verify"].uses.values()) == 3
+
+
+def test_the_prefill_runs_on_the_drafts_best_count_once_it_is_known() -> None:
+    torch.set_num_threads(2)
+    tuner = ThreadTuner("auto", torch.device("cpu"))
+    tuner.phases["draft"].record(1, 1.0)
+    tuner.phases["draft"].record(2, 5.0)  # busy machine: one thread is faster
+    with tuner.session():
+        with tuner.phase("verify") as prefill:
+            prefill.units = 0
+        assert prefill.threads == 1

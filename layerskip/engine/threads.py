@@ -93,6 +93,10 @@ class PhaseThreads:
         self.runs += 1
         self.last_run[threads] = self.runs
 
+    def best(self) -> int:
+        """The fastest count measured so far (the first candidate before any measurement); no re-try."""
+        return self._fastest() if self.average else self.candidates[0]
+
     def _fastest(self) -> int:
         return min(self.candidates, key=lambda c: (self.average.get(c, float("inf")), -c))
 
@@ -149,8 +153,14 @@ class ThreadTuner:
         if not self.enabled:
             yield run
             return
-        follows_draft = name == "verify" and self.last_draft_threads is not None
-        run.threads = self.last_draft_threads if follows_draft else self.phases[name].next()
+        draft = self.phases["draft"]
+        follows_draft = name == "verify" and (self.last_draft_threads is not None or bool(draft.average))
+        if not follows_draft:
+            run.threads = self.phases[name].next()
+        elif self.last_draft_threads is not None:
+            run.threads = self.last_draft_threads
+        else:  # the prefill, or a verify after a lookup draft: the draft's best so far
+            run.threads = draft.best()
         if torch.get_num_threads() != run.threads:
             torch.set_num_threads(run.threads)
         start = time.perf_counter()
