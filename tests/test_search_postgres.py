@@ -81,7 +81,10 @@ def test_two_workers_on_postgresql(postgres_url, tiny_llama, tmp_path):
         storage = load_storage(postgres_url)
         study = optuna.load_study(study_name=name, storage=storage)
         assert counted(study) == list(range(8)), [t.state for t in study.get_trials(deepcopy=False)]
-        assert trial_numbers(study) == list(range(8))
+        assert trial_numbers(study) == list(range(8)), [
+            (t.number, t.state.name, t.user_attrs.get("worker"), t.system_attrs)
+            for t in study.get_trials(deepcopy=False)
+        ]
         for w in (0, 1):
             policy = SkipPolicy.load(tmp_path / f"p{w}.json")
             assert policy.model.fingerprint == study.user_attrs["model_fingerprint"]
