@@ -36,6 +36,7 @@ from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.measure.agreement import sublayer_order
+from search.calibration_cache import CACHE_ENV, CalibrationCache, phase
 from search.checks import check_arguments, check_resumed_space
 from search.export import export_policy, verdict
 from search.journal import repair_journal
@@ -165,7 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", help="policy JSON to write (default: STUDY_NAME.policy.json)")
     parser.add_argument("--export-trial", type=int, help="export this trial (e.g. a Pareto point) instead of the best")
     parser.add_argument("--plots", help="directory for pareto.png, history.png, skip_frequency.png")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bars and no per-phase timing lines on stderr"
+    )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="build the references and measure latency again instead of reusing them. Both are cached "
+        f"(under ${CACHE_ENV}, default <model cache>/search) per model, prompts, settings, device, dtype and "
+        "torch version; cached latency is reused as measured, so pass this when the machine's state has "
+        "changed (a calibration measured on a busy machine is never cached). Fresh results replace the cached ones",
+    )
     return parser
 
 
@@ -313,6 +324,7 @@ def _main(argv: list[str] | None) -> int:
     existing = existing_study_attrs(storage, study_name)
     check_study_matches(existing, study_name, identity)
     progress = not args.no_progress
+    cache = CalibrationCache(model, read=not args.no_cache)
     calibration = prepare_calibration(
         model,
         prompt_ids,
@@ -322,12 +334,22 @@ def _main(argv: list[str] | None) -> int:
         calibration_info,
         progress,
         max_block=max((*args.lookup_tokens, *args.verify_pad, 0)) + 1,
+        cache=cache,
     )
     if args.space == "ranked":
         # Sublayers ordered by how little bypassing each alone changes the draft's top-1 token;
         # a resumed study keeps the order it was made with.
         known = (existing or {}).get("space", {}).get("sublayer_order")
-        order = [tuple(item) for item in known] if known else sublayer_order(model, calibration.references, progress)
+        if known:
+            order = [tuple(item) for item in known]
+        else:
+            with phase("sublayer order", progress) as info:
+                order = cache.sublayer_order()
+                info["detail"] = "cached"
+                if order is None:
+                    order = sublayer_order(model, calibration.references, progress)
+                    cache.store_sublayer_order(order)
+                    info["detail"] = f"{len(order)} sublayers ranked"
         space = replace(space, sublayer_order=tuple(order))
         if not known:  # a new study's order starts with the warm starts' sublayers, smallest set first
             smallest_first = sorted(seeds.values(), key=lambda policy: len(policy.bypassed_sublayers))
@@ -342,7 +364,7 @@ def _main(argv: list[str] | None) -> int:
     metadata = {
         **identity,
         "command": command,
-        "calibration": calibration_info,
+        "calibration": calibration.description,
         "space": space.to_dict(),
         "device": str(next(model.parameters()).device),
         "dtype": args.dtype,
@@ -358,15 +380,23 @@ def _main(argv: list[str] | None) -> int:
     ranking = study.user_attrs[RANKING_ATTR]
     print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
     objective = CheapObjective(model, calibration, space, args.objective, ranking)
-    run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)
+    with phase("trials", progress) as info:
+        before = counted_trials(study)
+        run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)
+        after = counted_trials(study)
+        info["detail"] = f"{after - before} finished while this ran, {after} in the study"
 
     top = finalists(study, args.objective, max(args.confirm_top, 1))
     done = confirmations(study)
-    for trial in top[: args.confirm_top]:
-        # Real generation with a hopeless draft is slow and tells nothing new: skip those.
-        if trial.number not in done and trial.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED:
-            policy = trial_policy(study, trial)
-            record_confirmation(study, trial, confirm(model, calibration, policy, args.max_new_tokens, progress))
+    with phase("confirm", progress) as info:
+        confirmed = 0
+        for trial in top[: args.confirm_top]:
+            # Real generation with a hopeless draft is slow and tells nothing new: skip those.
+            if trial.number not in done and trial.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED:
+                policy = trial_policy(study, trial)
+                record_confirmation(study, trial, confirm(model, calibration, policy, args.max_new_tokens, progress))
+                confirmed += 1
+        info["detail"] = f"{confirmed} finalist(s) measured by real generation"
     out = Path(args.out or f"{study_name}.policy.json")
     policy = export_policy(study, out, args.export_trial)
     if args.plots:

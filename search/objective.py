@@ -11,6 +11,7 @@ real:  actual self-speculative generation against HF ``generate`` on the same pr
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,11 +27,13 @@ from layerskip.engine.stats import GenerationStats
 from layerskip.hf import adapters
 from layerskip.hf.baselines import hf_generate
 from layerskip.measure.agreement import Reference, TeacherForcedDraft, build_references, simulate_greedy
-from layerskip.measure.latency import block_cost, draft_step_seconds, verify_seconds
+from layerskip.measure.latency import block_cost, draft_step_seconds
 from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup
+from search.calibration_cache import CalibrationCache, measure_latency, phase
 from search.space import POLICY_ATTR, SearchSpace, policy_attr, with_vocabulary
 
 OBJECTIVES = ("pareto", "speedup")
+LATENCY_WARNING_ATTR = "latency_warning"
 
 
 @dataclass
@@ -61,19 +64,44 @@ def prepare_calibration(
     description: dict[str, Any] | None = None,
     progress: bool = True,
     max_block: int = 0,
+    cache: CalibrationCache | None = None,
 ) -> Calibration:
-    references = build_references(model, prompts, reference_tokens, progress=progress)
+    """References and measured latency for the cheap score; with ``cache``, reused from (and saved
+    to) disk when every input they depend on is the same. ``description["latency"]`` records how
+    the costs were measured (and a busy-machine warning, printed here too)."""
+    with phase("references", progress) as info:
+        references = cache.references(prompts, reference_tokens) if cache is not None else None
+        if references is None:
+            references = build_references(model, prompts, reference_tokens, progress=progress)
+            if cache is not None:
+                cache.store_references(prompts, reference_tokens, references)
+            info["detail"] = f"{len(prompts)} prompts x {reference_tokens} tokens built"
+        else:
+            info["detail"] = f"{len(prompts)} prompts, cached"
     # Time on a realistic context: the longest prompt with its continuation.
     longest = max(references, key=lambda r: len(r.prompt))
     context = [*longest.prompt, *longest.continuation]
-    plain = verify_seconds(model, context, 1)
     # Every block length a step may verify (partial drafts, k + 1, lookup runs, padded blocks):
     # on CPU the cost is not monotone in length (a 2-3-row matmul can cost more than a 4-row
     # one), so no length is interpolated.
     largest = max(9, *(k + 1 for k in draft_token_choices), max_block)
     blocks = list(range(2, largest + 1))
-    verify = {block: verify_seconds(model, context, block) for block in blocks}
-    return Calibration(prompts, references, plain, verify, context, eos_token_ids, description or {})
+    with phase("latency calibration", progress) as info:
+        latency = cache.latency(context, blocks) if cache is not None else None
+        if latency is None:
+            latency = measure_latency(model, context, blocks, progress)
+            if latency.warning is not None:
+                print(latency.warning, file=sys.stderr)
+            if cache is not None:
+                cache.store_latency(context, blocks, latency)
+            plain_ms = 1000 * latency.plain_step_seconds
+            info["detail"] = f"plain step {plain_ms:.2f} ms, {len(blocks)} block lengths measured"
+        else:
+            info["detail"] = f"plain step {1000 * latency.plain_step_seconds:.2f} ms, cached"
+    description = {**(description or {}), "latency": latency.describe()}
+    return Calibration(
+        prompts, references, latency.plain_step_seconds, latency.verify_seconds, context, eos_token_ids, description
+    )
 
 
 @dataclass
@@ -159,6 +187,9 @@ class CheapObjective:
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = with_vocabulary(self.space.suggest(trial), self.ranking)
         trial.set_user_attr(POLICY_ATTR, policy_attr(policy))  # what is scored is what gets exported
+        warning = self.calibration.description.get("latency", {}).get("warning")
+        if warning:  # priced with costs measured on a busy machine: said in the exported policy
+            trial.set_user_attr(LATENCY_WARNING_ATTR, warning)
         score = self.score(policy, trial)
         for key, value in asdict(score).items():
             trial.set_user_attr(key, value)

@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 SMOLLM2 = "smollm2-135m"
+SEARCH_CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"  # search.calibration_cache.CACHE_ENV, without importing torch here
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +38,19 @@ def smollm2():
     from layerskip.hf.models import load_model
 
     return load_model(SMOLLM2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _search_cache(tmp_path_factory):
+    """Searches run by tests cache their references and latency in a directory of this session,
+    never in the user's cache (subprocesses inherit the variable)."""
+    previous = os.environ.get(SEARCH_CACHE_ENV)
+    os.environ[SEARCH_CACHE_ENV] = str(tmp_path_factory.mktemp("search-cache"))
+    yield
+    if previous is None:
+        os.environ.pop(SEARCH_CACHE_ENV, None)
+    else:
+        os.environ[SEARCH_CACHE_ENV] = previous
 
 
 @pytest.fixture(autouse=True)

@@ -34,10 +34,15 @@ def _time_once(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - begin
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 7, warmup: int = 2) -> float:
+def timings(fn: Callable[[], object], device: torch.device, repeats: int = 7, warmup: int = 2) -> list[float]:
+    """Seconds of each of ``repeats`` calls, after ``warmup`` untimed ones."""
     for _ in range(warmup):
         _time_once(fn, device)
-    return statistics.median(_time_once(fn, device) for _ in range(repeats))
+    return [_time_once(fn, device) for _ in range(repeats)]
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 7, warmup: int = 2) -> float:
+    return statistics.median(timings(fn, device, repeats, warmup))
 
 
 def _prefilled_cache(
@@ -85,8 +90,8 @@ def draft_step_seconds(
 
 
 @torch.inference_mode()
-def verify_seconds(model: nn.Module, context: Sequence[int], block: int, repeats: int = 7) -> float:
-    """Median seconds of one full forward over ``block`` tokens after ``context`` (block=1: plain step)."""
+def verify_timings(model: nn.Module, context: Sequence[int], block: int, repeats: int = 7) -> list[float]:
+    """Seconds of each of ``repeats`` full forwards over ``block`` tokens after ``context`` (block=1: plain step)."""
     cache, device = _prefilled_cache(model, context)
     length = len(context)
     tokens = torch.tensor([[context[-1]] * block], device=device)
@@ -95,7 +100,12 @@ def verify_seconds(model: nn.Module, context: Sequence[int], block: int, repeats
         full_logits(model, tokens, cache, length, keep=block)
         cache.rollback(length)
 
-    return median_seconds(step, device, repeats)
+    return timings(step, device, repeats)
+
+
+def verify_seconds(model: nn.Module, context: Sequence[int], block: int, repeats: int = 7) -> float:
+    """Median seconds of one full forward over ``block`` tokens after ``context`` (block=1: plain step)."""
+    return statistics.median(verify_timings(model, context, block, repeats))
 
 
 def block_cost(seconds: dict[int, float], block: int) -> float:

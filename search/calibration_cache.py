@@ -1,0 +1,332 @@
+"""What a search computes before its first trial, cached between runs, and a busy-machine check.
+
+Two entries, JSON files under ``$LAYERSKIP_SEARCH_CACHE`` or ``<model cache>/search``
+(``layerskip.hf.models.cache_dir()``), each written atomically:
+
+references-<key>.json  the full model's greedy references (and, once computed, the ranked
+                       space's sublayer order), keyed by the model (shape fingerprint and a
+                       sample of its weight values), the prompt token ids, reference length,
+                       device, dtype, torch and transformers versions;
+latency-<key>.json     the measured plain-step and verify-block seconds, keyed by all that, the
+                       timing context, block lengths, repeats, torch threads and the machine.
+
+An entry is used only when its stored key equals the run's whole key; one that cannot be read or
+does not match is ignored with a warning, rebuilt and replaced. Latency is machine-state
+dependent: ``--no-cache`` measures it (and the references) again, and a calibration whose
+repeated plain-step timings spread widely (a busy machine) is warned about and never cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from layerskip.fileio import write_json_atomic
+from layerskip.hf import adapters
+from layerskip.measure.agreement import Reference
+from layerskip.measure.latency import verify_timings
+
+FORMAT = 1
+CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"
+PLAIN_REPEATS = 15  # plain-step timings: their spread tells whether the machine was busy
+VERIFY_REPEATS = 7
+BUSY_SPREAD = 0.25  # interquartile range / median of the plain-step timings above this: busy
+
+Log = Callable[[str], None]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def cache_root() -> Path:
+    from layerskip.hf.models import cache_dir
+
+    return Path(os.environ.get(CACHE_ENV) or cache_dir() / "search")
+
+
+def weights_sample_digest(model: nn.Module) -> str:
+    """A hash of up to 256 evenly spaced values of every tensor: tells apart two checkpoints with
+    the same shapes (a fine-tune, another random init) without hashing every weight."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            step = max(1, flat.numel() // 256)
+            sample = flat[::step][:256].to(device="cpu", dtype=torch.float32).contiguous()
+            digest.update(name.encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def timing_spread(timings: Sequence[float]) -> float:
+    """Interquartile range over median of repeated timings (0 for fewer than 4)."""
+    if len(timings) < 4:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(timings, n=4, method="inclusive")
+    return (q3 - q1) / median if median > 0 else 0.0
+
+
+def busy_warning(timings: Sequence[float], threshold: float | None = None) -> str | None:
+    """A one-line warning when repeated plain-step timings spread too widely, else None."""
+    threshold = BUSY_SPREAD if threshold is None else threshold
+    spread = timing_spread(timings)
+    if spread <= threshold:
+        return None
+    return (
+        f"warning: the machine looks busy: repeated plain-step timings spread {spread:.0%} (interquartile "
+        f"range / median, over {threshold:.0%} counts as busy), so the measured draft and verify costs may be "
+        "off; this calibration is not cached"
+    )
+
+
+@dataclass
+class Latency:
+    """Measured seconds of one full forward of 1 (plain step) and of each verify block length."""
+
+    plain_step_seconds: float
+    verify_seconds: dict[int, float]
+    plain_timings: list[float] = field(default_factory=list)
+    warning: str | None = None
+    measured_at: str = ""
+    cached_from: str | None = None
+
+    @property
+    def spread(self) -> float:
+        return timing_spread(self.plain_timings)
+
+    def describe(self) -> dict[str, Any]:
+        """What a study records about how its costs were measured."""
+        info: dict[str, Any] = {
+            "plain_step_ms": 1000 * self.plain_step_seconds,
+            "plain_step_spread": round(self.spread, 4),
+            "measured_at": self.measured_at,
+            "busy": self.warning is not None,
+        }
+        if self.warning is not None:
+            info["warning"] = self.warning
+        if self.cached_from is not None:
+            info["cached_from"] = self.cached_from
+        return info
+
+
+def measure_latency(model: nn.Module, context: Sequence[int], blocks: Sequence[int], progress: bool) -> Latency:
+    """Plain-step timings (median and spread) and the median of every verify block length."""
+    bar = tqdm(total=1 + len(blocks), desc="latency calibration", disable=not progress)
+    plain = verify_timings(model, context, 1, PLAIN_REPEATS)
+    bar.update()
+    verify: dict[int, float] = {}
+    for block in blocks:
+        verify[block] = statistics.median(verify_timings(model, context, block, VERIFY_REPEATS))
+        bar.update()
+    bar.close()
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return Latency(statistics.median(plain), verify, plain, busy_warning(plain), now)
+
+
+@contextlib.contextmanager
+def phase(name: str, progress: bool, log: Log = _stderr) -> Iterator[dict[str, str]]:
+    """One line when the phase ends: ``search: NAME: DETAIL (X.X s)``; the body may set ``detail``."""
+    info = {"detail": ""}
+    start = time.perf_counter()
+    yield info
+    if progress:
+        detail = f": {info['detail']}" if info["detail"] else ""
+        log(f"search: {name}{detail} ({time.perf_counter() - start:.1f} s)")
+
+
+class CalibrationCache:
+    """The references, sublayer order and latency of one model on this device, cached on disk.
+
+    ``read=False`` (``--no-cache``) measures everything again; fresh results still replace the
+    cached ones. ``enabled=False`` neither reads nor writes.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        root: str | os.PathLike[str] | None = None,
+        read: bool = True,
+        enabled: bool = True,
+        log: Log = _stderr,
+    ) -> None:
+        self.root = Path(root) if root is not None else cache_root()
+        self.read = read
+        self.enabled = enabled
+        self.log = log
+        parameter = next(model.parameters())
+        import transformers
+
+        self.identity: dict[str, Any] = {
+            "format": FORMAT,
+            "architecture": adapters.architecture_of(model),
+            "fingerprint": adapters.weights_fingerprint(model),
+            "weights_sample": weights_sample_digest(model),
+            "device": str(parameter.device),
+            "dtype": str(parameter.dtype),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+        self._references_entry: tuple[dict[str, Any], dict[str, Any]] | None = None  # (key, payload)
+
+    # -- files ----------------------------------------------------------------------------------------------------
+    def path(self, kind: str, key: dict[str, Any]) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        return self.root / f"{kind}-{digest}.json"
+
+    def _load(self, kind: str, key: dict[str, Any], check: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
+        path = self.path(kind, key)
+        if not (self.enabled and self.read) or not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
+                raise ValueError("it was made for other inputs")
+            check(data)
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+            self.log(f"warning: ignoring damaged search cache {path} ({error}); rebuilding it")
+            return None
+        return data
+
+    def _store(self, kind: str, key: dict[str, Any], payload: dict[str, Any]) -> Path | None:
+        if not self.enabled:
+            return None
+        path = self.path(kind, key)
+        try:
+            write_json_atomic(path, {"key": key, **payload})
+        except OSError as error:  # a read-only cache costs time, never the search
+            self.log(f"warning: could not write search cache {path} ({error})")
+            return None
+        return path
+
+    # -- references -----------------------------------------------------------------------------------------------
+    def _references_key(self, prompts: Sequence[Sequence[int]], reference_tokens: int) -> dict[str, Any]:
+        return {
+            **self.identity,
+            "kind": "references",
+            "prompts": [list(map(int, p)) for p in prompts],
+            "reference_tokens": reference_tokens,
+        }
+
+    def references(self, prompts: Sequence[Sequence[int]], reference_tokens: int) -> list[Reference] | None:
+        key = self._references_key(prompts, reference_tokens)
+
+        def check(data: dict[str, Any]) -> None:
+            refs = data["references"]
+            if len(refs) != len(prompts):
+                raise ValueError(f"{len(refs)} references for {len(prompts)} prompts")
+            for (prompt, continuation), expected in zip(refs, prompts):
+                if list(prompt) != list(expected) or len(continuation) != reference_tokens:
+                    raise ValueError("a reference does not match its prompt")
+                if not all(isinstance(t, int) for t in continuation):
+                    raise ValueError("a reference holds a non-integer token")
+            order = data.get("sublayer_order")
+            if order is not None and not all(isinstance(i, int) and kind in ("attention", "mlp") for i, kind in order):
+                raise ValueError("bad sublayer order")
+
+        data = self._load("references", key, check)
+        if data is None:
+            return None
+        self._references_entry = (key, data)
+        self.log(f"using cached references from {self.path('references', key)}")
+        return [Reference(tuple(prompt), tuple(continuation)) for prompt, continuation in data["references"]]
+
+    def store_references(
+        self, prompts: Sequence[Sequence[int]], reference_tokens: int, references: Sequence[Reference]
+    ) -> None:
+        key = self._references_key(prompts, reference_tokens)
+        payload: dict[str, Any] = {"references": [[list(r.prompt), list(r.continuation)] for r in references]}
+        self._references_entry = (key, payload)
+        self._store("references", key, payload)
+
+    def sublayer_order(self) -> list[tuple[int, str]] | None:
+        """The cached order for the references last loaded or stored, if it was computed."""
+        if self._references_entry is None:
+            return None
+        order = self._references_entry[1].get("sublayer_order")
+        return None if order is None else [(int(i), str(kind)) for i, kind in order]
+
+    def store_sublayer_order(self, order: Sequence[tuple[int, str]]) -> None:
+        if self._references_entry is None:
+            return
+        key, payload = self._references_entry
+        payload = {k: v for k, v in payload.items() if k != "key"}
+        payload["sublayer_order"] = [[i, kind] for i, kind in order]
+        self._references_entry = (key, payload)
+        self._store("references", key, payload)
+
+    # -- latency --------------------------------------------------------------------------------------------------
+    def _latency_key(self, context: Sequence[int], blocks: Sequence[int]) -> dict[str, Any]:
+        device = torch.device(self.identity["device"])
+        machine = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+        return {
+            **self.identity,
+            "kind": "latency",
+            "context": list(map(int, context)),
+            "blocks": list(blocks),
+            "repeats": [PLAIN_REPEATS, VERIFY_REPEATS],
+            "threads": torch.get_num_threads(),
+            "host": platform.node(),
+            "machine": machine,
+        }
+
+    def latency(self, context: Sequence[int], blocks: Sequence[int]) -> Latency | None:
+        key = self._latency_key(context, blocks)
+
+        def check(data: dict[str, Any]) -> None:
+            if not float(data["plain_step_seconds"]) > 0:
+                raise ValueError("plain step seconds not positive")
+            verify = {int(b): float(s) for b, s in data["verify_seconds"].items()}
+            if sorted(verify) != sorted(blocks) or not all(s > 0 for s in verify.values()):
+                raise ValueError("verify seconds do not cover the block lengths")
+
+        data = self._load("latency", key, check)
+        if data is None:
+            return None
+        path = self.path("latency", key)
+        self.log(
+            f"using cached calibration (latency measured {data.get('measured_at', '?')}) from {path}; "
+            "--no-cache measures it again"
+        )
+        return Latency(
+            float(data["plain_step_seconds"]),
+            {int(b): float(s) for b, s in data["verify_seconds"].items()},
+            [float(t) for t in data.get("plain_timings", [])],
+            None,
+            str(data.get("measured_at", "")),
+            str(path),
+        )
+
+    def store_latency(self, context: Sequence[int], blocks: Sequence[int], latency: Latency) -> None:
+        if latency.warning is not None:
+            return  # measured on a busy machine: used by this run only
+        payload = {
+            "plain_step_seconds": latency.plain_step_seconds,
+            "verify_seconds": {str(b): s for b, s in latency.verify_seconds.items()},
+            "plain_timings": latency.plain_timings,
+            "measured_at": latency.measured_at,
+        }
+        self._store("latency", self._latency_key(context, blocks), payload)
