@@ -371,7 +371,16 @@ def _main(argv: list[str] | None) -> int:
         "torch": torch.__version__,
     }
     seed = args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name)
-    study = open_study(storage, study_name, args.objective, seed, metadata, space.warm_starts(), seed_params)
+    study = open_study(
+        storage,
+        study_name,
+        args.objective,
+        seed,
+        metadata,
+        space.warm_starts(),
+        seed_params,
+        enqueue_warm_starts=args.worker == 0,
+    )
     if RANKING_ATTR not in study.user_attrs:
         # Truncated draft heads start from the calibration text's tokens (then the lowest ids);
         # stored once, so every trial of the study (and every worker) scores the same rows.

@@ -208,11 +208,15 @@ def open_study(
     metadata: dict[str, Any],
     warm_starts: list[dict[str, Any]],
     seeds: list[dict[str, Any]] | None = None,
+    enqueue_warm_starts: bool = True,
 ) -> optuna.Study:
     """Create or resume the study; record what it is for; enqueue warm starts once.
 
     ``seeds`` (the user's ``--warm-start`` policies) are enqueued on every run, first, unless the
-    study already holds a trial with the same parameters.
+    study already holds a trial with the same parameters. The space's own ``warm_starts`` only
+    when ``enqueue_warm_starts`` (worker 0): checking for a twin and enqueueing is not atomic, and
+    workers started together (a cached calibration makes their start-up equally fast) would
+    both enqueue them, leaving duplicate trials.
     """
     directions = ["maximize", "minimize"] if objective == "pareto" else ["maximize"]
     # constant_liar keeps parallel workers from sampling the same point while trials run.
@@ -228,7 +232,7 @@ def open_study(
             study.set_user_attr(key, value)
     # A warm start that a killed or interrupted run left FAIL (or never reached) is run again;
     # one already evaluated, queued or running elsewhere is not.
-    for params in [*(seeds or []), *warm_starts]:
+    for params in [*(seeds or []), *(warm_starts if enqueue_warm_starts else [])]:
         if not has_twin(study, params):
             study.enqueue_trial(params)
     runs = list(study.user_attrs.get("runs", []))

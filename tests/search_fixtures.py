@@ -232,20 +232,27 @@ def kill_9_then_resume(run: Any, model: Path | str, url: str, name: str, out: Pa
         return len(counted(current)) >= 2 and any(WORKER_ATTR in t.user_attrs for t in running)
 
     args = ["--storage", url, "--study-name", name, "--out", str(out)]
-    worker = start_search(model, *args, "--n-trials", "10000")
-    try:
-        deadline = time.monotonic() + 180
-        while not in_a_trial_after_two():
-            assert worker.poll() is None, worker.communicate()
-            assert time.monotonic() < deadline, "no trials finished in 180 s"
-            time.sleep(0.1)
-        worker.send_signal(signal.SIGKILL)
-        worker.communicate()
-    finally:
-        if worker.poll() is None:
-            worker.kill()
+    # A tiny model's trial is short: the kill may land just after it finished. Then the same command
+    # is started again (a resume) and killed again, until a kill has caught a trial mid-run.
+    for _attempt in range(5):
+        worker = start_search(model, *args, "--n-trials", "10000")
+        try:
+            deadline = time.monotonic() + 180
+            while not in_a_trial_after_two():
+                assert worker.poll() is None, worker.communicate()
+                assert time.monotonic() < deadline, "no trials finished in 180 s"
+                time.sleep(0.1)
+            worker.send_signal(signal.SIGKILL)
             worker.communicate()
-    assert not out.exists()  # the killed run never reached its export
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.communicate()
+        assert not out.exists()  # the killed run never reached its export
+        if study().get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            break
+    else:
+        raise AssertionError("five kills in a row all fell between trials")
     before = len(counted(study()))
 
     result = ok(run(model, *args, "--n-trials", "2"))

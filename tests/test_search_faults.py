@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sqlite3
 from pathlib import Path
 
@@ -99,7 +100,10 @@ def test_read_only_storages(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPa
 
 def test_damaged_sqlite_file_is_one_line(tmp_path: Path, capsys) -> None:
     db = tmp_path / "s.db"
-    db.write_bytes(b"SQLite format 3\x00" + os.urandom(4096))
+    # Page size 4096, legacy (rollback-journal) read/write versions, then noise: random header
+    # bytes 18-19 of 2 would ask for WAL mode, and SQLite would create -wal/-shm files beside it.
+    noise = random.Random(0).randbytes(4096 - 20)
+    db.write_bytes(b"SQLite format 3\x00" + bytes([0x10, 0x00, 0x01, 0x01]) + noise)
     before = db.read_bytes()
     result = search_in_process(capsys, NO_MODEL, "--storage", f"sqlite:///{db}", "--out", str(tmp_path / "p.json"))
     assert_bad_input(result, "storage")
