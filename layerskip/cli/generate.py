@@ -135,6 +135,7 @@ def _main(argv: list[str] | None) -> int:
         "acceptance_rate": stats.acceptance_rate,
         "draft_seconds": stats.draft_seconds,
         "verify_seconds": stats.verify_seconds,
+        "thread_runs": stats.thread_runs,  # "draft:1" -> runs of that phase on 1 CPU thread (--threads)
     }
     if policy is not None and policy.on_the_fly is not None:
         # Skip-drafted steps per bypassed set ("a<attention layers>|m<MLP layers>"), and how often it changed.
