@@ -233,113 +233,88 @@ class Decoder:
         processes the full model's logits before a token is chosen (HF logits processors);
         ``stop_check`` ends the generation after a token (HF stopping criteria).
         """
-        with self.threads.session():
-            return self._decode(
-                input_ids,
-                settings,
-                tokenizer=tokenizer,
-                on_tokens=on_tokens,
-                cache_observer=cache_observer,
-                drafter=drafter,
-                logits_hook=logits_hook,
-                stop_check=stop_check,
-            )
+        with self.threads.session():  # the caller's thread count comes back afterwards
+            clock = DeviceClock(self.device)
+            start = clock.now()  # everything this call does is timed, set-up included
+            settings.validate()
+            prompt = _as_ids(input_ids)
+            stats = GenerationStats()
+            output = _Output(prompt, settings, tokenizer, on_tokens, stop_check)
+            generator = _generator(settings.seed, self.device)
+            cache = RollbackCache(self.cache_windows())
+            drafter = drafter or self._drafter(len(prompt), settings, generator)
+            sampling = settings.sampling
+            pad_to = self.policy.draft.min_verify_block if self.policy is not None else 0
+            limit = adapters.max_positions(self.model)
 
-    def _decode(
-        self,
-        input_ids: Sequence[int] | torch.Tensor,
-        settings: DecodeSettings,
-        *,
-        tokenizer: object | None,
-        on_tokens: TokenCallback | None,
-        cache_observer: CacheObserver | None,
-        drafter: Drafter | None,
-        logits_hook: LogitsHook | None,
-        stop_check: StopCheck | None,
-    ) -> tuple[list[int], GenerationStats]:
-        clock = DeviceClock(self.device)
-        start = clock.now()  # everything this call does is timed, set-up included
-        used_before = dict(self.threads.used)
-        settings.validate()
-        prompt = _as_ids(input_ids)
-        stats = GenerationStats()
-        output = _Output(prompt, settings, tokenizer, on_tokens, stop_check)
-        generator = _generator(settings.seed, self.device)
-        cache = RollbackCache(self.cache_windows())
-        drafter = drafter or self._drafter(len(prompt), settings, generator)
-        sampling = settings.sampling
-        pad_to = self.policy.draft.min_verify_block if self.policy is not None else 0
-        limit = adapters.max_positions(self.model)
+            committed = 0  # tokens in the cache; the history's last token is pending
+            block_ids = prompt  # the prefill is the first verify, with nothing drafted
+            draft = None
+            while True:
+                t0 = clock.now()
+                block = torch.tensor([block_ids], device=self.device)  # [1, prompt] or [1, k+1 (+ fillers)]
+                drafted = draft.tokens if draft is not None else []
+                keep = 1 if draft is None else len(block_ids)
+                with (
+                    self.threads.phase("verify") as run,
+                    drafter.watch_verify(len(block_ids)),
+                    drafter.around_verify(cache, committed, block),
+                ):
+                    run.units = 0 if draft is None else 1  # the prefill teaches nothing about a step
+                    logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
+                if logits_hook is not None:
+                    logits = logits_hook([*output.history, *drafted], logits)
+                if sampling is None:
+                    accepted, next_token = verify_greedy(drafted, logits)
+                else:
+                    q = draft.q if draft is not None else None
+                    accepted, next_token = verify_sampled(drafted, sampling.probs(logits), q, generator)
+                committed += (len(prompt) if draft is None else 1) + accepted
+                cache.rollback(committed)
+                t1 = clock.now()
+                kept = output.emit([*drafted[:accepted], next_token])
+                accepted = min(accepted, kept)  # drafts past an EOS or the budget were not used
+                if draft is None:
+                    stats.prefill_seconds = t1 - start
+                    stats.record_step(0, 0)
+                else:
+                    stats.verify_seconds += t1 - t0
+                    stats.record_step(len(drafted), accepted)
+                    stats.record_block(len(block_ids))
+                    if draft.from_lookup and drafted:
+                        stats.lookup_steps += 1
+                    drafter.update(draft, accepted)
+                if cache_observer is not None:
+                    cache_observer(cache, committed)
+                if output.done:
+                    break
 
-        committed = 0  # tokens in the cache; the history's last token is pending
-        block_ids = prompt  # the prefill is the first verify, with nothing drafted
-        draft = None
-        while True:
-            t0 = clock.now()
-            block = torch.tensor([block_ids], device=self.device)  # [1, prompt] or [1, k+1 (+ fillers)]
-            drafted = draft.tokens if draft is not None else []
-            keep = 1 if draft is None else len(block_ids)
-            with (
-                self.threads.phase("verify") as run,
-                drafter.watch_verify(len(block_ids)),
-                drafter.around_verify(cache, committed, block),
-            ):
-                run.units = 0 if draft is None else 1  # the prefill teaches nothing about a step
-                logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
-            if logits_hook is not None:
-                logits = logits_hook([*output.history, *drafted], logits)
-            if sampling is None:
-                accepted, next_token = verify_greedy(drafted, logits)
-            else:
-                q = draft.q if draft is not None else None
-                accepted, next_token = verify_sampled(drafted, sampling.probs(logits), q, generator)
-            committed += (len(prompt) if draft is None else 1) + accepted
-            cache.rollback(committed)
-            t1 = clock.now()
-            kept = output.emit([*drafted[:accepted], next_token])
-            accepted = min(accepted, kept)  # drafts past an EOS or the budget were not used
-            if draft is None:
-                stats.prefill_seconds = t1 - start
-                stats.record_step(0, 0)
-            else:
-                stats.verify_seconds += t1 - t0
-                stats.record_step(len(drafted), accepted)
-                stats.record_block(len(block_ids))
-                if draft.from_lookup and drafted:
-                    stats.lookup_steps += 1
-                drafter.update(draft, accepted)
-            if cache_observer is not None:
-                cache_observer(cache, committed)
-            if output.done:
-                break
+                # The verify always adds one token of its own, so draft at most remaining - 1.
+                t2 = clock.now()
+                budget = output.remaining - 1
+                request = DraftRequest(output.history, cache, budget, self.device)
+                if budget > 0:
+                    with self.threads.phase("draft") as run:
+                        draft = drafter.propose(request)
+                        # forwards run ~ tokens proposed (a draft that stopped at once still ran one);
+                        # a lookup or an empty plain draft ran none and teaches nothing
+                        run.units = max(1, len(draft.tokens)) if draft.source == "skip" else 0
+                else:
+                    draft = Draft([])
+                if draft.source != "none":  # plain decoding drafts nothing: its loop time is "other"
+                    stats.draft_seconds += clock.now() - t2
+                cache.rollback(committed)
+                block_ids = [output.history[-1], *draft.tokens]
+                if draft.tokens and len(block_ids) < pad_to and (limit is None or committed + pad_to <= limit):
+                    # Filler positions after the draft: causal attention keeps them out of every
+                    # earlier position's logits, their logits are dropped, their K/V rolled back.
+                    block_ids += [block_ids[-1]] * (pad_to - len(block_ids))
 
-            # The verify always adds one token of its own, so draft at most remaining - 1.
-            t2 = clock.now()
-            budget = output.remaining - 1
-            request = DraftRequest(output.history, cache, budget, self.device)
-            if budget > 0:
-                with self.threads.phase("draft") as run:
-                    draft = drafter.propose(request)
-                    # forwards run ~ tokens proposed (a draft that stopped at once still ran one);
-                    # a lookup or an empty plain draft ran none and teaches nothing
-                    run.units = max(1, len(draft.tokens)) if draft.source == "skip" else 0
-            else:
-                draft = Draft([])
-            if draft.source != "none":  # plain decoding drafts nothing: its loop time is "other"
-                stats.draft_seconds += clock.now() - t2
-            cache.rollback(committed)
-            block_ids = [output.history[-1], *draft.tokens]
-            if draft.tokens and len(block_ids) < pad_to and (limit is None or committed + pad_to <= limit):
-                # Filler positions after the draft: causal attention keeps them out of every
-                # earlier position's logits, their logits are dropped, their K/V rolled back.
-                block_ids += [block_ids[-1]] * (pad_to - len(block_ids))
-
-        drafter.report(stats)
-        used = self.threads.used
-        stats.thread_runs = {k: n - used_before.get(k, 0) for k, n in used.items() if n > used_before.get(k, 0)}
-        stats.total_seconds = clock.now() - start
-        stats.new_tokens = len(output.generated)
-        return output.generated, stats
+            drafter.report(stats)
+            stats.thread_runs = dict(self.threads.used)
+            stats.total_seconds = clock.now() - start
+            stats.new_tokens = len(output.generated)
+            return output.generated, stats
 
 
 def decode(

@@ -119,13 +119,12 @@ class ThreadTuner:
     def __init__(self, threads: int | str, device: torch.device) -> None:
         if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ValueError(f"threads must be 'auto' or a positive integer (got {threads!r})")
-        self.requested = threads
         self.enabled = torch.device(device).type == "cpu"
         available = torch.get_num_threads()
         counts = candidate_counts(available) if threads == "auto" else (int(threads),)
         self.phases = {name: PhaseThreads(counts) for name in PHASES}
         self.last_draft_threads: int | None = None
-        self.used: dict[str, int] = {}  # "phase:threads" -> runs, for stats
+        self.used: dict[str, int] = {}  # "phase:threads" -> runs in the current session, for stats
 
     @property
     def tuning(self) -> bool:
@@ -135,6 +134,7 @@ class ThreadTuner:
     def session(self) -> Iterator[None]:
         """One generation: the caller's thread count comes back afterwards, whatever happens."""
         previous = torch.get_num_threads()
+        self.used = {}
         try:
             yield
         finally:

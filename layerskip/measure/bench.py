@@ -143,8 +143,6 @@ def build_methods(
         for method in again:
             if setting == "auto" and method.name.startswith("hf-") and method.name != "hf-custom":
                 continue
-            if method.name == BASELINE and setting == "auto":
-                continue
             methods.append(replace(method, name=method.name + suffix))
     if BASELINE not in [m.name for m in methods]:
         methods.insert(0, Method(BASELINE, _with_threads(_hf_runner(model, eos_token_ids, {}), None)))
