@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="a layerskip-train-exit --out directory: its trained exit adapters become choices of an 'exit' knob "
-        "(repeatable; adapters are loaded, never trained, by trials)",
+        "(repeatable; adapters are loaded, never trained, by trials). An exit draft bypasses every layer after "
+        "its exit and nothing before it: it uses no sublayer switches, so --max/--min-skip-fraction do not bound it",
     )
     parser.add_argument(
         "--exit-thresholds", type=float_list, default=(0.3, 0.5, 0.7), help="exit drafts' confidence threshold choices"
@@ -232,6 +233,8 @@ def _summary(study, objective: str, top: list) -> str:
             k += f", {policy.draft.precision}"
         if policy.draft.draft_vocab_size and policy.draft.use_skip_draft:
             k += f", head {policy.draft.draft_vocab_size}"
+        if policy.exit is not None:
+            k += f", exit after layer {policy.exit.layer} ({policy.exit.kind})"
         if not policy.draft.use_skip_draft:
             k = f"lookup only ({policy.draft.lookup_min_ngram}-{policy.draft.lookup_max_ngram}-gram)"
         lines.append(
@@ -352,7 +355,8 @@ def _main(argv: list[str] | None) -> int:
                     info["detail"] = f"{len(order)} sublayers ranked"
         space = replace(space, sublayer_order=tuple(order))
         if not known:  # a new study's order starts with the warm starts' sublayers, smallest set first
-            smallest_first = sorted(seeds.values(), key=lambda policy: len(policy.bypassed_sublayers))
+            switched = [policy for policy in seeds.values() if policy.exit is None]  # exits sample no switches
+            smallest_first = sorted(switched, key=lambda policy: len(policy.bypassed_sublayers))
             space = space.with_leading([sub for policy in smallest_first for sub in policy.bypassed_sublayers])
     seed_params = []
     for path, policy in seeds.items():

@@ -106,7 +106,16 @@ class SearchSpace:
 
     # -- Optuna ---------------------------------------------------------------------------
     def suggest(self, trial: optuna.Trial) -> SkipPolicy:
-        """Sample a policy; prunes a trial whose skipped fraction breaks the user's rules."""
+        """Sample a policy; prunes a trial whose skipped fraction breaks the user's rules.
+
+        An exit draft (a trained exit adapter chosen) bypasses every layer after its exit and no
+        sublayer before it: it samples no sublayer switches, and the fraction limits, which bound
+        those switches, do not apply to it.
+        """
+        draft = self._suggest_draft(trial)
+        exit_choice = self._suggest_exit(trial) if draft.use_skip_draft else None
+        if exit_choice is not None:
+            return self._exit_policy(trial, draft, exit_choice)
         if self.sublayer_order:
             chosen = self.ranked[: trial.suggest_int("skip_count", *self.skip_count_range)]
             attention = [i for i, kind in chosen if kind == "attention"]
@@ -122,19 +131,17 @@ class SearchSpace:
             )
         if len(attention) == self.num_layers and len(mlp) == self.num_layers:
             raise optuna.TrialPruned("bypasses every sublayer")
-        draft = self._suggest_draft(trial)
         if not draft.use_skip_draft:
             attention, mlp = [], []  # lookup-only drafting: the skip switches are unused
-        exit_choice = self._suggest_exit(trial) if draft.use_skip_draft else None
-        if exit_choice is None:
-            return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
-        # An exit draft: every layer after the exit bypassed (the sublayer switches are unused),
-        # and it stops below a confidence threshold (Kangaroo's rule), which then adapts.
+        return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
+
+    def _exit_policy(self, trial: optuna.Trial, draft: DraftSettings, choice: ExitChoice) -> SkipPolicy:
+        # It stops below a confidence threshold (Kangaroo's rule), which then adapts.
         threshold = _pick(trial, "exit_threshold", self.exit_threshold_choices)
         draft = replace(draft, adaptive=True, length_by_cost=False, initial_threshold=threshold)
-        deep = tuple(range(exit_choice.layer + 1, self.num_layers))
-        trial.set_user_attr("skip_fraction", 2 * len(deep) / (2 * self.num_layers))
-        return SkipPolicy(skip_attention=deep, skip_mlp=deep, draft=draft, exit=exit_choice.settings())
+        deep = tuple(range(choice.layer + 1, self.num_layers))
+        trial.set_user_attr("skip_fraction", len(deep) / self.num_layers)
+        return SkipPolicy(skip_attention=deep, skip_mlp=deep, draft=draft, exit=choice.settings())
 
     def _suggest_exit(self, trial: optuna.Trial) -> ExitChoice | None:
         if not self.exit_choices:
@@ -178,13 +185,20 @@ class SearchSpace:
         max_draft_tokens: int | None = None,
         lookup: int = 0,
         use_skip_draft: bool = True,
+        exit: ExitChoice | None = None,
     ) -> dict[str, Any]:
         """Optuna parameters of a hand-picked candidate (for ``enqueue_trial`` warm starts); in the
-        ranked space the candidate bypasses the first ``len(attention) + len(mlp)`` ranked sublayers."""
+        ranked space the candidate bypasses the first ``len(attention) + len(mlp)`` ranked sublayers.
+        With ``exit`` (one of ``exit_choices``) it drafts through that exit instead of the switches."""
         params: dict[str, Any] = {}
-        if self.sublayer_order:
+        if self.exit_choices and use_skip_draft:
+            params["exit"] = "none" if exit is None else exit.label
+            if exit is not None and len(self.exit_threshold_choices) > 1:
+                middle = sorted(self.exit_threshold_choices)[len(self.exit_threshold_choices) // 2]
+                params["exit_threshold"] = middle
+        if exit is None and self.sublayer_order:  # an exit draft samples no sublayer switches
             params["skip_count"] = len(attention) + len(mlp)
-        else:
+        elif exit is None:
             for i in self.searchable_layers:
                 params[f"attn_{i:02d}"] = i in attention
                 params[f"mlp_{i:02d}"] = i in mlp
@@ -224,24 +238,13 @@ class SearchSpace:
         every knob whose value is not among this space's choices (the nearest choice is used).
 
         Raises LayerskipError when the space cannot hold the policy's skip sets: a never-skip layer,
-        a bypassed fraction outside the limits, or (ranked space) a set that is not a ranked prefix.
+        a bypassed fraction outside the limits, (ranked space) a set that is not a ranked prefix, or
+        an exit adapter that is not among ``exit_choices``.
         """
         attention, mlp = list(policy.skip_attention), list(policy.skip_mlp)
-        bypassed = policy.bypassed_sublayers
-        banned = sorted({i for i, _ in bypassed} & set(self.never_skip))
-        if banned:
-            raise LayerskipError(f"{label} bypasses sublayers of --never-skip layers {banned}; drop them from one")
-        fraction = len(bypassed) / (2 * self.num_layers)
-        if not self.min_fraction <= fraction <= self.max_fraction:
-            raise LayerskipError(
-                f"{label} bypasses {fraction:.2f} of sublayers, outside --min/--max-skip-fraction "
-                f"[{self.min_fraction}, {self.max_fraction}]; widen them"
-            )
-        if self.sublayer_order and set(self.ranked[: len(bypassed)]) != set(bypassed):
-            raise LayerskipError(
-                f"{label}'s bypassed sublayers are not the first {len(bypassed)} of this study's ranked order; "
-                "warm-start a new --study-name (its order then starts with them) or use --space switches"
-            )
+        exit = self._exit_choice_of(policy, label)
+        if exit is None:
+            self._check_switches(policy, label)
         d = policy.draft
 
         def nearest(value: Any, choices: Sequence[Any], distance: Any = None) -> Any:
@@ -249,7 +252,9 @@ class SearchSpace:
 
         lookup = nearest(d.lookup_max_ngram, self.lookup_ngram_choices)
         use_skip = (d.use_skip_draft or not lookup) or self.require_skip_draft
-        params = self.params_for(attention, mlp, lookup=lookup, use_skip_draft=use_skip)
+        params = self.params_for(attention, mlp, lookup=lookup, use_skip_draft=use_skip, exit=exit)
+        if "exit_threshold" in params:
+            params["exit_threshold"] = nearest(d.initial_threshold, self.exit_threshold_choices)
         params["max_draft_tokens"] = nearest(d.max_draft_tokens, self.draft_token_choices)
         if self.tune_adaptive:
             params["adaptive"] = d.adaptive
@@ -278,9 +283,46 @@ class SearchSpace:
             assert (evaluated.skip_attention, evaluated.skip_mlp) == (policy.skip_attention, policy.skip_mlp)
         return params, _differences(label, d, evaluated.draft)
 
+    def _exit_choice_of(self, policy: SkipPolicy, label: str) -> ExitChoice | None:
+        """The exit choice a warm-start policy drafts through (None: a plain skip draft)."""
+        if policy.exit is None:
+            return None
+        choice = next((c for c in self.exit_choices if c.sha256 == policy.exit.sha256), None)
+        if choice is None:
+            raise LayerskipError(
+                f"{label} drafts through exit adapter {policy.exit.adapter}, which is not among this search's "
+                "--exit-adapters; pass the layerskip-train-exit directory that holds it"
+            )
+        deep = tuple(range(choice.layer + 1, self.num_layers))
+        if (policy.skip_attention, policy.skip_mlp) != (deep, deep):
+            raise LayerskipError(
+                f"{label} bypasses sublayers before its exit after layer {choice.layer}; the search's exit "
+                f"drafts keep layers 0..{choice.layer} whole: drop those sublayers from the policy"
+            )
+        return choice
+
+    def _check_switches(self, policy: SkipPolicy, label: str) -> None:
+        """Refuse a warm start whose skip sets this space's sublayer switches cannot hold."""
+        bypassed = policy.bypassed_sublayers
+        banned = sorted({i for i, _ in bypassed} & set(self.never_skip))
+        if banned:
+            raise LayerskipError(f"{label} bypasses sublayers of --never-skip layers {banned}; drop them from one")
+        fraction = len(bypassed) / (2 * self.num_layers)
+        if not self.min_fraction <= fraction <= self.max_fraction:
+            raise LayerskipError(
+                f"{label} bypasses {fraction:.2f} of sublayers, outside --min/--max-skip-fraction "
+                f"[{self.min_fraction}, {self.max_fraction}]; widen them"
+            )
+        if self.sublayer_order and set(self.ranked[: len(bypassed)]) != set(bypassed):
+            raise LayerskipError(
+                f"{label}'s bypassed sublayers are not the first {len(bypassed)} of this study's ranked order; "
+                "warm-start a new --study-name (its order then starts with them) or use --space switches"
+            )
+
     def warm_starts(self) -> list[dict[str, Any]]:
         """Sensible first candidates. Switches: nothing skipped, early-exit prefixes, every other
-        deep layer. Ranked: the first 0, 1, 2, 4 and 8 ranked sublayers."""
+        deep layer. Ranked: the first 0, 1, 2, 4 and 8 ranked sublayers. Then every trained exit
+        (right after the first candidate: a few exits, each trained at a cost, all get scored)."""
         n = self.num_layers
         allowed = set(self.searchable_layers)
         candidates: list[tuple[list[int], list[int]]] = [([], [])]
@@ -303,6 +345,7 @@ class SearchSpace:
                 candidate = self.params_for(attention, mlp, 4)
                 if candidate not in params:
                     params.append(candidate)
+        params[1:1] = [self.params_for([], [], 4, exit=choice) for choice in self.exit_choices]
         lookups = [n for n in self.lookup_ngram_choices if n]
         if lookups:
             # Prompt lookup alone, and lookup in front of the lightest skip draft above.

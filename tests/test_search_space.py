@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import optuna
 import pytest
 
-from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.errors import LayerskipError
-from search.space import POLICY_ATTR, SearchSpace, exportable, policy_attr, trial_policy, with_vocabulary
+from search.space import POLICY_ATTR, ExitChoice, SearchSpace, exportable, policy_attr, trial_policy, with_vocabulary
 
 LAYERS = 6
 
@@ -222,3 +224,53 @@ def test_a_warm_start_outside_the_space_is_refused_or_noted() -> None:
     params, notes = SearchSpace(num_layers=LAYERS, draft_token_choices=(2, 4, 8)).params_for_policy(wanted, "p.json")
     assert params["max_draft_tokens"] == 4
     assert notes == ["p.json: max_draft_tokens 5 is not a choice of this search; the trial uses 4"]
+
+
+def _exit_space(**kwargs: object) -> SearchSpace:
+    """Two trained exits (after layers 2 and 4 of 6) offered beside the switches."""
+    exits = tuple(
+        ExitChoice(f"L{i}-layer", i, "layer", f"/exits/exit-L{i}-layer.safetensors", f"{i:064x}") for i in (2, 4)
+    )
+    return SearchSpace(num_layers=LAYERS, exit_choices=exits, exit_threshold_choices=(0.3, 0.5, 0.7), **kwargs)
+
+
+def _exit_policy(layer: int, threshold: float = 0.65, sha: str | None = None) -> SkipPolicy:
+    draft = DraftSettings(max_draft_tokens=4, adaptive=True, initial_threshold=threshold, target_acceptance=0.8)
+    exit_settings = ExitSettings(f"exit-L{layer}-layer.safetensors", sha or f"{layer:064x}", layer, "layer")
+    return SkipPolicy.early_exit(LAYERS, layer + 1, draft=draft, exit=exit_settings)
+
+
+def test_every_trained_exit_is_a_warm_start_outside_the_switch_limits() -> None:
+    """Each exit is tried early, as a whole exit draft, even where the switch limits would prune its
+    bypassed fraction (they bound the switches, which an exit draft does not use)."""
+    space = _exit_space(min_fraction=0.1, max_fraction=0.3)
+    starts = space.warm_starts()
+    assert all("exit" in params for params in starts)
+    assert sorted(p["exit"] for p in starts if p["exit"] != "none") == ["L2-layer", "L4-layer"]
+    sampled = _sampled(space, 0)
+    exits = [policy for _, policy in sampled if policy.exit is not None]
+    assert sorted(policy.exit.layer for policy in exits) == [2, 4]  # none pruned
+    for policy in exits:
+        deep = tuple(range(policy.exit.layer + 1, LAYERS))
+        assert (policy.skip_attention, policy.skip_mlp) == (deep, deep)
+        assert policy.draft.adaptive and policy.draft.initial_threshold == 0.5
+    assert all(policy.exit is None for params, policy in sampled if params.get("exit") == "none")
+
+
+def test_an_exit_policy_warm_starts_its_own_exit() -> None:
+    space = _exit_space()
+    params, notes = space.params_for_policy(_exit_policy(4), "seed")
+    evaluated = space.suggest(optuna.trial.FixedTrial(params))
+    assert evaluated.exit is not None and evaluated.exit.sha256 == f"{4:064x}"
+    assert evaluated.skip_attention == evaluated.skip_mlp == (5,)
+    assert evaluated.draft.initial_threshold == 0.7  # nearest choice to 0.65, and said so
+    assert any("initial_threshold" in note for note in notes)
+
+
+def test_an_exit_policy_the_space_cannot_hold_is_one_line() -> None:
+    space = _exit_space()
+    with pytest.raises(LayerskipError, match="not among this search's --exit-adapters"):
+        space.params_for_policy(_exit_policy(4, sha="f" * 64), "seed")
+    shallow_bypass = replace(_exit_policy(4), skip_attention=(1, 5))
+    with pytest.raises(LayerskipError, match="bypasses sublayers before its exit"):
+        space.params_for_policy(shallow_bypass, "seed")
