@@ -18,7 +18,7 @@ from layerskip.engine.cache import RollbackCache
 from layerskip.engine.exit_adapter import ExitAdapter
 from layerskip.engine.forward import positions
 from layerskip.engine.head import DraftHead
-from layerskip.engine.precision import LowPrecisionProjection, check_precision
+from layerskip.engine.precision import LowPrecisionProjection, check_precision, trained_weights_precision
 from layerskip.hf import adapters
 
 SUBLAYER_KINDS = ("attention", "mlp")
@@ -61,10 +61,12 @@ class DraftModel:
                     for module in adapters.sublayer_projections(model, index, kind)
                 ]
             if exit is not None:
-                # The adapter's own projections run in the draft's precision too (a layer adapter
-                # costs as much as one of the model's layers).
+                # The adapter's own projections run in low precision too (a layer adapter costs as
+                # much as one of the model's layers), int8 where the layers run int4: its trained
+                # weights are off int4's grid (see trained_weights_precision).
+                adapter_precision = trained_weights_precision(precision)
                 self.projections[(-1, "exit")] = [
-                    (module, LowPrecisionProjection(*adapters.projection_weight(module), precision))
+                    (module, LowPrecisionProjection(*adapters.projection_weight(module), adapter_precision))
                     for module in exit.module.modules()
                     if adapters.projection_weight(module) is not None
                 ]
