@@ -139,9 +139,9 @@ class SearchSpace:
         # It stops below a confidence threshold (Kangaroo's rule), which then adapts.
         threshold = _pick(trial, "exit_threshold", self.exit_threshold_choices)
         draft = replace(draft, adaptive=True, length_by_cost=False, initial_threshold=threshold)
-        deep = tuple(range(choice.layer + 1, self.num_layers))
-        trial.set_user_attr("skip_fraction", len(deep) / self.num_layers)
-        return SkipPolicy(skip_attention=deep, skip_mlp=deep, draft=draft, exit=choice.settings())
+        policy = SkipPolicy.early_exit(self.num_layers, choice.layer + 1, draft=draft, exit=choice.settings())
+        trial.set_user_attr("skip_fraction", len(policy.skip_attention) / self.num_layers)
+        return policy
 
     def _suggest_exit(self, trial: optuna.Trial) -> ExitChoice | None:
         if not self.exit_choices:
@@ -196,12 +196,13 @@ class SearchSpace:
             if exit is not None and len(self.exit_threshold_choices) > 1:
                 middle = sorted(self.exit_threshold_choices)[len(self.exit_threshold_choices) // 2]
                 params["exit_threshold"] = middle
-        if exit is None and self.sublayer_order:  # an exit draft samples no sublayer switches
-            params["skip_count"] = len(attention) + len(mlp)
-        elif exit is None:
-            for i in self.searchable_layers:
-                params[f"attn_{i:02d}"] = i in attention
-                params[f"mlp_{i:02d}"] = i in mlp
+        if exit is None:  # an exit draft samples no sublayer switches
+            if self.sublayer_order:
+                params["skip_count"] = len(attention) + len(mlp)
+            else:
+                for i in self.searchable_layers:
+                    params[f"attn_{i:02d}"] = i in attention
+                    params[f"mlp_{i:02d}"] = i in mlp
         k = max_draft_tokens if max_draft_tokens in self.draft_token_choices else self.draft_token_choices[0]
         params["max_draft_tokens"] = k
         if self.tune_adaptive:
@@ -293,8 +294,8 @@ class SearchSpace:
                 f"{label} drafts through exit adapter {policy.exit.adapter}, which is not among this search's "
                 "--exit-adapters; pass the layerskip-train-exit directory that holds it"
             )
-        deep = tuple(range(choice.layer + 1, self.num_layers))
-        if (policy.skip_attention, policy.skip_mlp) != (deep, deep):
+        whole = SkipPolicy.early_exit(self.num_layers, choice.layer + 1)
+        if (policy.skip_attention, policy.skip_mlp) != (whole.skip_attention, whole.skip_mlp):
             raise LayerskipError(
                 f"{label} bypasses sublayers before its exit after layer {choice.layer}; the search's exit "
                 f"drafts keep layers 0..{choice.layer} whole: drop those sublayers from the policy"
