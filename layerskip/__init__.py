@@ -1,5 +1,11 @@
-"""layerskip: lossless self-speculative decoding by bypassing decoder sublayers."""
+"""layerskip: lossless self-speculative decoding by bypassing decoder sublayers.
 
+The public names, re-exported from the packages that hold them (see the README's Layout).
+"""
+
+from layerskip.drafts.builder import DraftRun, PreparedDraft, build_drafter, prepare_draft
+from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
+from layerskip.drafts.policy import DraftSettings, ExitSettings, OnTheFlySettings, SkipPolicy
 from layerskip.engine.decoding import (
     Decoder,
     DecodeSettings,
@@ -8,16 +14,16 @@ from layerskip.engine.decoding import (
     decode_speculative,
     generate,
 )
-from layerskip.engine.exit_adapter import ExitAdapter, ExitSpec
-from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
-from layerskip.engine.sampling import Sampling
-from layerskip.engine.stats import GenerationResult, GenerationStats
 from layerskip.errors import LayerskipError
 from layerskip.hf.models import load_model
+from layerskip.integration.plugin import SelfSpeculativeOutput, custom_generate_path, self_speculative_generate
+from layerskip.sampling import Sampling
+from layerskip.stats import GenerationResult, GenerationStats
 
 __all__ = [
     "DecodeSettings",
     "Decoder",
+    "DraftRun",
     "DraftSettings",
     "ExitAdapter",
     "ExitSettings",
@@ -25,11 +31,18 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "LayerskipError",
+    "OnTheFlySettings",
+    "PreparedDraft",
     "Sampling",
+    "SelfSpeculativeOutput",
     "SkipPolicy",
+    "build_drafter",
+    "custom_generate_path",
     "decode",
     "decode_autoregressive",
     "decode_speculative",
     "generate",
     "load_model",
+    "prepare_draft",
+    "self_speculative_generate",
 ]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import builtin_prompts
-from layerskip.engine.decoding import exit_adapter_for
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.builder import exit_adapter_for
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model, resolve_device

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from layerskip.cli.common import add_model_arguments, float_list, int_list, run_cli
 from layerskip.data import builtin_prompts, load_prompts
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.precision import PRECISIONS
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import load_prompts
-from layerskip.engine.policy import SkipPolicy
+from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model, resolve_device

@@ -27,9 +27,9 @@ from layerskip.cli.common import (
     str_list,
 )
 from layerskip.data import load_prompts
-from layerskip.engine.exit_adapter import ExitAdapter
-from layerskip.engine.policy import SkipPolicy
-from layerskip.engine.vocab import DraftVocabulary
+from layerskip.drafts.exit_adapter import ExitAdapter
+from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, check_output_file
 from layerskip.hf import adapters

@@ -15,7 +15,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from layerskip.engine.policy import ModelIdentity, SkipPolicy
+from layerskip.drafts.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from search.space import exportable, trial_policy
 from search.study import confirmations

@@ -19,16 +19,17 @@ from typing import Any
 import optuna
 from torch import nn
 
+from layerskip.drafts.builder import draft_model_for
+from layerskip.drafts.exit_adapter import ExitAdapter
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import ExitSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.exit_adapter import ExitAdapter
-from layerskip.engine.policy import ExitSettings, SkipPolicy
-from layerskip.engine.stats import GenerationStats
 from layerskip.hf import adapters
-from layerskip.hf.baselines import hf_generate
+from layerskip.integration.baselines import hf_generate
 from layerskip.measure.agreement import Reference, TeacherForcedDraft, build_references, simulate_greedy
 from layerskip.measure.latency import block_cost, draft_step_seconds
 from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup
+from layerskip.stats import GenerationStats
 from search.calibration_cache import CalibrationCache, measure_latency, phase
 from search.space import POLICY_ATTR, SearchSpace, policy_attr, with_vocabulary
 
@@ -145,7 +146,7 @@ class CheapObjective:
         key = (precision, exit.sha256 if exit is not None else "")
         if key not in self.draft_models:
             adapter = None if exit is None else ExitAdapter.load(exit.adapter, self.model, exit.sha256)
-            self.draft_models[key] = DraftModel(self.model, precision, exit=adapter)
+            self.draft_models[key] = draft_model_for(self.model, precision, exit=adapter)
         return self.draft_models[key]
 
     def score(self, policy: SkipPolicy, trial: optuna.Trial | None = None) -> CheapScore:

@@ -17,8 +17,8 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial
 
-from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
-from layerskip.engine.precision import PRECISIONS
+from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 
 
@@ -52,7 +52,7 @@ class SearchSpace:
     lookup_confidence_choices: tuple[float, ...] = (0.0,)  # cut runs below this chance (0 = never)
     lookup_min_ngram_choices: tuple[int, ...] = (2,)  # shortest n-gram a lookup may match
     verify_pad_choices: tuple[int, ...] = (0,)  # pad short verify blocks to this length (0 = never)
-    precision_choices: tuple[str, ...] = ("model",)  # the draft's weight precision (engine/precision.py)
+    precision_choices: tuple[str, ...] = ("model",)  # the draft's weight precision (drafts/precision.py)
     # Ranked space: sublayers ordered from the least to the most needed (single-sublayer
     # agreement); a trial bypasses the first ``skip_count`` of them. Empty: one switch per sublayer.
     sublayer_order: tuple[tuple[int, str], ...] = ()

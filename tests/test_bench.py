@@ -21,7 +21,7 @@ from cli_helpers import assert_bad_input, run_script
 from tiny_models import LAYERS, VOCAB, random_prompt, save_checkpoint, tiny_model
 
 from layerskip.data import Prompt
-from layerskip.engine.policy import DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.drafts.policy import DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import bench
 from layerskip.measure import report as report_module
@@ -282,7 +282,7 @@ def test_truncated_head_policy_in_the_benchmark(model: torch.nn.Module) -> None:
 def test_one_outside_clock_for_every_method(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every method is timed by the same clock around the whole call: for our engine the row's
     seconds enclose everything its own stats clock saw (set-up included), never less."""
-    from layerskip.engine.stats import DeviceClock
+    from layerskip.stats import DeviceClock
 
     ticks = iter(range(100_000))
     monkeypatch.setattr(DeviceClock, "now", lambda self: float(next(ticks)))  # every reading one tick later

@@ -6,10 +6,10 @@ import pytest
 import torch
 from tiny_models import LAYERS, random_prompt, tiny_model
 
-from layerskip.engine.cache import _MIN_CAPACITY, RollbackCache, RollbackLayer
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode_speculative
-from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.hf import adapters
+from layerskip.hf.cache import _MIN_CAPACITY, RollbackCache, RollbackLayer
 
 POLICIES = {
     "attention-0": SkipPolicy(skip_attention=(0,), skip_mlp=(2,)),

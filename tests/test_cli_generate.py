@@ -19,7 +19,7 @@ import torch
 from cli_helpers import assert_bad_input, run_script
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
-from layerskip.engine.policy import DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.drafts.policy import DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.hf.models import DEFAULT_MODEL as SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,13 +13,13 @@ import torch
 from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model, tiny_tokenizer
 
-import layerskip.hf
-from layerskip.engine.policy import DraftSettings, SkipPolicy
+import layerskip
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.hf.decoders import CACHE_ATTRIBUTE, MAX_DECODERS
+from layerskip.integration.decoders import CACHE_ATTRIBUTE, MAX_DECODERS
 
-PATH = layerskip.hf.custom_generate_path()
+PATH = layerskip.custom_generate_path()
 POLICY = SkipPolicy.skip_layers([1, 2], draft=DraftSettings(max_draft_tokens=3))
 HYBRID = SkipPolicy(skip_mlp=(2,), draft=DraftSettings(lookup_max_ngram=2, lookup_min_ngram=1))
 NEW = 20
@@ -56,7 +56,7 @@ def test_callable_form_and_hybrid_policy() -> None:
     ids = _ids()
     plain = model.generate(ids, max_new_tokens=NEW)
     ours = model.generate(
-        ids, custom_generate=layerskip.hf.self_speculative_generate, skip_policy=HYBRID, max_new_tokens=NEW
+        ids, custom_generate=layerskip.self_speculative_generate, skip_policy=HYBRID, max_new_tokens=NEW
     )
     assert ours.tolist() == plain.tolist()
 
@@ -262,7 +262,7 @@ def test_stop_strings_need_the_directory_form() -> None:
     with pytest.raises(LayerskipError, match="stop_strings") as caught:
         model.generate(
             _ids(),
-            custom_generate=layerskip.hf.self_speculative_generate,
+            custom_generate=layerskip.self_speculative_generate,
             skip_policy=POLICY,
             stop_strings=["w3"],
             tokenizer=tokenizer,
@@ -350,7 +350,7 @@ def test_sampling_follows_the_model(processed: bool) -> None:
         torch.manual_seed(seed)
         out = model.generate(
             torch.tensor([prompt]),
-            custom_generate=layerskip.hf.self_speculative_generate,
+            custom_generate=layerskip.self_speculative_generate,
             skip_policy=policy,
             max_new_tokens=3,
             do_sample=True,
@@ -379,8 +379,8 @@ def test_sampling_warpers_become_the_engine_transform() -> None:
         TopPLogitsWarper,
     )
 
-    from layerskip.engine.sampling import Sampling
-    from layerskip.hf.generate_args import _split_processors
+    from layerskip.integration.generate_args import _split_processors
+    from layerskip.sampling import Sampling
 
     penalty, warpers = (
         RepetitionPenaltyLogitsProcessor(1.2),

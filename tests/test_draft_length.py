@@ -13,16 +13,16 @@ from compare import assert_same_tokens, hf_greedy
 from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import random_prompt, save_checkpoint, tiny_model
 
-from layerskip.engine import draft_length
-from layerskip.engine.cache import RollbackCache
+from layerskip.drafts import draft_length
+from layerskip.drafts.draft_length import WARM_UP_STEPS, DraftLengthByCost
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode_speculative
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.draft_length import WARM_UP_STEPS, DraftLengthByCost
-from layerskip.engine.policy import DraftSettings, SkipPolicy
-from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
 from layerskip.measure.agreement import Reference, early_exit_frontier, list_predictor, simulate_greedy
+from layerskip.sampling import Sampling
 
 BY_COST = DraftSettings(max_draft_tokens=6, length_by_cost=True)
 

@@ -16,12 +16,12 @@ from compare import assert_same_tokens, hf_greedy
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _exact_laws, tv
 from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model
 
+from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
+from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings, decode_speculative
-from layerskip.engine.exit_adapter import ExitAdapter, ExitSpec
-from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
-from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
+from layerskip.sampling import Sampling
 
 NEW_TOKENS = 30
 EXIT_LAYER = 2

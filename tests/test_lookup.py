@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from tiny_models import random_prompt, tiny_model
 
+from layerskip.drafts.lookup import LookupMatch, LookupRunLength, find_lookup, match_lookup
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
-from layerskip.engine.drafters import LookupMatch, LookupRunLength, find_lookup, match_lookup
-from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.measure.agreement import Reference, simulate_greedy
 
 

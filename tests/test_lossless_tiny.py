@@ -15,9 +15,9 @@ import torch
 from compare import assert_same_tokens, hf_greedy, mismatch_message
 from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model, tiny_tokenizer
 
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 

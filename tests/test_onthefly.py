@@ -16,13 +16,13 @@ from compare import assert_same_tokens, hf_greedy
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
-from layerskip.engine.cache import RollbackCache
+from layerskip.drafts.onthefly import SelectionState, converged_policy
+from layerskip.drafts.policy import DraftSettings, OnTheFlySettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.engine.onthefly import SelectionState, converged_policy
-from layerskip.engine.policy import DraftSettings, OnTheFlySettings, SkipPolicy
-from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+from layerskip.sampling import Sampling
 
 NEW_TOKENS = 40
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 from tiny_models import random_prompt, tiny_model
 
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode_speculative
-from layerskip.engine.policy import DraftSettings, SkipPolicy
-from layerskip.engine.sampling import Sampling
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference, simulate_greedy
+from layerskip.sampling import Sampling
 
 PAD = 6
 POLICIES = {

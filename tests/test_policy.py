@@ -10,7 +10,7 @@ import pytest
 from tiny_models import LAYERS, tiny_model
 
 from layerskip import fileio
-from layerskip.engine.policy import FORMAT, VERSION, DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.drafts.policy import FORMAT, VERSION, DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 
 

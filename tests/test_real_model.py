@@ -13,11 +13,11 @@ import pytest
 from compare import assert_same_tokens
 
 from layerskip.data import builtin_prompts
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
-from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.hf import adapters
-from layerskip.hf.baselines import hf_generate
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.integration.baselines import hf_generate
 
 pytestmark = pytest.mark.slow
 

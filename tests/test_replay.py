@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny_models import VOCAB, random_prompt, tiny_model
 
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.skip import top2_confidence
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.drafters import top2_confidence
-from layerskip.engine.policy import DraftSettings, SkipPolicy
 from layerskip.measure.agreement import Reference, TeacherForcedDraft, list_predictor, simulate_greedy
 
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from tiny_models import random_prompt, tiny_model
 
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine import decoding
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
-from layerskip.engine.policy import DraftSettings, SkipPolicy
-from layerskip.engine.sampling import Sampling, sample, verify_sampled
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
+from layerskip.sampling import Sampling, sample, verify_sampled
 
 V = 8
 DRAWS = 20_000

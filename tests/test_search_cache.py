@@ -14,7 +14,7 @@ from search_fixtures import load_study, ok, search_in_process
 
 import search.calibration_cache as calibration_cache
 import search.objective as objective
-from layerskip.engine.policy import SkipPolicy
+from layerskip.drafts.policy import SkipPolicy
 
 
 @pytest.fixture

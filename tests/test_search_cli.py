@@ -34,7 +34,7 @@ from search_fixtures import (
     wait_all,
 )
 
-from layerskip.engine.policy import SkipPolicy
+from layerskip.drafts.policy import SkipPolicy
 from search.space import trial_policy
 
 FINISHED = {TrialState.COMPLETE, TrialState.PRUNED}

@@ -22,7 +22,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 from search_fixtures import search_in_process
 
-from layerskip.engine.policy import ModelIdentity, SkipPolicy
+from layerskip.drafts.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from search import journal as journal_module
 from search.study import open_storage, open_study

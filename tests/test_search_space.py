@@ -7,7 +7,7 @@ from dataclasses import replace
 import optuna
 import pytest
 
-from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
+from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from search.space import POLICY_ATTR, ExitChoice, SearchSpace, exportable, policy_attr, trial_policy, with_vocabulary
 

@@ -208,7 +208,7 @@ def _trial_with(study: optuna.Study, policy, predicted: float) -> int:
 
 
 def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
-    from layerskip.engine.policy import DraftSettings, SkipPolicy
+    from layerskip.drafts.policy import DraftSettings, SkipPolicy
     from search.export import choose_trial, export_policy, verdict
     from search.study import finalists
 
@@ -225,7 +225,7 @@ def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
 
 
 def test_export_refuses_a_study_without_an_exportable_trial():
-    from layerskip.engine.policy import SkipPolicy
+    from layerskip.drafts.policy import SkipPolicy
     from search.export import choose_trial
 
     study = optuna.create_study(direction="maximize")
@@ -238,7 +238,7 @@ def test_confirm_uses_the_benchmark_timing_and_speedup(monkeypatch):
     """confirm() times through measure.timing and reports aggregate throughput, as the benchmark does."""
     from tiny_models import random_prompt, tiny_model
 
-    from layerskip.engine.policy import SkipPolicy
+    from layerskip.drafts.policy import SkipPolicy
     from layerskip.measure.timing import TimedRun
     from search import objective
 

@@ -18,13 +18,14 @@ import torch
 from compare import assert_same_tokens, hf_greedy
 from tiny_models import VOCAB, random_prompt, tiny_model, tiny_tokenizer
 
-from layerskip.engine import decoding, drafters
+from layerskip.drafts import base, skip
+from layerskip.drafts.head import DraftHead
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.vocab import DraftVocabulary
+from layerskip.engine import decoding
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
-from layerskip.engine.head import DraftHead
-from layerskip.engine.policy import DraftSettings, SkipPolicy
-from layerskip.engine.sampling import Sampling, sample, verify_sampled
-from layerskip.engine.vocab import DraftVocabulary
 from layerskip.hf import adapters
+from layerskip.sampling import Sampling, sample, verify_sampled
 
 NEW_TOKENS = 30
 ARCHS = ["llama", "gemma3_text"]
@@ -64,14 +65,14 @@ def _policy(combo: str, rows: torch.Tensor) -> tuple[SkipPolicy, torch.Tensor | 
 def _spy_on_skip_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[set[int], list[int]]]:
     """Every skip draft (lookup proposals are not model outputs), with the tokens of the history then."""
     proposed: list[tuple[set[int], list[int]]] = []
-    real = drafters.SkipDrafter.propose
+    real = skip.SkipDrafter.propose
 
-    def propose(self: drafters.SkipDrafter, request: drafters.DraftRequest) -> drafters.Draft:
+    def propose(self: skip.SkipDrafter, request: base.DraftRequest) -> base.Draft:
         draft = real(self, request)
         proposed.append((set(request.history), list(draft.tokens)))
         return draft
 
-    monkeypatch.setattr(drafters.SkipDrafter, "propose", propose)
+    monkeypatch.setattr(skip.SkipDrafter, "propose", propose)
     return proposed
 
 

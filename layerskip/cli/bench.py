@@ -19,7 +19,7 @@ from layerskip.cli.common import (
     thread_settings,
 )
 from layerskip.data import load_prompts
-from layerskip.engine.policy import ABLATIONS, SkipPolicy
+from layerskip.drafts.policy import ABLATIONS, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir
 from layerskip.hf.models import load_model, resolve_device

@@ -6,12 +6,11 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from layerskip.engine.policy import OnTheFlySettings, SkipPolicy
+from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy_spec import ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 
@@ -110,40 +109,6 @@ def read_prompt(text: str | None, path: str | None) -> str:
     if text is None:
         raise LayerskipError("no prompt given; pass --prompt TEXT or --prompt-file PATH")
     return text
-
-
-ON_THE_FLY = "on-the-fly"
-
-
-def load_policy(spec: str, device: str | torch.device = "cpu") -> tuple[str, SkipPolicy]:
-    """``(label, policy)`` for a ``--policy`` value: a policy file; ``on-the-fly`` (skip sets chosen
-    while generating, from nothing bypassed, with the default draft for ``device``); or
-    ``on-the-fly:PATH`` (chosen while generating, starting from that file's skip sets and drafting
-    with its settings)."""
-    if spec == ON_THE_FLY:
-        return ON_THE_FLY, SkipPolicy.adaptive_selection(device=device)
-    if spec.startswith(ON_THE_FLY + ":"):
-        path = spec[len(ON_THE_FLY) + 1 :]
-        start = SkipPolicy.load(path)
-        if not start.draft.use_skip_draft:
-            raise LayerskipError(f"{path} drafts by lookup only; on-the-fly selection needs a policy with a skip draft")
-        selection = start.on_the_fly or OnTheFlySettings()
-        return f"{ON_THE_FLY}-{Path(path).stem}", replace(start, on_the_fly=selection)
-    return Path(spec).stem, SkipPolicy.load(spec)
-
-
-def load_policies(specs: list[str], device: str | torch.device = "cpu") -> dict[str, SkipPolicy]:
-    """Policies by label (a file's stem; a repeated label gets ``-2``, ``-3``: nothing is dropped)."""
-    policies: dict[str, SkipPolicy] = {}
-    for spec in specs:
-        stem, policy = load_policy(spec, device)
-        label = stem
-        number = 2
-        while label in policies:
-            label = f"{stem}-{number}"
-            number += 1
-        policies[label] = policy
-    return policies
 
 
 def check_policies(policies: dict[str, SkipPolicy | None], model: object) -> None:

@@ -16,15 +16,15 @@ from layerskip.cli.common import (
     run_cli,
     thread_setting,
 )
+from layerskip.drafts.onthefly import converged_policy
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.engine.onthefly import converged_policy
-from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_file
-from layerskip.hf.baselines import hf_generate
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.integration.baselines import hf_generate
 from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup, throughput
+from layerskip.sampling import Sampling
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,9 +35,9 @@ from layerskip.distill.corpus import (
 )
 from layerskip.distill.teacher import TeacherData, cache_key, chunk_documents, collect, own_continuations
 from layerskip.distill.train import Student, TrainSettings, evaluate, rank_rows, state_size, train_adapter
-from layerskip.engine.exit_adapter import KINDS, ExitAdapter, ExitSpec
-from layerskip.engine.policy import DraftSettings, ExitSettings, SkipPolicy
-from layerskip.engine.precision import PRECISIONS
+from layerskip.drafts.exit_adapter import KINDS, ExitAdapter, ExitSpec
+from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_bytes_atomic, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
@@ -413,13 +413,13 @@ def exit_frontier(
     adapter and without it (the plain early exit at the same depth). Acceptance is the top-1
     agreement on the model's own continuations of held-out prompts (validation ones if none)."""
     from layerskip.data import builtin_prompts
-    from layerskip.engine.draft import DraftModel
+    from layerskip.drafts.builder import draft_model_for
     from layerskip.hf.prompting import encode_prompt
     from layerskip.measure.frontier import measure_exit_cost, projected_speedup
 
     context = encode_prompt(tokenizer, builtin_prompts()[6].text, False)[:128]
-    with_adapter = DraftModel(model, policy.draft.precision, exit=adapter)
-    without = DraftModel(model, policy.draft.precision)
+    with_adapter = draft_model_for(model, policy.draft.precision, exit=adapter)
+    without = draft_model_for(model, policy.draft.precision)
     cost = measure_exit_cost(with_adapter, policy, context, vocab_size)
     plain_cost = measure_exit_cost(without, replace(policy, exit=None), context, vocab_size)
 

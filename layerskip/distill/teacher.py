@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip.distill.corpus import CODE_DOMAIN, OWN_SUFFIX, Document
-from layerskip.engine.exit_draft import capturing_layer_output
+from layerskip.drafts.exit_draft import capturing_layer_output
 from layerskip.hf import adapters
 
 
@@ -161,8 +161,8 @@ def own_continuations(
     """The model's own continuations of up to ``count`` prompt documents (code files are not
     prompts), as tokenised documents in domain ``<domain>:own``: prompt (its last
     ``max_prompt_tokens`` tokens, chat template applied where ``chat``) plus ``new_tokens``."""
-    from layerskip.hf.baselines import batched_continuations
     from layerskip.hf.prompting import encode_prompt
+    from layerskip.integration.baselines import batched_continuations
 
     prompts = [d for d in documents if d.domain != CODE_DOMAIN and not d.ids]
     if not prompts or count <= 0:

@@ -1,2 +1,2 @@
-"""What runs at generation time: the decode loop, drafters, sampling, the rollback cache,
-forward passes, skip policies, the draft vocabulary and generation statistics."""
+"""The decode loop (draft, roll back, verify, accept), its acceptance rules' use, and CPU thread
+tuning. It uses drafts through the ``drafts.base.Drafter`` interface and ``drafts.builder``."""

@@ -23,19 +23,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerskip.engine.cache import RollbackCache
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.drafters import Draft, Drafter, DraftRequest, HybridDrafter, NoDrafter, SkipDrafter, make_drafter
-from layerskip.engine.exit_adapter import ExitAdapter
-from layerskip.engine.forward import full_logits
-from layerskip.engine.onthefly import OnTheFlyDrafter, SelectionState
-from layerskip.engine.policy import SkipPolicy
-from layerskip.engine.sampling import Sampling, verify_greedy, verify_sampled
-from layerskip.engine.stats import DeviceClock, GenerationResult, GenerationStats
+from layerskip.drafts.base import Draft, Drafter, DraftRequest, NoDrafter
+from layerskip.drafts.builder import DraftRun, PreparedDraft, prepare_draft
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.onthefly import SelectionState
+from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.threads import ThreadTuner
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import full_logits
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.sampling import Sampling, verify_greedy, verify_sampled
+from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
 
 TokenCallback = Callable[[list[int]], None]
 CacheObserver = Callable[[RollbackCache, int], None]
@@ -129,30 +129,18 @@ def _as_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return ids
 
 
-def exit_adapter_for(policy: SkipPolicy, model: nn.Module) -> ExitAdapter | None:
-    """The exit adapter ``policy`` drafts through, loaded and checked against the policy (None: no exit)."""
-    if policy.exit is None:
-        return None
-    adapter = ExitAdapter.load(policy.exit_adapter_path(), model, policy.exit.sha256)
-    if adapter.spec.layer != policy.exit.layer or adapter.spec.kind != policy.exit.kind:
-        raise LayerskipError(
-            f"exit adapter {policy.exit_adapter_path()} is a {adapter.spec.kind} exit after layer "
-            f"{adapter.spec.layer}, but the policy says {policy.exit.kind} after {policy.exit.layer}"
-        )
-    return adapter
-
-
 class Decoder:
     """Decodes with ``model``: self-speculatively with ``policy``, plainly without one.
 
-    Built once per model and policy: it checks the policy against the model and prepares the
-    draft (a low-precision copy of the projections it keeps, if the policy asks for one), then
-    serves any number of ``decode`` calls. ``vocab_rows`` overrides the truncated draft head's
-    starting rows (default: the policy's). A policy with ``on_the_fly`` settings gets its skip
-    sets re-chosen while generating; what that learns (``selection``) carries over between calls.
-    ``threads`` (CPU only): "auto" picks the draft's and the verify's thread counts by their
-    measured time (see ``engine.threads``; robust when the machine is busy), an int fixes both;
-    the caller's thread count is restored after each call.
+    Built once per model and policy: ``drafts.prepare_draft`` checks the policy against the
+    model and prepares the draft (a low-precision copy of the projections it keeps, if the
+    policy asks for one); the decoder then serves any number of ``decode`` calls. ``vocab_rows``
+    overrides the truncated draft head's starting rows (default: the policy's). A policy with
+    ``on_the_fly`` settings gets its skip sets re-chosen while generating; what that learns
+    (``selection``) carries over between calls. ``threads`` (CPU only): "auto" picks the
+    draft's and the verify's thread counts by their measured time (see ``engine.threads``;
+    robust when the machine is busy), an int fixes both; the caller's thread count is restored
+    after each call.
     """
 
     def __init__(
@@ -166,52 +154,24 @@ class Decoder:
         self.policy = policy
         self.device = next(model.parameters()).device
         self.threads = ThreadTuner(threads, self.device)
-        self.vocab_size = adapters.lm_head(model).weight.shape[0]
-        self.draft_model: DraftModel | None = None
-        self.selection: SelectionState | None = None
-        self.exit: ExitAdapter | None = None
-        if policy is not None:
-            policy.validate_for(model)
-            self.exit = exit_adapter_for(policy, model)
-            if policy.on_the_fly is not None:
-                self.selection = SelectionState.start(policy, model)
-                # any sublayer may be kept
-                self.draft_model = DraftModel(model, policy.draft.precision, exit=self.exit)
-            elif policy.draft.use_skip_draft:
-                kept = [
-                    (i, kind)
-                    for i in range(adapters.num_layers(model))
-                    for kind, skipped in (("attention", policy.skip_attention), ("mlp", policy.skip_mlp))
-                    if i not in skipped
-                ]
-                self.draft_model = DraftModel(model, policy.draft.precision, kept, exit=self.exit)
-        if vocab_rows is None and policy is not None:
-            rows = policy.head_rows(self.vocab_size)
-            vocab_rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
-        self.vocab_rows = vocab_rows
+        self.draft: PreparedDraft | None = prepare_draft(model, policy, vocab_rows)
+
+    @property
+    def draft_model(self) -> DraftModel | None:
+        return None if self.draft is None else self.draft.draft_model
+
+    @property
+    def selection(self) -> SelectionState | None:
+        return None if self.draft is None else self.draft.selection
 
     def cache_windows(self) -> list[int | None]:
-        """Per cache layer, its sliding window: the model's layers, and a layer exit adapter's own."""
-        windows = adapters.sliding_windows(self.model)
-        if self.exit is not None and self.exit.uses_cache:
-            windows.append(windows[self.exit.spec.layer])
-        return windows
+        """Per cache layer, its sliding window (a layer exit adapter adds one of its own)."""
+        return adapters.sliding_windows(self.model) if self.draft is None else self.draft.cache_windows()
 
     def _drafter(self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None) -> Drafter:
-        if self.policy is None:
+        if self.draft is None:
             return NoDrafter()
-        head = None
-        if self.draft_model is not None:
-            head = self.draft_model.head(self.vocab_rows, growth=prompt_length + settings.max_new_tokens)
-        drafter = make_drafter(self.policy, self.draft_model, head, self.vocab_size, settings.sampling, generator)
-        if self.selection is None:
-            return drafter
-        if isinstance(drafter, HybridDrafter):
-            assert isinstance(drafter.skip, SkipDrafter)
-            drafter.skip = OnTheFlyDrafter(drafter.skip, self.model, self.selection)
-            return drafter
-        assert isinstance(drafter, SkipDrafter)
-        return OnTheFlyDrafter(drafter, self.model, self.selection)
+        return self.draft.drafter(DraftRun(prompt_length, settings.max_new_tokens, settings.sampling, generator))
 
     @torch.inference_mode()
     def decode(

@@ -18,11 +18,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from layerskip.drafts.builder import draft_model_for
+from layerskip.drafts.draft_length import DraftLengthByCost
+from layerskip.drafts.lookup import LookupRunLength, match_lookup
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import DraftSettings
+from layerskip.drafts.skip import AdaptiveStop, top2_confidence
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.draft_length import DraftLengthByCost
-from layerskip.engine.drafters import AdaptiveStop, LookupRunLength, match_lookup, top2_confidence
-from layerskip.engine.policy import DraftSettings
 from layerskip.hf import adapters
 
 # (start, stop, known) -> the draft's tokens and confidences at continuation positions start..stop-1
@@ -131,7 +133,7 @@ def single_sublayer_agreement(
     model: nn.Module, references: Sequence[Reference], progress: bool = False
 ) -> dict[str, list[float]]:
     """Agreement with exactly one sublayer bypassed: {"attention": [per layer], "mlp": [per layer]}."""
-    draft_model = DraftModel(model)
+    draft_model = draft_model_for(model)
     count = adapters.num_layers(model)
     result: dict[str, list[float]] = {"attention": [], "mlp": []}
     bar = tqdm(total=2 * count, desc="single-sublayer agreement", disable=not progress)

@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from layerskip.data import Prompt
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.engine.policy import DraftSettings, SkipPolicy
-from layerskip.engine.stats import GenerationStats
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.hf.baselines import hf_custom_generate, hf_generate
-from layerskip.hf.decoders import decoder_for
+from layerskip.integration.baselines import hf_custom_generate, hf_generate
+from layerskip.integration.decoders import decoder_for
 from layerskip.measure.timing import Runner, run_interleaved, throughput
+from layerskip.stats import GenerationStats
 
 BASELINE = "hf-ar"
 METHODS = (

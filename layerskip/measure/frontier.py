@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.policy import SkipPolicy
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import SkipPolicy
 from layerskip.measure.latency import draft_step_seconds, verify_seconds
 
 

@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from layerskip.engine.cache import RollbackCache
-from layerskip.engine.draft import DraftModel
-from layerskip.engine.exit_adapter import ExitAdapter
-from layerskip.engine.exit_draft import capturing_layer_output, fill_adapter_cache
-from layerskip.engine.forward import full_logits
+from layerskip.drafts.exit_adapter import ExitAdapter
+from layerskip.drafts.exit_draft import capturing_layer_output, fill_adapter_cache
+from layerskip.drafts.model import DraftModel
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import full_logits
 
 
 def _time_once(fn: Callable[[], object], device: torch.device) -> float:

@@ -22,12 +22,12 @@ from typing import Any
 
 from torch import nn
 
+from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.engine.policy import SkipPolicy
-from layerskip.engine.stats import GenerationStats
 from layerskip.hf import adapters
 from layerskip.measure.latency import block_cost, verify_seconds
 from layerskip.measure.timing import Runner, TimedRun, run_interleaved, throughput
+from layerskip.stats import GenerationStats
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import TypeVar
 import torch
 from tqdm.auto import tqdm
 
-from layerskip.engine.stats import DeviceClock, GenerationStats
+from layerskip.stats import DeviceClock, GenerationStats
 
 T = TypeVar("T")
 

@@ -24,11 +24,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from layerskip.engine.cache import RollbackCache
-from layerskip.engine.drafters import Draft, DraftRequest, SkipDrafter
-from layerskip.engine.exit_adapter import ExitAdapter
-from layerskip.engine.forward import positions
+from layerskip.drafts.base import Draft, DraftRequest
+from layerskip.drafts.exit_adapter import ExitAdapter
+from layerskip.drafts.skip import SkipDrafter
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import positions
 
 
 @contextlib.contextmanager

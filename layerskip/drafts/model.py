@@ -14,12 +14,12 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from layerskip.engine.cache import RollbackCache
-from layerskip.engine.exit_adapter import ExitAdapter
-from layerskip.engine.forward import positions
-from layerskip.engine.head import DraftHead
-from layerskip.engine.precision import LowPrecisionProjection, check_precision, trained_weights_precision
+from layerskip.drafts.exit_adapter import ExitAdapter
+from layerskip.drafts.head import DraftHead
+from layerskip.drafts.precision import LowPrecisionProjection, check_precision, trained_weights_precision
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import positions
 
 SUBLAYER_KINDS = ("attention", "mlp")
 

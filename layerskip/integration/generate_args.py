@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from layerskip.engine.decoding import DecodeSettings, LogitsHook, StopCheck
-from layerskip.engine.sampling import Sampling
 from layerskip.errors import LayerskipError
+from layerskip.sampling import Sampling
 
 # model_kwargs that ``generate`` prepares for its own loop; our engine keeps its own cache,
 # positions and full-block logits, so these are read (attention mask, cache) or dropped.
@@ -202,7 +202,7 @@ def engine_calls(
         if tokenizer is None:
             raise LayerskipError(
                 "stop_strings needs tokenizer=; transformers does not pass it to a custom_generate callable, "
-                "so use custom_generate=layerskip.hf.custom_generate_path() with trust_remote_code=True"
+                "so use custom_generate=layerskip.custom_generate_path() with trust_remote_code=True"
             )
         from transformers import StopStringCriteria
 

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.engine.cache import RollbackCache
-from layerskip.engine.drafters import BaseDrafter, Draft, DraftRequest, SkipDrafter
-from layerskip.engine.policy import OnTheFlySettings, SkipPolicy
-from layerskip.engine.stats import GenerationStats
+from layerskip.drafts.base import BaseDrafter, Draft, DraftRequest
+from layerskip.drafts.policy import OnTheFlySettings, SkipPolicy
+from layerskip.drafts.skip import SkipDrafter
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+from layerskip.stats import GenerationStats
 
 Sublayer = tuple[int, str]  # (layer, "attention" | "mlp")
 

@@ -19,6 +19,7 @@ import copy
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,11 +27,20 @@ from torch import nn
 from transformers.generation import GenerateDecoderOnlyOutput
 
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.engine.stats import GenerationStats
 from layerskip.errors import LayerskipError
-from layerskip.hf.decoders import PolicySpec, decoder_for
-from layerskip.hf.generate_args import UNSUPPORTED, EngineCall, engine_calls
-from layerskip.hf.scores import ScoreRecorder
+from layerskip.integration.decoders import PolicySpec, decoder_for
+from layerskip.integration.generate_args import UNSUPPORTED, EngineCall, engine_calls
+from layerskip.integration.scores import ScoreRecorder
+from layerskip.stats import GenerationStats
+
+
+def custom_generate_path() -> str:
+    """The directory to pass as ``model.generate(custom_generate=..., trust_remote_code=True)``.
+
+    It ships inside the package (``custom_generate/generate.py`` as transformers expects), so
+    nothing has to be copied by hand.
+    """
+    return str(Path(__file__).parent / "custom_generate")
 
 
 @dataclass

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from layerskip.engine.policy import SkipPolicy
-from layerskip.engine.sampling import Sampling
-from layerskip.engine.stats import GenerationStats
-from layerskip.hf import custom_generate_path
+from layerskip.drafts.policy import SkipPolicy
+from layerskip.integration.plugin import custom_generate_path
+from layerskip.sampling import Sampling
+from layerskip.stats import GenerationStats
 
 
 def _generate_arguments(

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from layerskip.cli.common import load_policy
+from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy_spec import load_policy
 from layerskip.engine.decoding import Decoder
-from layerskip.engine.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 
 CACHE_ATTRIBUTE = "_layerskip_decoders"

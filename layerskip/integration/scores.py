@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from layerskip.engine.decoding import LogitsHook
-from layerskip.hf.generate_args import apply_by_row
+from layerskip.integration.generate_args import apply_by_row
 
 
 class ScoreRecorder:

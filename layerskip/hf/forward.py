@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layerskip.engine.cache import RollbackCache
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
 
 
 def positions(start: int, count: int, device: torch.device) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.engine.precision import PRECISIONS
+from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
@@ -58,7 +58,7 @@ class DraftSettings:
     target_acceptance: float = 0.7
     # Draft length by cost: after each drafted token, draft another only if its expected
     # tokens beat what its draft and verify time earns at the rate so far (measured in this
-    # generation; engine/draft_length.py). ``max_draft_tokens`` caps it. Excludes ``adaptive``.
+    # generation; drafts/draft_length.py). ``max_draft_tokens`` caps it. Excludes ``adaptive``.
     length_by_cost: bool = False
     # Truncated draft head: the draft scores only this many most frequent tokens (0 = full).
     draft_vocab_size: int = 0
@@ -67,7 +67,7 @@ class DraftSettings:
     lookup_min_ngram: int = 2
     lookup_max_tokens: int = 8
     # Cut a lookup run where the estimated chance that all of it is accepted falls below this
-    # (learned per generation, see drafters.LookupRunLength); 0 = always propose the whole run.
+    # (learned per generation, see lookup.LookupRunLength); 0 = always propose the whole run.
     lookup_confidence: float = 0.0
     # When both are on: use lookup if it finds a match, else the skip draft.
     use_skip_draft: bool = True
@@ -76,7 +76,7 @@ class DraftSettings:
     # 2-core CPU a 2- or 3-row LM head costs 2-3x a 4-row one (docs/benchmarks.md#profile).
     min_verify_block: int = 0
     # The draft's kept projections (and its head) run from a copy in this precision: "model"
-    # (the model's own weights), "bfloat16", or on CPU "int8" / "int4" (engine/precision.py).
+    # (the model's own weights), "bfloat16", or on CPU "int8" / "int4" (drafts/precision.py).
     # The verify always uses the model's own weights, so the output does not change.
     precision: str = "model"
 
@@ -110,7 +110,7 @@ class DraftSettings:
 
 @dataclass(frozen=True)
 class OnTheFlySettings:
-    """On-the-fly selection: the bypassed sublayers are re-chosen while generating (engine/onthefly.py).
+    """On-the-fly selection: the bypassed sublayers are re-chosen while generating (drafts/onthefly.py).
 
     Every ``refresh_every`` verify steps the full model's forward also measures how much each
     sublayer changes the residual stream at the accepted positions (``|delta h| / |h|``, averaged
@@ -144,7 +144,7 @@ class OnTheFlySettings:
 
 @dataclass(frozen=True)
 class ExitSettings:
-    """A trained exit adapter (engine/exit_adapter.py) applied after layer ``layer`` in every draft.
+    """A trained exit adapter (drafts/exit_adapter.py) applied after layer ``layer`` in every draft.
 
     The policy's skip sets bypass every layer after ``layer``. ``adapter`` is the safetensors
     file, relative to the policy file, and ``sha256`` its hash (a changed file is refused).

@@ -1,0 +1,128 @@
+"""Prompt lookup: propose the continuation of an earlier occurrence of the text's last n-gram."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from layerskip.drafts.base import BaseDrafter, Draft, DraftRequest
+from layerskip.drafts.policy import DraftSettings
+from layerskip.sampling import Sampling
+
+
+@dataclass
+class LookupMatch:
+    tokens: list[int]  # the continuation proposed ([] when nothing matches)
+    ngram: int = 0  # length of the n-gram that matched
+
+
+def match_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> LookupMatch:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the history's last n-gram.
+
+    Tries the longest n first.
+    """
+    length = len(history)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        tail = history[length - n :]
+        # Scan from the most recent earlier start backwards: recent context predicts best.
+        for start in range(length - n - 1, -1, -1):
+            if history[start : start + n] == tail:
+                follow = history[start + n : start + n + max_tokens]
+                if follow:
+                    return LookupMatch(follow, n)
+    return LookupMatch([])
+
+
+def find_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> list[int]:
+    return match_lookup(history, min_ngram, max_ngram, max_tokens).tokens
+
+
+@dataclass
+class _Pending:
+    start: int  # history index the match's first token would take
+    ngram: int
+    tokens: list[int]
+    next: int = 0  # first position not yet compared with the history
+
+
+@dataclass
+class LookupRunLength:
+    """Cuts lookup runs where they stop paying, learning within one generation.
+
+    A long run of unlikely tokens costs verify time for nothing, while a short run of likely
+    ones is almost free. For each matched n-gram length ``n`` and run position ``i`` this counts
+    how often position ``i`` was reached (every earlier token right) and right;
+    ``p(n, i) = (right + 1) / (reached + 2)`` (a uniform prior, so unseen positions are tried).
+    A run keeps token ``i`` while ``prod_{j <= i} p(n, j) >= confidence``; 0 keeps every run whole.
+
+    Every match is scored against the tokens the generation really produced (``observe``), not
+    only the part that was proposed: a run cut to nothing still teaches, so a cut can never
+    switch an n-gram length off for the rest of the generation.
+    """
+
+    confidence: float
+    reached: dict[tuple[int, int], int] = field(default_factory=dict)
+    right: dict[tuple[int, int], int] = field(default_factory=dict)
+    pending: list[_Pending] = field(default_factory=list)
+
+    def cut(self, match: LookupMatch) -> list[int]:
+        if self.confidence <= 0.0:
+            return match.tokens
+        chance = 1.0
+        for i in range(len(match.tokens)):
+            key = (match.ngram, i)
+            chance *= (self.right.get(key, 0) + 1) / (self.reached.get(key, 0) + 2)
+            if chance < self.confidence:
+                return match.tokens[:i]
+        return match.tokens
+
+    def track(self, match: LookupMatch, start: int) -> None:
+        """Score ``match`` (its first token at history index ``start``) as the history grows."""
+        if self.confidence > 0.0 and match.tokens:
+            self.pending.append(_Pending(start, match.ngram, list(match.tokens)))
+
+    def observe(self, history: list[int]) -> None:
+        """Compare the tracked matches with the tokens produced since; forget the settled ones."""
+        still: list[_Pending] = []
+        for item in self.pending:
+            settled = False
+            while item.next < len(item.tokens) and item.start + item.next < len(history):
+                key = (item.ngram, item.next)
+                self.reached[key] = self.reached.get(key, 0) + 1
+                if item.tokens[item.next] != history[item.start + item.next]:
+                    settled = True
+                    break
+                self.right[key] = self.right.get(key, 0) + 1
+                item.next += 1
+            if not settled and item.next < len(item.tokens):
+                still.append(item)
+        self.pending = still
+
+
+class LookupDrafter(BaseDrafter):
+    """Proposes the continuation of a matching n-gram from the prompt or the text so far (no model call)."""
+
+    def __init__(self, settings: DraftSettings, vocab_size: int, sampling: Sampling | None) -> None:
+        self.settings = settings
+        self.vocab_size = vocab_size
+        self.sampling = sampling
+        self.run_length = LookupRunLength(settings.lookup_confidence)
+
+    def propose(self, request: DraftRequest) -> Draft:
+        s = self.settings
+        self.run_length.observe(request.history)
+        match = match_lookup(
+            request.history, s.lookup_min_ngram, s.lookup_max_ngram, min(s.lookup_max_tokens, request.max_tokens)
+        )
+        self.run_length.track(match, len(request.history))
+        tokens = self.run_length.cut(match)
+        q = None
+        if tokens and self.sampling is not None:
+            # A deterministic proposal: q is one-hot on the proposed token.
+            q = torch.zeros(len(tokens), self.vocab_size, device=request.device)
+            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return Draft(tokens=tokens, q=q, source="lookup", ngram=match.ngram)
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        pass  # it learns from the history itself (``LookupRunLength.observe``)

@@ -1,0 +1,136 @@
+"""The skip draft: the same model with some sublayers bypassed, sharing the verify's cache."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from layerskip.drafts.base import BaseDrafter, Draft, DraftRequest
+from layerskip.drafts.draft_length import DraftLengthByCost
+from layerskip.drafts.head import DraftHead
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import DraftSettings
+from layerskip.sampling import Sampling, sample
+from layerskip.stats import DeviceClock
+
+
+def top2_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """How clearly the draft's top token beats its runner-up: ``(p1 - p2) / (p1 + p2)``, in [0, 1).
+
+    It equals ``tanh((top1 - top2) / 2)`` of ``[..., n]`` logits, so unlike a softmax over the
+    head's rows it does not depend on how many rows a truncated head scores: one threshold
+    means the same with any head size.
+    """
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return torch.tanh((top[..., 0] - top[..., 1]) / 2)
+
+
+class AdaptiveStop:
+    """Draft & Verify's rule: stop drafting when the draft's confidence falls below a threshold
+    that moves after every verify so the smoothed acceptance rate tracks a target (+step when
+    acceptance is under target, -step otherwise). The search's replay uses the same class."""
+
+    THRESHOLD_STEP = 0.01
+    ACCEPTANCE_MOMENTUM = 0.5
+
+    def __init__(self, initial_threshold: float, target_acceptance: float) -> None:
+        self.threshold = initial_threshold
+        self.target = target_acceptance
+        self.smoothed_acceptance = target_acceptance
+
+    def stop(self, confidence: float) -> bool:
+        return confidence < self.threshold
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        momentum = self.ACCEPTANCE_MOMENTUM
+        self.smoothed_acceptance = momentum * self.smoothed_acceptance + (1 - momentum) * accepted / drafted
+        step = self.THRESHOLD_STEP if self.smoothed_acceptance < self.target else -self.THRESHOLD_STEP
+        self.threshold = min(1.0, max(0.0, self.threshold + step))
+
+
+class SkipDrafter(BaseDrafter):
+    """Drafts with the same model, some sublayers bypassed, sharing the verify cache.
+
+    ``attention`` / ``mlp`` are the bypassed sublayers; they may change between calls (on-the-fly
+    selection does that). The head learns every token the generation emits before each draft.
+    How a draft ends: at ``max_draft_tokens``, at a low-confidence token (``adaptive``), or where
+    one more token is not expected to pay for its measured time (``length_by_cost``).
+    """
+
+    def __init__(
+        self,
+        draft_model: DraftModel,
+        attention: tuple[int, ...],
+        mlp: tuple[int, ...],
+        settings: DraftSettings,
+        head: DraftHead,
+        sampling: Sampling | None,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.draft_model = draft_model
+        self.attention = attention
+        self.mlp = mlp
+        self.settings = settings
+        self.head = head
+        self.sampling = sampling
+        self.generator = generator
+        self.stop = AdaptiveStop(settings.initial_threshold, settings.target_acceptance) if settings.adaptive else None
+        self.length = (
+            DraftLengthByCost(settings.max_draft_tokens, settings.min_verify_block) if settings.length_by_cost else None
+        )
+        self.clock = DeviceClock(draft_model.device)
+        self._last_verify_seconds = 0.0
+        self._known = 0  # how much of the history the head has been given
+
+    def propose(self, request: DraftRequest) -> Draft:
+        start = self.clock.now() if self.length is not None else 0.0
+        self.head.add(request.history[self._known :])
+        self._known = len(request.history)
+        token = torch.tensor([[request.pending]], device=request.device)  # [1, 1]
+        tokens: list[torch.Tensor] = []
+        q_rows: list[torch.Tensor] = []
+        confidences: list[float] = []
+        with self.draft_model.active(self.attention, self.mlp):
+            for i in range(min(request.max_tokens, self.settings.max_draft_tokens)):
+                logits = self.draft_model.logits(token, request.cache, request.position + i, self.head)  # [n]
+                if self.sampling is None:
+                    index = logits.argmax()
+                else:
+                    probs = self.sampling.probs(logits)
+                    index = sample(probs, self.generator)
+                    q_rows.append(self.head.to_full_vocab(probs))
+                chosen = self.head.token_ids(index)
+                tokens.append(chosen)
+                if self.stop is not None and self.stop.stop(float(top2_confidence(logits))):
+                    break
+                if self.length is not None:
+                    confidences.append(float(top2_confidence(logits)))
+                    if not self.length.draft_more(confidences):
+                        break
+                token = chosen.view(1, 1)
+        ids = torch.stack(tokens).tolist() if tokens else []
+        draft = Draft(tokens=ids, q=torch.stack(q_rows) if q_rows else None, source="skip", confidence=confidences)
+        if self.length is not None:
+            draft.seconds = self.clock.now() - start  # the confidences were read back: device work is done
+            self.length.observe_draft(len(ids), draft.seconds)
+        return draft
+
+    @contextlib.contextmanager
+    def watch_verify(self, block: int) -> Iterator[None]:
+        if self.length is None:
+            yield
+            return
+        start = self.clock.now()
+        yield
+        self._last_verify_seconds = self.clock.now() - start
+        self.length.observe_verify(block, self._last_verify_seconds)
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        if self.stop is not None and draft.source == "skip":
+            self.stop.update(len(draft.tokens), accepted)
+        if self.length is not None and draft.source == "skip" and draft.tokens:
+            self.length.observe_step(draft.confidence, accepted, draft.seconds + self._last_verify_seconds)

@@ -1,0 +1,98 @@
+"""The package layout the README draws: no import circles, arrows pointing down, one draft builder.
+
+Every import counts, at module level or inside a function (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# The README's order, from the ground up: a package may import only packages before it.
+ORDER = [
+    "layerskip.errors",
+    "layerskip.fileio",
+    "layerskip.data",
+    "layerskip.sampling",
+    "layerskip.stats",
+    "layerskip.hf",
+    "layerskip.drafts",
+    "layerskip.engine",
+    "layerskip.integration",
+    "layerskip.measure",
+    "layerskip.distill",
+    "layerskip.cli",
+    "search",
+]
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return "search" if parts[0] == "search" else ".".join(parts[:2])
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] in ("layerskip", "search")}
+
+
+def _sources() -> dict[str, Path]:
+    return {_module(p): p for root in ("layerskip", "search") for p in (ROOT / root).rglob("*.py")}
+
+
+def test_arrows_point_down_the_layout() -> None:
+    rank = {package: i for i, package in enumerate(ORDER)}
+    wrong = []
+    for module, path in _sources().items():
+        if module == "layerskip":
+            continue  # the facade re-exports the public names
+        mine = _package(module)
+        assert mine in rank, f"{module} is in no package of the README's layout; add it to ORDER and the README"
+        for target in _imports(path):
+            theirs = _package(target)
+            if theirs == "layerskip" or theirs == mine:
+                continue
+            if rank.get(theirs, -1) > rank[mine]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports that run up the layout: " + ", ".join(sorted(wrong))
+
+
+def test_package_inits_import_only_their_own_package() -> None:
+    for module, path in _sources().items():
+        if path.name != "__init__.py" or module == "layerskip":
+            continue
+        outside = [t for t in _imports(path) if not t.startswith(module + ".") and t != module]
+        assert not outside, f"{module}/__init__.py imports {outside}"
+
+
+def test_one_module_builds_the_draft_model() -> None:
+    builders = []
+    for module, path in _sources().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "DraftModel"
+            ):
+                builders.append(module)
+    assert sorted(set(builders)) == ["layerskip.drafts.builder"]
+
+
+def test_public_names_import_from_the_top() -> None:
+    import layerskip
+
+    for name in ("load_model", "generate", "SkipPolicy", "custom_generate_path", "Decoder", "prepare_draft"):
+        assert hasattr(layerskip, name), name
+    assert Path(layerskip.custom_generate_path(), "custom_generate", "generate.py").is_file()
