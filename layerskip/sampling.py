@@ -63,7 +63,11 @@ def verify_greedy(drafted: list[int], logits: torch.Tensor) -> tuple[int, int]:
     Returns (number of drafts accepted n, the full model's own token after them): the longest
     prefix of ``drafted`` that equals the full model's argmax chain, then its argmax at n.
     """
-    targets = logits.argmax(dim=-1).tolist()  # the full model's token after each block position
+    return accept_greedy(drafted, logits.argmax(dim=-1).tolist())
+
+
+def accept_greedy(drafted: list[int], targets: list[int]) -> tuple[int, int]:
+    """Greedy acceptance from ``targets``, the full model's token after each block position (k+1 of them)."""
     accepted = 0
     while accepted < len(drafted) and drafted[accepted] == targets[accepted]:
         accepted += 1

@@ -211,15 +211,16 @@ def test_bypass_with_a_bad_index_restores_what_it_patched() -> None:
     assert not adapters.is_bypassed(model)
 
 
-def test_bypass_is_restored_when_drafting_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model("llama")
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # the lean draft step (patches nothing), HF's forward (patches)
+def test_bypass_is_restored_when_drafting_fails(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(arch)
     real = DraftModel.logits
     calls = []
 
     def failing(self: DraftModel, *args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         if len(calls) == 3:
-            assert adapters.is_bypassed(model)
+            assert adapters.is_bypassed(model) == (self.lean is None)
             raise RuntimeError("draft failed")
         return real(self, *args, **kwargs)
 
@@ -229,7 +230,7 @@ def test_bypass_is_restored_when_drafting_fails(monkeypatch: pytest.MonkeyPatch)
     assert not adapters.is_bypassed(model)
     monkeypatch.undo()
     tokens, _ = decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(NEW_TOKENS))
-    _check("llama", tokens, "after a failed decode")
+    _check(arch, tokens, "after a failed decode")
 
 
 # -- text level: stop strings and the generate() entry point ------------------------------------------

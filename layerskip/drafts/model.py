@@ -1,9 +1,14 @@
 """The model as the draft runs it: bypassed sublayers, kept projections in the draft's precision, its head.
 
 Prepared once per model and precision (quantising weights takes time and memory, like loading a
-model), then used for any number of generations and skip sets. ``active(attention, mlp)``
-patches the model for one draft run and restores it on exit, so the verify between two draft
-runs always sees the unmodified full model.
+model), then used for any number of generations and skip sets. Projections that share their
+input (Q/K/V, gate/up) are kept as one fused low-precision product.
+
+A one-token draft forward runs the lean step (``hf.lean``) where the architecture has one: the
+same maths without HF's module calls, masks and per-projection casts. Everything else (a block
+of tokens, an exit adapter, an architecture the lean step does not cover) runs HF's forward
+with the model patched inside ``active(attention, mlp)`` and restored after it, so the verify
+between two draft runs always sees the unmodified full model.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from torch import nn
 
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.head import DraftHead
-from layerskip.drafts.precision import LowPrecisionProjection, check_precision, trained_weights_precision
+from layerskip.drafts.precision import FusedProjections, check_precision, trained_weights_precision
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import positions
+from layerskip.hf.lean import LeanPlan, Matmul, lean_hidden, lean_plan, projection_groups
 
 SUBLAYER_KINDS = ("attention", "mlp")
+# The lean step's product names, per sublayer kind, in the order of ``projection_groups``.
+LEAN_PRODUCTS = {"attention": ("qkv", "o"), "mlp": ("gate_up", "down")}
 
 
 class DraftModel:
@@ -30,7 +38,8 @@ class DraftModel:
     ``keep`` limits which sublayers get low-precision copies (a fixed policy needs only the ones
     it keeps; on-the-fly selection may keep any): ``{(layer, "attention" | "mlp"), ...}``, None = all.
     ``exit`` is a trained exit adapter applied to its layer's output in every draft forward
-    (the layers after it are bypassed by the skip sets the caller passes).
+    (the layers after it are bypassed by the skip sets the caller passes). ``lean=False`` keeps
+    every forward on HF's modules (for comparisons).
     """
 
     def __init__(
@@ -39,6 +48,7 @@ class DraftModel:
         precision: str = "model",
         keep: Iterable[tuple[int, str]] | None = None,
         exit: ExitAdapter | None = None,
+        lean: bool = True,
     ) -> None:
         self.model = model
         self.exit = exit
@@ -48,7 +58,8 @@ class DraftModel:
         self.device = next(model.parameters()).device
         check_precision(precision, self.device)
         self.precision = precision
-        self.projections: dict[tuple[int, str], list[tuple[nn.Module, LowPrecisionProjection]]] = {}
+        # Per kept sublayer, its fused low-precision products (none in the model's own precision).
+        self.projections: dict[tuple[int, str], list[tuple[list[nn.Module], FusedProjections]]] = {}
         if precision != "model":
             wanted = (
                 {(i, kind) for i in range(adapters.num_layers(model)) for kind in SUBLAYER_KINDS}
@@ -56,17 +67,18 @@ class DraftModel:
                 else set(keep)
             )
             for index, kind in sorted(wanted):
-                self.projections[(index, kind)] = [
-                    (module, LowPrecisionProjection(*adapters.projection_weight(module), precision))
-                    for module in adapters.sublayer_projections(model, index, kind)
+                groups = [
+                    FusedProjections(modules, [adapters.projection_weight(m) for m in modules], precision)
+                    for modules in projection_groups(model, index, kind)
                 ]
+                self.projections[(index, kind)] = [(group.modules, group) for group in groups]
             if exit is not None:
                 # The adapter's own projections run in low precision too (a layer adapter costs as
                 # much as one of the model's layers), int8 where the layers run int4: its trained
                 # weights are off int4's grid (see trained_weights_precision).
                 adapter_precision = trained_weights_precision(precision)
                 self.projections[(-1, "exit")] = [
-                    (module, LowPrecisionProjection(*adapters.projection_weight(module), adapter_precision))
+                    ([module], FusedProjections([module], [adapters.projection_weight(module)], adapter_precision))
                     for module in exit.module.modules()
                     if adapters.projection_weight(module) is not None
                 ]
@@ -75,6 +87,13 @@ class DraftModel:
         self._full_head_copy: torch.Tensor | None = None  # the whole head in the draft dtype, made on first use
         self._replacements_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._replacements: list[tuple[nn.Module, object]] = []
+        # The lean one-token step: not with an exit adapter (it runs inside HF's layer call).
+        plan, reason = (None, "an exit adapter runs through the HF forward") if exit is not None else lean_plan(model)
+        self.lean: LeanPlan | None = plan if lean else None
+        self.lean_reason = reason if lean else "turned off"
+        self._lean_products: dict[tuple[int, str], Matmul] = {}
+        self._skip: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self._patched = False  # inside ``active`` with the model patched
 
     @property
     def dtype(self) -> torch.dtype:
@@ -83,7 +102,7 @@ class DraftModel:
     @property
     def nbytes(self) -> int:
         """Memory held by the low-precision copies (0 when the draft uses the model's own weights)."""
-        copies = sum(p.nbytes for pairs in self.projections.values() for _, p in pairs)
+        copies = sum(group.nbytes for groups in self.projections.values() for _, group in groups)
         head = 0 if self._full_head_copy is None else self._full_head_copy.numel() * self._full_head_copy.element_size()
         return copies + head
 
@@ -113,7 +132,13 @@ class DraftModel:
         if key != self._replacements_key:
             bypassed = adapters.bypass_replacements(self.model, *key)
             skipped = {(i, "attention") for i in key[0]} | {(i, "mlp") for i in key[1]}
-            low = [pair for sub, pairs in self.projections.items() if sub not in skipped for pair in pairs]
+            low = [
+                pair
+                for sub, groups in self.projections.items()
+                if sub not in skipped
+                for _, group in groups
+                for pair in group.replacements()
+            ]
             exit_layer = [] if self.exit is None else [self._exit_replacement()]
             self._replacements_key, self._replacements = key, bypassed + low + exit_layer
         return self._replacements
@@ -129,16 +154,71 @@ class DraftModel:
 
         return adapters.layer_output_replacement(self.model, adapter.spec.layer, through_adapter)
 
+    @property
+    def step_kind(self) -> str:
+        """How a one-token draft step runs: "lean", or "hf (why not lean)"."""
+        return "lean" if self.lean is not None else f"hf ({self.lean_reason})"
+
     @contextlib.contextmanager
     def active(self, attention: Iterable[int], mlp: Iterable[int]) -> Iterator[None]:
-        with adapters.patched_forwards(self.replacements(attention, mlp)):
+        """Draft forwards inside the block bypass these sublayers (the model is restored after it)."""
+        previous, self._skip = self._skip, (tuple(sorted(set(attention))), tuple(sorted(set(mlp))))
+        try:
+            if self.lean is not None:
+                yield  # HF's forward is patched per call, only when a call needs it
+            else:
+                with self._patches():
+                    yield
+        finally:
+            self._skip = previous
+
+    @contextlib.contextmanager
+    def _patches(self) -> Iterator[None]:
+        if self._patched:
             yield
+            return
+        self._patched = True
+        try:
+            with adapters.patched_forwards(self.replacements(*self._skip)):
+                yield
+        finally:
+            self._patched = False
 
     def hidden(self, input_ids: torch.Tensor, cache: RollbackCache | None, start: int) -> torch.Tensor:
         """The decoder stack's final hidden states ``[1, q, hidden]`` (call inside ``active``)."""
+        if self.lean is not None and cache is not None and input_ids.shape[1] == 1:
+            attention, mlp = self._skip
+            hidden = lean_hidden(self.lean, self._product, input_ids, start, cache, attention, mlp, self.dtype)
+            return hidden.view(1, 1, -1)
         where = positions(start, input_ids.shape[1], input_ids.device)
-        return adapters.stack_hidden(self.model, input_ids, cache, where)
+        with self._patches():
+            return adapters.stack_hidden(self.model, input_ids, cache, where)
+
+    def _product(self, layer: int, name: str) -> Matmul:
+        """The lean step's product ``name`` of ``layer``: a fused low-precision copy, or the model's own weights."""
+        key = (layer, name)
+        product = self._lean_products.get(key)
+        if product is None:
+            kind = "attention" if name in LEAN_PRODUCTS["attention"] else "mlp"
+            index = LEAN_PRODUCTS[kind].index(name)
+            if (layer, kind) in self.projections:
+                product = self.projections[(layer, kind)][index][1].matmul
+            elif self.precision == "model":
+                product = _own_weights(projection_groups(self.model, layer, kind)[index])
+            else:
+                raise RuntimeError(f"layer {layer}'s {kind} was not kept by this draft model; it cannot run it")
+            self._lean_products[key] = product
+        return product
 
     def logits(self, input_ids: torch.Tensor, cache: RollbackCache, start: int, head: DraftHead) -> torch.Tensor:
         """The draft's logits for the last input position, ``[n]`` over the head's rows (inside ``active``)."""
         return head(self.hidden(input_ids, cache, start)[0, -1])
+
+
+def _own_weights(modules: list[nn.Module]) -> Matmul:
+    """The product of a group from the model's own weights (no copy): one linear per member."""
+    weights = [adapters.projection_weight(m) for m in modules]
+    if len(weights) == 1:
+        weight, bias = weights[0]
+        return lambda x: nn.functional.linear(x, weight, bias)
+    return lambda x: torch.cat([nn.functional.linear(x, w, b) for w, b in weights], dim=-1)

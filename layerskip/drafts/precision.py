@@ -67,15 +67,64 @@ class LowPrecisionProjection:
 
     def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [tokens, in]
-        out = self._matmul(flat)  # [tokens, out] bf16
-        if self.bias is not None:
-            out = out + self.bias
+        out = self.matmul(flat)  # [tokens, out] bf16
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+    def matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat [tokens, in]`` bf16 -> ``[tokens, out]`` bf16: the product alone, no casts."""
+        out = self._matmul(flat)
+        return out if self.bias is None else out + self.bias
 
     @property
     def _tensors(self) -> list[torch.Tensor]:
         tensors = list(getattr(self._matmul, "tensors", ()))
         return tensors + ([self.bias] if self.bias is not None else [])
+
+
+class FusedProjections:
+    """Projections that share their input (Q/K/V; gate/up) as one low-precision product.
+
+    The weights are concatenated along the output rows before quantising, so each row is
+    quantised exactly as it would be alone, and one kernel reads them all. ``matmul`` is the
+    fused product (the lean draft step calls it); ``replacements`` stand in for each member's
+    ``forward`` in the HF forward: the first member called with an input runs the product, the
+    others slice the same result (HF passes one tensor object to all of Q/K/V, and to gate/up).
+    """
+
+    def __init__(
+        self, modules: list[nn.Module], weights: list[tuple[torch.Tensor, torch.Tensor | None]], precision: str
+    ):
+        weight = torch.cat([w.detach() for w, _ in weights])
+        biases = [b for _, b in weights]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in weights])
+        self.modules = modules
+        self.projection = LowPrecisionProjection(weight, bias, precision)
+        self.precision = self.projection.precision
+        self.nbytes = self.projection.nbytes
+        bounds = [0]
+        for w, _ in weights:
+            bounds.append(bounds[-1] + w.shape[0])
+        self.slices = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        self._last_input: torch.Tensor | None = None
+        self._last_output: torch.Tensor | None = None
+
+    def matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.projection.matmul(flat)
+
+    def replacements(self) -> list[tuple[nn.Module, Callable[..., torch.Tensor]]]:
+        if len(self.modules) == 1:
+            return [(self.modules[0], self.projection)]
+        return [(module, self._member(part)) for module, part in zip(self.modules, self.slices)]
+
+    def _member(self, part: slice) -> Callable[..., torch.Tensor]:
+        def forward(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            if x is not self._last_input:
+                self._last_input, self._last_output = x, self.projection(x)
+            return self._last_output[..., part]
+
+        return forward
 
 
 class _Matmul:

@@ -29,12 +29,13 @@ from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import SelectionState
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.threads import ThreadTuner
+from layerskip.engine.verify_head import VerifyHead, shared_verify_head
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_logits
+from layerskip.hf.forward import full_hidden
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from layerskip.sampling import Sampling, verify_greedy, verify_sampled
+from layerskip.sampling import Sampling, accept_greedy, verify_greedy, verify_sampled
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
 
 TokenCallback = Callable[[list[int]], None]
@@ -149,12 +150,17 @@ class Decoder:
         policy: SkipPolicy | None = None,
         vocab_rows: torch.Tensor | None = None,
         threads: int | str = "auto",
+        certified_head: bool | None = None,
     ):
         self.model = model
         self.policy = policy
         self.device = next(model.parameters()).device
         self.threads = ThreadTuner(threads, self.device)
         self.draft: PreparedDraft | None = prepare_draft(model, policy, vocab_rows)
+        # Greedy verifies take their argmax from a bf16 head certified against fp32 (engine/
+        # verify_head.py): by default on the CPU, where the fp32 head is a large part of a step.
+        certified = self.device.type == "cpu" if certified_head is None else certified_head
+        self.head: VerifyHead = shared_verify_head(model, certified)
 
     @property
     def draft_model(self) -> DraftModel | None:
@@ -221,12 +227,17 @@ class Decoder:
                     drafter.around_verify(cache, committed, block),
                 ):
                     run.units = 0 if draft is None else 1  # the prefill teaches nothing about a step
-                    logits = full_logits(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, V]
+                    hidden = full_hidden(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, H]
+                    if sampling is None and logits_hook is None:
+                        # Greedy needs only each row's argmax: the certified head gives it.
+                        accepted, next_token = accept_greedy(drafted, self.head.argmax(hidden))
+                    else:
+                        logits = self.head.logits(hidden)  # [k+1, V]
                 if logits_hook is not None:
                     logits = logits_hook([*output.history, *drafted], logits)
-                if sampling is None:
+                if sampling is None and logits_hook is not None:
                     accepted, next_token = verify_greedy(drafted, logits)
-                else:
+                elif sampling is not None:
                     q = draft.q if draft is not None else None
                     accepted, next_token = verify_sampled(drafted, sampling.probs(logits), q, generator)
                 committed += (len(prompt) if draft is None else 1) + accepted

@@ -17,6 +17,12 @@ def positions(start: int, count: int, device: torch.device) -> torch.Tensor:
     return torch.arange(start, start + count, device=device).unsqueeze(0)  # [1, count]
 
 
+def full_hidden(model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache, start: int, keep: int) -> torch.Tensor:
+    """The final hidden states ``[keep, H]`` of the last ``keep`` of ``input_ids [1, q]`` at positions start..."""
+    hidden = adapters.stack_hidden(model, input_ids, cache, positions(start, input_ids.shape[1], input_ids.device))
+    return hidden[0, -keep:]
+
+
 def full_logits(model: nn.Module, input_ids: torch.Tensor, cache: RollbackCache, start: int, keep: int) -> torch.Tensor:
     """Run the whole model over ``input_ids [1, q]`` at positions start..start+q-1.
 

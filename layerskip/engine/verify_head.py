@@ -1,0 +1,141 @@
+"""The verify's LM head: full logits, or the greedy argmax certified from a bf16 product.
+
+On a CPU the LM head is a large share of every full forward (SmolLM2: 28M of 135M parameters,
+Gemma-3-270M: 168M of 268M), and in fp32 its cost grows with the rows of a verify block. Greedy
+decoding needs only the argmax of each row. So the rows are scored with a bf16 copy of the head
+(half the bytes; on CPUs with bf16 dot products nearly flat in the rows), and the fp32 winner is
+then *certified*: every token whose bf16 logit, widened by a rigorous bound on its rounding
+error, could still reach the best lower bound is recomputed in fp32 from the fp32 hidden state
+and the fp32 head row, and the best of those wins. A token outside that set provably scores below
+the winner in fp32, so the argmax is the fp32 head's (up to fp32's own summation-order rounding,
+the same as any two fp32 kernels). A row with too many candidates falls back to the fp32 head.
+
+The bound for token j with hidden x (standard dot-product error analysis, u = 2^-8 for bf16,
+g = K 2^-24 for an fp32 sum of K terms): rounding x and w_j to bf16 moves each product by at most
+(2u + u^2)|w_ji x_i|; the fp32 sum adds g (1 + 2u + u^2) sum|w_ji x_i|; the fp32 recomputation
+itself carries g sum|w_ji x_i|; and Cauchy-Schwarz bounds sum|w_ji x_i| by |w_j| |x|. The bf16
+output rounding adds u/(1 - u) |z_j|. A 1 % margin covers the lower-order terms.
+
+Sampling and logits processors need every logit: they use ``logits``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from layerskip.hf import adapters
+
+BF16_UNIT_ROUNDOFF = 2.0**-8
+FP32_UNIT_ROUNDOFF = 2.0**-24
+# A row whose candidate set is larger than this is scored by the fp32 head instead: a flat
+# distribution, where the gather would cost more than the product it saves.
+MAX_CANDIDATES = 64
+
+
+@dataclass
+class VerifyHeadStats:
+    rows: int = 0  # rows whose argmax was taken
+    certified: int = 0  # ... from the bf16 product and an fp32 recheck of its candidates
+    candidates: int = 0  # fp32 rechecks made
+    fallbacks: int = 0  # ... by the fp32 head (too many candidates)
+
+
+class VerifyHead:
+    """The full model's head over final hidden states ``[q, H]``.
+
+    ``certified=True`` keeps a bf16 copy of the head (half the fp32 head's memory) for ``argmax``;
+    ``logits`` always uses the model's own head.
+    """
+
+    def __init__(self, model: nn.Module, certified: bool = True) -> None:
+        self.model = model
+        head = adapters.lm_head(model)
+        self.weight = head.weight.detach()  # [V, H]
+        self.bias = None if head.bias is None else head.bias.detach().float()
+        self.softcap = adapters.final_logit_softcap(model)
+        self.certified = certified and self.weight.dtype == torch.float32
+        self.stats = VerifyHeadStats()
+        if self.certified:
+            width = self.weight.shape[1]
+            u, g = BF16_UNIT_ROUNDOFF, width * FP32_UNIT_ROUNDOFF / (1 - width * FP32_UNIT_ROUNDOFF)
+            self.coefficient = 1.01 * ((2 * u + u * u) * (1 + g) + g * (1 + 2 * u + u * u) + g)
+            self.output_coefficient = 1.01 * u / (1 - u)
+            self.low = self.weight.to(torch.bfloat16).contiguous()  # [V, H]
+            self.row_norms = torch.linalg.vector_norm(self.weight, dim=1)  # [V] fp32
+            self.max_row_norm = float(self.row_norms.max())
+
+    @property
+    def nbytes(self) -> int:
+        return self.low.numel() * 2 + self.row_norms.numel() * 4 if self.certified else 0
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[q, H] -> [q, V]``, as the model's forward computes them (fp32 for an fp32 model)."""
+        return adapters.logits_from_hidden(self.model, hidden)
+
+    def argmax(self, hidden: torch.Tensor) -> list[int]:
+        """The greedy token of each row of ``hidden [q, H]``: the argmax of ``logits(hidden)``."""
+        if not self.certified:
+            return self.logits(hidden).argmax(dim=-1).tolist()
+        x = hidden.float()
+        scores = F.linear(x.to(torch.bfloat16), self.low)  # [q, V] bf16
+        if self.bias is not None:
+            scores = scores.float() + self.bias
+        norms = torch.linalg.vector_norm(x, dim=1).tolist()  # [q]
+        tops = scores.amax(dim=1).float().tolist()
+        lows = scores.amin(dim=1).float().tolist()
+        winners = []
+        for r, row in enumerate(scores):
+            self.stats.rows += 1
+            winner = self._certified_row(x[r], row, norms[r], tops[r], max(abs(tops[r]), abs(lows[r])))
+            if winner is None:
+                self.stats.fallbacks += 1
+                winner = int(self.logits(hidden[r : r + 1]).argmax(dim=-1))
+            else:
+                self.stats.certified += 1
+            winners.append(winner)
+        return winners
+
+    def _certified_row(self, x: torch.Tensor, row: torch.Tensor, norm: float, top: float, biggest: float) -> int | None:
+        if not (math.isfinite(norm) and math.isfinite(top) and math.isfinite(biggest)):
+            return None
+        # Coarse filter: every bound is at most ``widest``, so a token can beat the best lower
+        # bound only if its bf16 score is within two of them of the top score.
+        widest = self.coefficient * norm * self.max_row_norm + self.output_coefficient * biggest
+        index = (row >= top - 2 * widest).nonzero().squeeze(1)  # [n]
+        if index.numel() > 4 * MAX_CANDIDATES:
+            return None
+        scores = row[index].float()
+        bound = self.coefficient * norm * self.row_norms[index] + self.output_coefficient * scores.abs()
+        keep = scores + bound >= (scores - bound).max()
+        index = index[keep]
+        if index.numel() > MAX_CANDIDATES:
+            return None
+        exact = self.weight[index] @ x  # [n] fp32, as the fp32 head computes each of them
+        if self.bias is not None:
+            exact = exact + self.bias[index]
+        if self.softcap:
+            exact = torch.tanh(exact / self.softcap) * self.softcap
+        self.stats.candidates += index.numel()
+        return int(index[exact.argmax()])  # index is ascending: ties go to the lower id, as argmax's do
+
+
+_SHARED_ATTRIBUTE = "_layerskip_verify_heads"
+
+
+def shared_verify_head(model: nn.Module, certified: bool) -> VerifyHead:
+    """The model's verify head, shared by every decoder of it (the bf16 copy is made once). Kept on
+    the model object itself, keyed by the head's storage, dtype and device: a cast or moved model
+    gets a new one, and nothing outlives the model."""
+    weight = adapters.lm_head(model).weight
+    key = (certified, weight.data_ptr(), weight.dtype, str(weight.device), tuple(weight.shape))
+    heads: dict[tuple[object, ...], VerifyHead] = model.__dict__.setdefault(_SHARED_ATTRIBUTE, {})
+    if key not in heads:
+        for stale in [k for k in heads if k[1:] != key[1:]]:  # a head of an older storage
+            del heads[stale]
+        heads[key] = VerifyHead(model, certified)
+    return heads[key]

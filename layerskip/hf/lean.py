@@ -1,0 +1,308 @@
+"""A lean one-token forward for drafting: each kept sublayer as the few tensor ops it needs.
+
+A draft step runs the decoder stack over one token, once per drafted token. Through the
+Hugging Face modules that costs more than the arithmetic: on a 2-core CPU an int4 SmolLM2 draft
+spent well over half of its time on module calls, mask construction, rotary embeddings computed
+for the position, a cast per projection and cache bookkeeping (docs: draft floor). For the
+Llama-family pre-norm decoders this module runs the same maths directly:
+
+* Q/K/V in one product and gate/up in one product (``projection_groups`` says which
+  projections fuse; the caller supplies the products, e.g. int4 copies built once);
+* one cast to the product's dtype per sublayer;
+* no attention mask: one query attends to every cached key (the last ``window`` keys on a
+  sliding-window layer);
+* rotary embeddings read from a table of positions computed once (grown on demand) by the
+  model's own rotary module, so every rope scaling variant is honoured;
+* K/V written straight into the rollback cache's buffers.
+
+Numerically it is the HF forward with the same skip set (tests/test_lean.py holds the hidden
+states together on every tiny architecture it covers). Architectures it does not cover
+(``lean_plan`` returns the reason) keep the HF forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+
+# x [1, in] in the compute dtype -> [1, out] in the compute dtype, for one fused group.
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LeanFamily:
+    """What differs between the Llama-family decoders the lean forward covers."""
+
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
+    sandwich: bool = False  # Gemma 2/3: a norm after each sublayer, and a pre-feedforward norm
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's query and key
+
+
+_LLAMA = LeanFamily()
+LEAN_FAMILIES: dict[str, LeanFamily] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": LeanFamily(qk_norm=True),
+    "phi3": _LLAMA,
+    "gemma": LeanFamily(norm_offset=1.0),
+    "gemma3_text": LeanFamily(norm_offset=1.0, sandwich=True, qk_norm=True),
+}
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+# Fused groups per sublayer, by the projection attribute names of each layout.
+_ATTENTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
+_ATTENTION_GROUPS_FUSED = (("qkv_proj",), ("o_proj",))  # Phi-3
+_MLP_GROUPS = (("gate_proj", "up_proj"), ("down_proj",))
+_MLP_GROUPS_FUSED = (("gate_up_proj",), ("down_proj",))  # Phi-3
+
+
+def projection_groups(model: nn.Module, index: int, kind: str) -> list[list[nn.Module]]:
+    """The projections of one sublayer in groups that share their input, in order (Q/K/V then O;
+    gate/up then down). Architectures the lean forward does not cover get one group per projection."""
+    sublayer = adapters.attention_module(model, index) if kind == "attention" else adapters.mlp_module(model, index)
+    layouts = (_ATTENTION_GROUPS, _ATTENTION_GROUPS_FUSED) if kind == "attention" else (_MLP_GROUPS, _MLP_GROUPS_FUSED)
+    for layout in layouts:
+        if all(hasattr(sublayer, name) for group in layout for name in group):
+            return [[getattr(sublayer, name) for name in group] for group in layout]
+    return [[module] for module in adapters.sublayer_projections(model, index, kind)]
+
+
+def _norm_weight(norm: nn.Module, offset: float) -> tuple[torch.Tensor, float]:
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-6
+    return (norm.weight.detach() + offset), float(eps)
+
+
+@dataclass
+class _Attention:
+    norm: tuple[torch.Tensor, float]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    window: int | None
+    rotary_key: str | None  # Gemma 3: the layer type whose rotary table this layer reads
+    qk_norm: tuple[torch.Tensor, float] | None  # weight [q_heads + kv_heads, head_dim]
+    post_norm: tuple[torch.Tensor, float] | None
+
+
+@dataclass
+class _MLP:
+    norm: tuple[torch.Tensor, float]
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    post_norm: tuple[torch.Tensor, float] | None
+
+
+class RotaryTable:
+    """cos/sin ``[positions, head_dim]`` per layer type, from the model's rotary module, grown on demand."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.rotary = adapters.base_model(model).rotary_emb
+        self.dtype = dtype
+        self.device = next(model.parameters()).device
+        self.tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def at(self, position: int, key: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[head_dim]`` of ``position`` (the rotate-half layout: sin's first half negated)."""
+        table = self.tables.get(key)
+        if table is None or position >= table[0].shape[0]:
+            table = self._build(max(256, 2 * (position + 1)), key)
+        return table[0][position], table[1][position]
+
+    def _build(self, count: int, key: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(count, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, device=self.device, dtype=torch.float32)
+        args = (probe, positions) if key is None else (probe, positions, key)
+        cos, sin = self.rotary(*args)  # [1, count, head_dim] each, fp32
+        half = sin.shape[-1] // 2
+        # rotate_half(x) * sin == roll(x, half) * sin_signed with sin_signed = [-sin1, sin2]:
+        # one roll instead of two slices, a negation and a concatenation per step.
+        signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        self.tables[key] = (cos[0].to(self.dtype).contiguous(), signed.to(self.dtype).contiguous())
+        return self.tables[key]
+
+
+class LeanPlan:
+    """Everything the lean forward reads from the model, gathered once."""
+
+    def __init__(self, model: nn.Module, family: LeanFamily, activation: Callable[[torch.Tensor], torch.Tensor]):
+        self.model = model
+        base = adapters.base_model(model)
+        self.embed = base.embed_tokens
+        self.final_norm = _norm_weight(base.norm, family.norm_offset)
+        self.hidden_size = int(self.final_norm[0].shape[0])
+        windows = adapters.sliding_windows(model)
+        config = model.config.get_text_config(decoder=True)
+        layer_types = getattr(config, "layer_types", None)
+        # Gemma 3 keeps one rotary table per layer type; the others one for all layers.
+        per_type = layer_types is not None and "layer_type" in _parameters(base.rotary_emb.forward)
+        self.attention: list[_Attention] = []
+        self.mlp: list[_MLP] = []
+        for i, layer in enumerate(adapters.decoder_layers(model)):
+            attn = adapters.attention_module(model, i)
+            q_out = projection_groups(model, i, "attention")[0]
+            head_dim = int(attn.head_dim)
+            q_heads = (q_out[0].out_features if len(q_out) == 3 else config.num_attention_heads * head_dim) // head_dim
+            kv_heads = int(config.num_key_value_heads)
+            qk_norm = None
+            if family.qk_norm:
+                qw, eps = _norm_weight(attn.q_norm, family.norm_offset)
+                kw, _ = _norm_weight(attn.k_norm, family.norm_offset)
+                qk_norm = (torch.cat([qw.expand(q_heads, head_dim), kw.expand(kv_heads, head_dim)]), eps)
+            self.attention.append(
+                _Attention(
+                    norm=_norm_weight(layer.input_layernorm, family.norm_offset),
+                    q_heads=q_heads,
+                    kv_heads=kv_heads,
+                    head_dim=head_dim,
+                    scaling=float(attn.scaling),
+                    window=windows[i],
+                    rotary_key=layer_types[i] if per_type else None,
+                    qk_norm=qk_norm,
+                    post_norm=_norm_weight(layer.post_attention_layernorm, family.norm_offset)
+                    if family.sandwich
+                    else None,
+                )
+            )
+            pre_mlp = layer.pre_feedforward_layernorm if family.sandwich else layer.post_attention_layernorm
+            self.mlp.append(
+                _MLP(
+                    norm=_norm_weight(pre_mlp, family.norm_offset),
+                    activation=activation,
+                    post_norm=_norm_weight(layer.post_feedforward_layernorm, family.norm_offset)
+                    if family.sandwich
+                    else None,
+                )
+            )
+        self.rotary_tables: dict[torch.dtype, RotaryTable] = {}
+
+    def rotary(self, dtype: torch.dtype) -> RotaryTable:
+        if dtype not in self.rotary_tables:
+            self.rotary_tables[dtype] = RotaryTable(self.model, dtype)
+        return self.rotary_tables[dtype]
+
+
+def _parameters(fn: Callable[..., object]) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(fn).parameters)
+
+
+def lean_plan(model: nn.Module) -> tuple[LeanPlan | None, str]:
+    """The model's lean plan, or None and why the lean forward does not cover it."""
+    arch = adapters.architecture_of(model)
+    family = LEAN_FAMILIES.get(arch)
+    if family is None:
+        return None, f"no lean draft step for '{arch}' (covered: {', '.join(sorted(LEAN_FAMILIES))})"
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "attn_logit_softcapping", None):
+        return None, "attention logit softcapping is not in the lean draft step"
+    act_name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    activation = _ACTIVATIONS.get(str(act_name))
+    if activation is None:
+        return None, f"activation '{act_name}' is not in the lean draft step"
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        return None, "partial rotary embeddings are not in the lean draft step"
+    base = adapters.base_model(model)
+    if not hasattr(base, "rotary_emb") or not hasattr(base, "norm") or not hasattr(base, "embed_tokens"):
+        return None, "the decoder stack has no rotary_emb / norm / embed_tokens"
+    for i in range(adapters.num_layers(model)):
+        for kind in ("attention", "mlp"):
+            if [len(g) for g in projection_groups(model, i, kind)] not in ([3, 1], [2, 1], [1, 1]):
+                return None, f"layer {i}'s {kind} projections are not in the expected layout"
+    return LeanPlan(model, family, activation), ""
+
+
+def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    # x [..., n] -> normalised in fp32 and scaled (F.rms_norm is several kernels on CPU anyway).
+    weight, eps = norm
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight
+
+
+@torch.inference_mode()
+def lean_hidden(
+    plan: LeanPlan,
+    matmuls: Callable[[int, str], Matmul],
+    token: torch.Tensor,
+    position: int,
+    cache: RollbackCache,
+    skip_attention: Sequence[int] | set[int],
+    skip_mlp: Sequence[int] | set[int],
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The final hidden state ``[hidden]`` (after the final norm) of ``token [1, 1]`` at ``position``,
+    with the given sublayers bypassed; every kept attention writes its K/V at ``position``.
+
+    ``matmuls(layer, name)`` gives the products, name in "qkv", "o", "gate_up", "down".
+    """
+    model_dtype = plan.final_norm[0].dtype
+    rotary = plan.rotary(compute_dtype)
+    h = plan.embed(token).reshape(plan.hidden_size)  # [H], the model's dtype
+    rotations: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, (attn, mlp) in enumerate(zip(plan.attention, plan.mlp)):
+        if i not in skip_attention:
+            if attn.rotary_key not in rotations:
+                rotations[attn.rotary_key] = rotary.at(position, attn.rotary_key)
+            cos, sin = rotations[attn.rotary_key]
+            out = _attention(attn, matmuls, i, h, cos, sin, position, cache, compute_dtype)
+            h = h + out.to(model_dtype)
+        if i not in skip_mlp:
+            x = _rms(h, mlp.norm).to(compute_dtype).unsqueeze(0)  # [1, H]
+            gate, up = matmuls(i, "gate_up")(x).chunk(2, dim=-1)
+            out = matmuls(i, "down")(mlp.activation(gate) * up)[0]  # [H]
+            if mlp.post_norm is not None:
+                out = _rms(out, mlp.post_norm)
+            h = h + out.to(model_dtype)
+    return _rms(h, plan.final_norm).to(model_dtype)
+
+
+def _attention(
+    attn: _Attention,
+    matmuls: Callable[[int, str], Matmul],
+    index: int,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position: int,
+    cache: RollbackCache,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
+    x = _rms(h, attn.norm).to(compute_dtype).unsqueeze(0)  # [1, H]
+    qkv = matmuls(index, "qkv")(x)[0]  # [(q_heads + 2 kv_heads) d]
+    qk = qkv[: (q_heads + kv_heads) * d].view(q_heads + kv_heads, d)  # queries and keys rotate together
+    value = qkv[(q_heads + kv_heads) * d :].view(kv_heads, d)
+    if attn.qk_norm is not None:
+        qk = _rms(qk, attn.qk_norm).to(compute_dtype)
+    qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+    layer = cache.layers[index]
+    if not layer.is_initialized or position + 1 > layer._key_buffer.shape[-2] or layer.length != position:
+        # First write, a buffer to grow, or a layer not at this position: the cache's own update.
+        keys, values = layer.update(qk[q_heads:].view(1, kv_heads, 1, d), value.view(1, kv_heads, 1, d))
+    else:
+        layer._key_buffer[0, :, position] = qk[q_heads:]  # cast to the cache's dtype on write
+        layer._value_buffer[0, :, position] = value
+        layer.length = layer.written = position + 1
+        keys = layer.keys = layer._key_buffer[:, :, : position + 1]
+        values = layer.values = layer._value_buffer[:, :, : position + 1]
+    if attn.window is not None and position + 1 > attn.window:
+        keys, values = keys[:, :, position + 1 - attn.window :], values[:, :, position + 1 - attn.window :]
+    query = qk[:q_heads].view(1, q_heads, 1, d).to(keys.dtype)
+    out = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling, enable_gqa=q_heads != kv_heads)
+    out = matmuls(index, "o")(out.view(1, q_heads * d).to(compute_dtype))[0]  # [H]
+    if attn.post_norm is not None:
+        out = _rms(out, attn.post_norm)
+    return out
