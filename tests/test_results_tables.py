@@ -60,7 +60,7 @@ def test_summary_table_takes_each_kind_of_method_from_its_policy() -> None:
     assert header.split(" | ")[4:8] == ["skip-only", "hybrid", "on-the-fly", "HF prompt lookup"]
     for method in ("self-spec:smollm2-135m-fp32-skip", "self-spec:smollm2-135m-fp32-hybrid", "self-spec-on-the-fly"):
         assert f"[{methods[method]['overall']['speedup']:.2f}×](docs/results.md#tiny)" in row
-    assert "AMD EPYC (avx512_bf16)" in row and "2/2" in row
+    assert "AMD EPYC (AVX2, AVX-512, avx512_bf16)" in row and "2/2" in row
     assert "lookup-only" not in header  # no column for a kind the run did not measure
 
 
@@ -150,8 +150,10 @@ def test_add_refuses_to_overwrite_and_bad_files_in_one_line(root: Path, tmp_path
 
 
 def test_default_name_and_one_line_errors(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    name = published.default_name(ResultFile("x", copy.deepcopy(json.loads(FIXTURE.read_text()))))
-    assert name == "smollm2-135m-float32-avx512bf16"
+    data = copy.deepcopy(json.loads(FIXTURE.read_text()))
+    assert published.default_name(ResultFile("x", data)) == "smollm2-135m-float32-avx512bf16"
+    data["environment"]["cpu_flags"] = ["fma", "avx2"]
+    assert ResultFile("x", data).cpu() == "AMD EPYC (AVX2 only)"
     shutil.copy(FIXTURE, root / "run.json")
     # The script as users run it (one subprocess), then the same contract in-process.
     assert_bad_input(run_script("results_tables.py", "--root", str(root), "--check", "--add", "x"), "pass one of them")

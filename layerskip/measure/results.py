@@ -92,16 +92,19 @@ class ResultFile:
         return int(self.data["prompts"].get("n", 0))
 
     def cpu(self) -> str:
-        """CPU model and its most telling feature, e.g. ``AMD EPYC (avx512_bf16)``; the device name on GPU."""
+        """CPU model and the features that decide what a draft costs, e.g. ``AMD EPYC (AVX2, AVX-512,
+        avx512_bf16)`` or ``AMD EPYC (AVX2 only)``; the device name on a GPU."""
         env = self.environment
         if env.get("device", "cpu").startswith("cuda"):
             return str(env.get("device_name", env["device"]))
-        flags = set(env.get("cpu_flags") or ())
-        feature = next((label for flag, label in _FLAG_LABELS if flag in flags), None)
-        if feature is None and "cpu_flags" in env:
-            feature = "no AVX2"
         model = env.get("cpu_model") or self.data.get("device_name") or "CPU"
-        return f"{model} ({feature})" if feature else model
+        if "cpu_flags" not in env:
+            return model
+        flags = set(env["cpu_flags"])
+        features = [label for flag, label in reversed(_FLAG_LABELS) if flag in flags]
+        if features == ["AVX2"]:
+            features = ["AVX2 only"]
+        return f"{model} ({', '.join(features) or 'no AVX2'})"
 
     def prompt_source(self) -> str:
         source = str(self.data["prompts"].get("source", ""))
