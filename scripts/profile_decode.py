@@ -3,7 +3,7 @@ per-token split (prefill / draft / verify forward / verify rest / loop) for plai
 each policy, generated interleaved on the same prompts.
 
     python scripts/profile_decode.py --model smollm2-135m --prompts ../shared/data/spec_bench/question.jsonl \
-        --per-category 2 --max-new-tokens 128 --policy policies/smollm2-135m-searched.json \
+        --per-category 2 --max-new-tokens 128 --policy policies/smollm2-135m-fp32-hybrid.json \
         --out results/profile/smollm2
 """
 

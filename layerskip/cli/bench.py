@@ -83,10 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run N spinning processes during the timed runs, to measure on a machine that is not idle",
     )
     parser.add_argument("--assistant-model", help="a second, smaller model for hf-assistant")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt at most")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on for instruct models)",
+    )
     parser.add_argument("--out", required=True, help="directory for results.json, results.csv, results.md, speedup.png")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
         "--from-results",
         metavar="RESULTS_JSON",

@@ -44,13 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="apply the chat template (default: on for instruct models)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     parser.add_argument("--threads", type=thread_setting, default="auto", help=THREADS_HELP)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=1.0, help="with --sample: softmax temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --sample: nucleus mass kept (1 = all)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --sample: most likely tokens kept (0 = all)")
+    parser.add_argument("--seed", type=int, default=None, help="with --sample: seed of the draws")
     parser.add_argument(
         "--compare",
         action="store_true",

@@ -14,6 +14,7 @@ import resource
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -417,6 +418,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
     info: dict[str, Any] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),  # when the run ended
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "cpu_threads": torch.get_num_threads(),
@@ -427,15 +429,33 @@ def environment(device: torch.device) -> dict[str, Any]:
         },
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    try:
-        info["cpu_model"] = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
+    info.update(cpu_identity())
     return info
+
+
+# The CPU features that decide what a draft costs: int4/int8 kernels (AVX2, AVX-512 VNNI, AMX
+# int8) and whether a bf16 verify of several rows is about one step (avx512_bf16, AMX bf16).
+CPU_FLAGS = ("fma", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, Any]:
+    """``cpu_model`` (lscpu's model name) and ``cpu_flags`` (those of ``CPU_FLAGS`` it has), as far
+    as ``cpuinfo`` tells; an empty dict where it cannot be read (not Linux)."""
+    try:
+        lines = Path(cpuinfo).read_text().splitlines()
+    except OSError:
+        return {}
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    found: dict[str, Any] = {}
+    if "model name" in fields:
+        found["cpu_model"] = fields["model name"]
+    if "flags" in fields:
+        present = set(fields["flags"].split())
+        found["cpu_flags"] = [flag for flag in CPU_FLAGS if flag in present]
+    return found
 
 
 def rows_as_dicts(rows: Sequence[PromptResult]) -> list[dict[str, Any]]:

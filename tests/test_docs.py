@@ -1,0 +1,146 @@
+"""The documentation stays true to the repository: links resolve, every policy file is described
+and every policy path the docs, notebooks, scripts and tests use exists, the CLI reference is the
+parsers' own, the Python API page covers every public name, and the README stays a front page."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "policies" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+POLICY_PATH = re.compile(r"(?:\.\./)?policies/[\w./-]+\.json")
+README_MAX_LINES = 250
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = page.read_text()
+    explicit = set(re.findall(r'<a id="([^"]+)"></a>', text))
+    headings = {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+    return explicit | headings
+
+
+def _without_code_blocks(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_anchors_resolve(page: Path) -> None:
+    broken = []
+    for target in LINK.findall(_without_code_blocks(page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked offline
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{target} (no such anchor)")
+    assert not broken, f"{page.relative_to(ROOT)}: " + ", ".join(broken)
+
+
+def test_readme_is_a_front_page_and_keeps_the_layout() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    layout = text[text.index("## Layout") :]
+    from test_layout import ORDER
+
+    for package in ORDER:  # the layout test's order is the README's
+        name = package.split(".")[-1]
+        assert re.search(rf"\b{re.escape(name)}(/|\.py)", layout), f"{name} missing from the Layout"
+
+
+def test_policies_readme_describes_every_policy_file() -> None:
+    readme = (ROOT / "policies" / "README.md").read_text()
+    files = sorted(p.relative_to(ROOT / "policies") for p in (ROOT / "policies").rglob("*.json"))
+    assert files, "no policy files"
+    missing = [str(f) for f in files if f"]({f})" not in readme]
+    assert not missing, f"policies/README.md does not describe {missing}"
+
+
+def _policy_paths_used() -> dict[str, set[str]]:
+    """Policy files named as inputs anywhere users or tests read them, by where they are named.
+
+    A path a document itself tells the user to write (``--out policies/x.json``) and placeholders
+    (``policies/MODEL-...``) are not inputs."""
+    sources = [*PAGES, *(ROOT / "notebooks").glob("*.ipynb"), *(ROOT / "scripts").glob("*.py")]
+    sources += [*(ROOT / "tests").glob("*.py"), *(ROOT / "layerskip").rglob("*.py"), *(ROOT / "search").rglob("*.py")]
+    used: dict[str, set[str]] = {}
+    for source in sources:
+        if source == Path(__file__):
+            continue
+        text = source.read_text()
+        written = {m.removeprefix("../") for m in re.findall(r"--out[ =]+(\S*policies/[\w./-]+\.json)", text)}
+        for match in POLICY_PATH.findall(text):
+            path = match.removeprefix("../")
+            if path in written or re.search(r"[A-Z]", Path(path).name):
+                continue
+            used.setdefault(path, set()).add(str(source.relative_to(ROOT)))
+    return used
+
+
+def test_every_policy_path_in_use_exists() -> None:
+    used = _policy_paths_used()
+    assert "policies/smollm2-135m-fp32-skip.json" in used  # the scan finds them
+    missing = {path: sorted(where) for path, where in used.items() if not (ROOT / path).is_file()}
+    assert not missing, f"policy paths that do not exist: {missing}"
+
+
+def test_front_pages_and_notebooks_use_recommended_policies_only() -> None:
+    recommended = {f"policies/{p.name}" for p in (ROOT / "policies").glob("*.json")}
+    front = {"README.md", "docs/quickstart.md", "docs/python-api.md", "docs/plugin.md", "scripts/demo.py"}
+    front |= {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
+    wrong = {path: sorted(where & front) for path, where in _policy_paths_used().items() if where & front}
+    wrong = {path: where for path, where in wrong.items() if path not in recommended}
+    assert not wrong, f"not a recommended policy (policies/*.json): {wrong}"
+
+
+def test_cli_reference_is_the_parsers_own() -> None:
+    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "scripts" / "cli_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    from layerskip.cli.reference import reference
+
+    expected = reference(module.parsers())
+    assert (ROOT / "docs" / "cli.md").read_text() == expected, (
+        "docs/cli.md is stale; run: python scripts/cli_reference.py"
+    )
+    for parser in module.parsers().values():  # every flag is in the page
+        for action in parser._actions:
+            for flag in [] if action.dest == "help" else action.option_strings:
+                assert f"`{flag}" in expected or f", {flag}" in expected, flag
+
+
+def test_python_api_page_covers_every_public_name() -> None:
+    import layerskip
+
+    page = (ROOT / "docs" / "python-api.md").read_text()
+    missing = [name for name in layerskip.__all__ if f"`{name}" not in page]
+    assert not missing, f"docs/python-api.md does not mention {missing}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebooks_are_valid_and_hold_no_errors(path: Path) -> None:
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    errors = [o for cell in notebook.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+
+
+def test_history_cites_nothing_outside_the_repository() -> None:
+    text = (ROOT / "docs" / "history.md").read_text()
+    assert "DESIGN.md" not in text
+    assert "docs/benchmarks.md" not in "".join(p.read_text() for p in PAGES)

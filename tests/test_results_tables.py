@@ -1,0 +1,171 @@
+"""Published figures come from the committed result files only: the README's table, docs/results.md
+and notebook 03's data are what scripts/results_tables.py renders from docs/results/*.json.
+
+The fixture tests/data/bench-smollm2-tiny.json is a real `scripts/bench.py` run (2 prompts, 16
+tokens, SmolLM2) with its policies' draft vocabularies dropped, as `--add` stores a run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from cli_helpers import REPO, assert_bad_input, run_script
+
+from layerskip.cli.results_tables import main
+from layerskip.errors import LayerskipError
+from layerskip.measure import results as published
+from layerskip.measure.results import (
+    README_END,
+    README_START,
+    ResultFile,
+    between_markers,
+    load_result_files,
+    policy_kind,
+    publish,
+    read_result_file,
+    rendered,
+    results_page,
+    summary_table,
+)
+
+FIXTURE = Path(__file__).parent / "data" / "bench-smollm2-tiny.json"
+
+
+def test_the_committed_readme_table_and_results_page_match_the_result_files() -> None:
+    """The one check that keeps the README's figures true: regenerate, compare, name what differs."""
+    stale = [str(path.relative_to(REPO)) for path, text in rendered(REPO).items() if path.read_text() != text]
+    assert not stale, f"{', '.join(stale)} differ from docs/results/*.json; run: python scripts/results_tables.py"
+
+
+def _bf16_copy() -> dict:
+    """The fixture as if run in bf16: one prompt of the hybrid diverged at a near-tie."""
+    data = json.loads(FIXTURE.read_text())
+    data["dtype"] = "bfloat16"
+    hybrid = data["methods"]["self-spec:smollm2-135m-fp32-hybrid"]["overall"]
+    hybrid["identical_fraction"] = 0.5
+    hybrid["divergences"] = [{"position": 3, "top2_logit_gap": 0.125}]
+    return data
+
+
+def test_summary_table_takes_each_kind_of_method_from_its_policy() -> None:
+    data = json.loads(FIXTURE.read_text())
+    f = ResultFile("tiny", data)
+    methods = data["methods"]
+    table = summary_table([f], "docs/results.md")
+    header, _, row = table.splitlines()[:3]
+    assert header.split(" | ")[4:8] == ["skip-only", "hybrid", "on-the-fly", "HF prompt lookup"]
+    for method in ("self-spec:smollm2-135m-fp32-skip", "self-spec:smollm2-135m-fp32-hybrid", "self-spec-on-the-fly"):
+        assert f"[{methods[method]['overall']['speedup']:.2f}×](docs/results.md#tiny)" in row
+    assert "AMD EPYC (AVX2, AVX-512, avx512_bf16)" in row and "2/2" in row
+    assert "lookup-only" not in header  # no column for a kind the run did not measure
+
+
+def test_kinds_ablations_and_thread_variants() -> None:
+    skip = {"draft": {"use_skip_draft": True, "lookup_max_ngram": 0}}
+    assert policy_kind(skip) == "skip"
+    assert policy_kind({"draft": {"use_skip_draft": True, "lookup_max_ngram": 3}}) == "hybrid"
+    assert policy_kind({"draft": {"use_skip_draft": False, "lookup_max_ngram": 3}}) == "lookup"
+    assert policy_kind({**skip, "on_the_fly": {}}) == "on-the-fly"
+    assert policy_kind({**skip, "exit": {"layer": 3}}) == "exit"
+    quick = {**skip, "provenance": {"command": "layerskip-search --preset quick --out policies/mine.json"}}
+    assert policy_kind(quick) == "quick"
+    f = ResultFile("x", {"policies": {"p": skip, "q": skip}})
+    assert f.kind("self-spec:p") == "skip"
+    assert f.kind("self-spec:p-no-lookup") is None  # an ablation: not a policy the file holds
+    assert f.kind("self-spec:p@t1") is None and f.kind("hf-ar") is None and f.kind("ar") is None
+    assert ResultFile("y", {"policies": {"p": skip}}).kind("self-spec") == "skip"  # a lone policy's name
+
+
+def test_results_page_orders_runs_and_states_the_machine_command_and_divergences() -> None:
+    fp32 = ResultFile("b-fp32", json.loads(FIXTURE.read_text()))
+    bf16 = ResultFile("a-bf16", _bf16_copy())
+    page = results_page(sorted([bf16, fp32], key=lambda f: (published.DTYPE_ORDER[f.data["dtype"]], f.name)))
+    assert page.index('<a id="b-fp32">') < page.index('<a id="a-bf16">')
+    assert '<a id="speedup">' in page and "aggregate throughput" in page
+    assert fp32.data["command"] in page
+    assert "avx512_bf16" in page and "transformers" in page
+    assert "| self-spec:smollm2-135m-fp32-hybrid | 1 / 2 | 0.125 / 0.125 |" in page
+    assert "1/2" in summary_table([bf16], "")  # the worst identical count of the methods shown
+
+
+def test_no_result_files_says_so_and_links_how_to_make_them() -> None:
+    assert "No result files" in summary_table([], "docs/results.md")
+    assert "(docs/reproducing.md)" in summary_table([], "docs/results.md")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A repository root with a README holding the markers and no result file yet."""
+    (tmp_path / "README.md").write_text(f"# x\n\n{README_START}\nold\n{README_END}\n\nafter\n")
+    return tmp_path
+
+
+def test_add_regenerate_check(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--root", str(root), "--check"]) == 1  # nothing generated yet
+    assert main(["--root", str(root), "--add", str(FIXTURE), "--name", "smol-tiny"]) == 0
+    stored = json.loads((root / "docs" / "results" / "smol-tiny.json").read_text())
+    assert all(not p["draft_vocabulary"] for p in stored["policies"].values())
+    readme = (root / "README.md").read_text()
+    assert readme.endswith(f"{README_END}\n\nafter\n") and "\nold\n" not in readme
+    assert "(docs/results.md#smol-tiny)" in between_markers(readme)
+    assert (root / "docs" / "results.md").is_file()
+    figures = (root / "docs" / "results" / "figures.csv").read_text().splitlines()
+    assert figures[0].startswith("results,model,dtype,cpu,method,kind,category,")
+    assert any(",self-spec-on-the-fly,on-the-fly,overall," in line for line in figures)
+    prompts = (root / "docs" / "results" / "prompts.csv").read_text().splitlines()
+    assert len(prompts) == 1 + len(stored["per_prompt"])
+    assert [f.name for f in load_result_files(root / "docs" / "results")] == ["smol-tiny"]  # CSVs are not results
+    assert main(["--root", str(root), "--check"]) == 0
+    (root / "README.md").write_text(readme.replace("×](docs", "x](docs", 1))  # a hand-edited figure
+    assert main(["--root", str(root), "--check"]) == 1
+    assert "out of date: " in capsys.readouterr().err
+    assert main(["--root", str(root)]) == 0 and main(["--root", str(root), "--check"]) == 0
+
+
+def test_add_refuses_to_overwrite_and_bad_files_in_one_line(root: Path, tmp_path: Path) -> None:
+    publish(FIXTURE, root / "docs" / "results", "one")
+    before = (root / "docs" / "results" / "one.json").read_bytes()
+    with pytest.raises(LayerskipError, match="exists; pass --replace"):
+        publish(FIXTURE, root / "docs" / "results", "one")
+    with pytest.raises(LayerskipError, match="may hold only"):
+        publish(FIXTURE, root / "docs" / "results", "../escape")
+    data = json.loads(FIXTURE.read_text())
+    for broken, message in (
+        ({k: v for k, v in data.items() if k != "command"}, "no str 'command'"),
+        ({**data, "environment": {"device": "cpu"}}, "records no CPU model"),
+        ({**data, "methods": {"ar": data["methods"]["hf-pld"]}}, "no hf-ar method"),
+    ):
+        path = tmp_path / "broken.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(LayerskipError, match=message):
+            read_result_file(path)
+    (tmp_path / "garbage.json").write_text("{not json")
+    with pytest.raises(LayerskipError, match="not valid JSON"):
+        read_result_file(tmp_path / "garbage.json")
+    assert (root / "docs" / "results" / "one.json").read_bytes() == before
+
+
+def test_default_name_and_one_line_errors(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = copy.deepcopy(json.loads(FIXTURE.read_text()))
+    assert published.default_name(ResultFile("x", data)) == "smollm2-135m-float32-avx512bf16"
+    data["environment"]["cpu_flags"] = ["fma", "avx2"]
+    assert ResultFile("x", data).cpu() == "AMD EPYC (AVX2 only)"
+    shutil.copy(FIXTURE, root / "run.json")
+    # The script as users run it (one subprocess), then the same contract in-process.
+    assert_bad_input(run_script("results_tables.py", "--root", str(root), "--check", "--add", "x"), "pass one of them")
+    for argv, fragment in (
+        (["--root", str(root / "nowhere")], "no README.md"),
+        (["--root", str(root), "--name", "x"], "go with --add"),
+        (["--root", str(root), "--add", str(root / "missing.json")], "cannot read result file"),
+    ):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
+    (root / "README.md").write_text("# no markers\n")
+    assert main(["--root", str(root)]) == 2
+    assert "markers" in capsys.readouterr().err
+    assert not (root / "docs").exists()  # nothing written by a refused run
