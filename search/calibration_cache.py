@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from layerskip.engine.decoding import engine_verify_head
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference
@@ -103,6 +104,10 @@ def busy_warning(timings: Sequence[float], threshold: float | None = None) -> st
     )
 
 
+# How verify blocks are timed; a cached calibration timed another way is measured again.
+VERIFY_PATH = "engine greedy verify (certified head on CPU)"
+
+
 @dataclass
 class Latency:
     """Measured seconds of one full forward of 1 (plain step) and of each verify block length."""
@@ -134,13 +139,16 @@ class Latency:
 
 
 def measure_latency(model: nn.Module, context: Sequence[int], blocks: Sequence[int], progress: bool) -> Latency:
-    """Plain-step timings (median and spread) and the median of every verify block length."""
-    bar = tqdm(total=1 + len(blocks), desc="latency calibration", disable=not progress)
+    """Plain-step timings (median and spread; a step as HF ``generate`` takes it: the full logits)
+    and the median of every verify block length as the engine's greedy verify runs it (1 included:
+    with the certified head a one-token verify can cost less than a plain step)."""
+    bar = tqdm(total=2 + len(blocks), desc="latency calibration", disable=not progress)
     plain = verify_timings(model, context, 1, PLAIN_REPEATS)
     bar.update()
+    greedy = engine_verify_head(model)
     verify: dict[int, float] = {}
-    for block in blocks:
-        verify[block] = statistics.median(verify_timings(model, context, block, VERIFY_REPEATS))
+    for block in [1, *blocks]:
+        verify[block] = statistics.median(verify_timings(model, context, block, VERIFY_REPEATS, greedy))
         bar.update()
     bar.close()
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -288,6 +296,7 @@ class CalibrationCache:
             "context": list(map(int, context)),
             "blocks": list(blocks),
             "repeats": [PLAIN_REPEATS, VERIFY_REPEATS],
+            "verify": VERIFY_PATH,
             "threads": torch.get_num_threads(),
             "host": platform.node(),
             "machine": machine,
@@ -300,7 +309,7 @@ class CalibrationCache:
             if not float(data["plain_step_seconds"]) > 0:
                 raise ValueError("plain step seconds not positive")
             verify = {int(b): float(s) for b, s in data["verify_seconds"].items()}
-            if sorted(verify) != sorted(blocks) or not all(s > 0 for s in verify.values()):
+            if sorted(verify) != sorted({1, *blocks}) or not all(s > 0 for s in verify.values()):
                 raise ValueError("verify seconds do not cover the block lengths")
 
         data = self._load("latency", key, check)

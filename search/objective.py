@@ -50,8 +50,9 @@ class Calibration:
     description: dict[str, Any] = field(default_factory=dict)
 
     def verify_cost(self, block: int) -> float:
-        """A forward over ``block`` tokens in plain steps (a step without a draft costs exactly 1)."""
-        if block <= 1:
+        """A verify over ``block`` tokens in plain steps (HF's step = 1; the engine's own one-token
+        verify may cost less, its head being certified from bf16)."""
+        if block <= 1 and 1 not in self.verify_seconds:
             return 1.0
         return block_cost({1: self.plain_step_seconds, **self.verify_seconds}, block) / self.plain_step_seconds
 

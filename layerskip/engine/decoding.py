@@ -130,6 +130,14 @@ def _as_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return ids
 
 
+def engine_verify_head(model: nn.Module, certified: bool | None = None) -> VerifyHead:
+    """The verify head the engine uses for ``model``: by default certified on the CPU (where the
+    fp32 head is a large part of every step), the model's own head elsewhere."""
+    if certified is None:
+        certified = next(model.parameters()).device.type == "cpu"
+    return shared_verify_head(model, certified)
+
+
 class Decoder:
     """Decodes with ``model``: self-speculatively with ``policy``, plainly without one.
 
@@ -159,8 +167,7 @@ class Decoder:
         self.draft: PreparedDraft | None = prepare_draft(model, policy, vocab_rows)
         # Greedy verifies take their argmax from a bf16 head certified against fp32 (engine/
         # verify_head.py): by default on the CPU, where the fp32 head is a large part of a step.
-        certified = self.device.type == "cpu" if certified_head is None else certified_head
-        self.head: VerifyHead = shared_verify_head(model, certified)
+        self.head: VerifyHead = engine_verify_head(model, certified_head)
 
     @property
     def draft_model(self) -> DraftModel | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import SkipPolicy
+from layerskip.engine.decoding import engine_verify_head
 from layerskip.measure.latency import draft_step_seconds, verify_seconds
 
 
@@ -42,5 +43,6 @@ def measure_exit_cost(
     plain = verify_seconds(model, context, 1, repeats)
     head_rows = policy.head_rows(vocab_size)
     draft = draft_step_seconds(draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows, repeats)
-    verify = {n: verify_seconds(model, context, n, repeats) / plain for n in range(2, 10)}
-    return ExitCost(draft / plain, {1: 1.0, **verify}, 1000 * plain)
+    greedy = engine_verify_head(model)  # the verify as the engine runs it (its head certified on CPU)
+    verify = {n: verify_seconds(model, context, n, repeats, greedy) / plain for n in range(1, 10)}
+    return ExitCost(draft / plain, verify, 1000 * plain)

@@ -16,9 +16,10 @@ from torch import nn
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import capturing_layer_output, fill_adapter_cache
 from layerskip.drafts.model import DraftModel
+from layerskip.engine.verify_head import VerifyHead
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_logits
+from layerskip.hf.forward import full_hidden, full_logits
 
 
 def _time_once(fn: Callable[[], object], device: torch.device) -> float:
@@ -90,22 +91,33 @@ def draft_step_seconds(
 
 
 @torch.inference_mode()
-def verify_timings(model: nn.Module, context: Sequence[int], block: int, repeats: int = 7) -> list[float]:
-    """Seconds of each of ``repeats`` full forwards over ``block`` tokens after ``context`` (block=1: plain step)."""
+def verify_timings(
+    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
+) -> list[float]:
+    """Seconds of each of ``repeats`` full forwards over ``block`` tokens after ``context``.
+
+    Without ``greedy`` every row's full logits are computed (block=1: a plain step, as HF
+    ``generate`` takes it); with it, the greedy verify as the engine runs it (its argmax).
+    """
     cache, device = _prefilled_cache(model, context)
     length = len(context)
     tokens = torch.tensor([[context[-1]] * block], device=device)
 
     def step() -> None:
-        full_logits(model, tokens, cache, length, keep=block)
+        if greedy is None:
+            full_logits(model, tokens, cache, length, keep=block)
+        else:
+            greedy.argmax(full_hidden(model, tokens, cache, length, keep=block))
         cache.rollback(length)
 
     return timings(step, device, repeats)
 
 
-def verify_seconds(model: nn.Module, context: Sequence[int], block: int, repeats: int = 7) -> float:
-    """Median seconds of one full forward over ``block`` tokens after ``context`` (block=1: plain step)."""
-    return statistics.median(verify_timings(model, context, block, repeats))
+def verify_seconds(
+    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
+) -> float:
+    """Median seconds of one full forward over ``block`` tokens after ``context`` (see ``verify_timings``)."""
+    return statistics.median(verify_timings(model, context, block, repeats, greedy))
 
 
 def block_cost(seconds: dict[int, float], block: int) -> float:
