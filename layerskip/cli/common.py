@@ -19,13 +19,10 @@ EXIT_BAD_INPUT = 2
 
 def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run ``main``; a LayerskipError becomes ``error: ...`` on stderr and exit code 2, no traceback."""
-    # Never reach for a model hub. transformers read the variable at import, before this runs,
-    # so the constant is set too (only when the user has not asked for online mode).
+    # The hub is the user's to configure: a hub id loads through their cache and network
+    # settings (offline only where they set HF_HUB_OFFLINE=1); embedded models, local
+    # directories and .gguf files never reach for it.
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # keep error output to one line
-    if os.environ.setdefault("HF_HUB_OFFLINE", "1") == "1":
-        import huggingface_hub.constants
-
-        huggingface_hub.constants.HF_HUB_OFFLINE = True
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would break the one-line stderr contract
@@ -43,7 +40,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2-135m",
-        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory or a .gguf file",
+        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory, a .gguf file, or a hub id "
+        "(org/name: loaded through your hub cache; downloaded unless HF_HUB_OFFLINE=1)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
