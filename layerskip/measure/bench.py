@@ -14,7 +14,6 @@ import resource
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.integration.baselines import hf_custom_generate, hf_generate
 from layerskip.integration.decoders import decoder_for
+from layerskip.machine import this_machine
 from layerskip.measure.timing import Runner, run_interleaved, throughput
 from layerskip.stats import GenerationStats
 
@@ -416,9 +416,13 @@ def time_profile(stats: GenerationStats, seconds: float, runs: int) -> dict[str,
 def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
+    machine = this_machine(device)  # the same record a tuned policy keeps in its provenance
     info: dict[str, Any] = {
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_name": machine.device_name,
+        "cpu_model": machine.cpu_model,
+        "cpu_flags": list(machine.cpu_flags),
+        "cores": machine.cores,
         "cpu_threads": torch.get_num_threads(),
         "versions": {
             "torch": torch.__version__,
@@ -427,14 +431,6 @@ def environment(device: torch.device) -> dict[str, Any]:
         },
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    try:
-        info["cpu_model"] = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
     return info
 
 
