@@ -165,3 +165,32 @@ def test_generate_script_by_hub_id(hf_home: Path, monkeypatch: pytest.MonkeyPatc
     assert report["model"] == REPO_ID and report["new_tokens"] == 4
     refused = run_script("generate.py", "--model", "tiny-org/unknown", "--prompt", "hi")
     assert_bad_input(refused, "unknown model 'tiny-org/unknown'", "HF_HUB_OFFLINE=0", str(hf_home / "hub"))
+
+
+def test_local_models_and_prompt_files_reach_for_no_network(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI no longer forces offline mode, so nothing local may reach for a network while online:
+    not a local model, not a prompt file (datasets would ping its download counter)."""
+    import socket
+
+    import datasets
+
+    from layerskip.data import load_prompts
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    lookups: list[str] = []
+
+    def no_network(host, *args, **kwargs):
+        lookups.append(str(host))
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    prompts = tmp_path / "prompts.csv"
+    prompts.write_text("text,category\nhello world,qa\n")
+    assert [p.text for p in load_prompts(str(prompts))] == ["hello world"]
+    assert datasets.config.HF_UPDATE_DOWNLOAD_COUNTS is True  # restored
+    assert load_model(str(checkpoint)).name == "tiny-llama"
+    assert lookups == []
