@@ -12,6 +12,7 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from layerskip.fileio import check_output_dir, check_output_file
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from layerskip.machine import this_machine
+from layerskip.machine import Machine, this_machine
 from layerskip.measure.agreement import sublayer_order
 from search.calibration_cache import CACHE_ENV, CalibrationCache, phase
 from search.checks import check_arguments, check_resumed_space
@@ -61,6 +62,7 @@ from search.study import (
 )
 
 HOPELESS_PREDICTED = 0.5  # finalists predicted below this are not confirmed by real generation
+MACHINE_ATTR = "machine"  # study and trial attribute: the machine costs were measured on (layerskip.machine)
 
 
 def preset_values(name: str, device: torch.device) -> dict[str, Any]:
@@ -414,6 +416,8 @@ def _main(argv: list[str] | None) -> int:
         storage = open_storage(args.storage)
     existing = existing_study_attrs(storage, study_name)
     check_study_matches(existing, study_name, identity)
+    here = this_machine(next(model.parameters()).device)
+    _warn_if_made_elsewhere(existing, study_name, here)
     progress = not args.no_progress
     cache = CalibrationCache(model, read=not args.no_cache)
     calibration = prepare_calibration(
@@ -459,7 +463,7 @@ def _main(argv: list[str] | None) -> int:
         "calibration": calibration.description,
         "space": space.to_dict(),
         "device": str(next(model.parameters()).device),
-        "machine": this_machine(next(model.parameters()).device).to_dict(),  # the policy's "tuned on"
+        "machine": here.to_dict(),
         "dtype": args.dtype,
         "torch": torch.__version__,
         **({"preset": args.preset_record} if args.preset_record else {}),
@@ -482,7 +486,7 @@ def _main(argv: list[str] | None) -> int:
         study.set_user_attr(RANKING_ATTR, list(ranking))
     ranking = study.user_attrs[RANKING_ATTR]
     print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
-    objective = CheapObjective(model, calibration, space, args.objective, ranking)
+    objective = _recording_machine(CheapObjective(model, calibration, space, args.objective, ranking), here)
     with phase("trials", progress) as info:
         before = counted_trials(study)
         run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)
@@ -509,6 +513,29 @@ def _main(argv: list[str] | None) -> int:
     print(_summary(study, args.objective, top))
     print(f"\nexported trial {policy.provenance['trial']} to {out}: {policy.describe()}; {verdict(policy)}")
     return 0
+
+
+def _recording_machine(objective: Callable[[Any], Any], here: Machine) -> Callable[[Any], Any]:
+    """The objective, with each trial recording the machine its costs are measured on: an exported
+    policy says it was tuned there (workers of one study may run on different machines)."""
+
+    def measured_here(trial: Any) -> Any:  # an optuna.Trial
+        trial.set_user_attr(MACHINE_ATTR, here.to_dict())
+        return objective(trial)
+
+    return measured_here
+
+
+def _warn_if_made_elsewhere(attrs: dict[str, Any] | None, study_name: str, here: Machine) -> None:
+    """A study resumed on another machine mixes costs measured on both: one warning line."""
+    made_on = Machine.from_dict((attrs or {}).get(MACHINE_ATTR))
+    if made_on is not None and (differences := made_on.differences(here)):
+        print(
+            f"warning: study '{study_name}' was made on another machine ({'; '.join(differences)}); its trials' "
+            "costs were measured there and do not compare with this machine's; for a policy tuned here, start a "
+            "new study (another --study-name)",
+            file=sys.stderr,
+        )
 
 
 def counted_trials_safe(storage, study_name: str) -> int:

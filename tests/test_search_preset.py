@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
+from optuna.trial import TrialState
 from search_fixtures import generate_in_process, load_study, ok, search_in_process
 
 from layerskip.drafts.policy import SkipPolicy
@@ -59,6 +61,14 @@ def test_a_quick_search_records_its_preset_and_machine(run_search, capsys, tiny_
     assert policy.provenance["preset"] == study.user_attrs["preset"]
     assert "--n-trials" in policy.provenance["preset"]["overridden"]
     assert policy.tuned_machine == this_machine("cpu")
+    finished = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+    assert finished and all(t.user_attrs["machine"] == this_machine("cpu").to_dict() for t in finished)
+    # Resumed on "another machine" (the study says it was made elsewhere): one warning; the policy
+    # still records where its trial was measured, here.
+    study.set_user_attr("machine", replace(this_machine("cpu"), cpu_model="Elsewhere CPU").to_dict())
+    resumed = ok(run_search(tiny_llama, "--preset", "quick", "--n-trials", "2", *storage))
+    assert resumed.stderr.count("was made on another machine (Elsewhere CPU -> ") == 1
+    assert SkipPolicy.load(out).tuned_machine == this_machine("cpu")
     generated = generate_in_process(
         capsys, "--model", str(tiny_llama), "--policy", str(out), "--prompt", "hello", "--no-chat",
         "--max-new-tokens", "4", "--json",
