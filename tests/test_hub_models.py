@@ -19,6 +19,7 @@ from cli_helpers import assert_bad_input, run_script
 from huggingface_hub import constants
 from huggingface_hub import errors as hub_errors
 from huggingface_hub.utils import _http as hub_http
+from search_fixtures import generate_in_process
 from tiny_models import save_checkpoint, tiny_model
 
 from layerskip.errors import LayerskipError
@@ -163,8 +164,12 @@ def test_generate_script_by_hub_id(hf_home: Path, monkeypatch: pytest.MonkeyPatc
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["model"] == REPO_ID and report["new_tokens"] == 4
-    refused = run_script("generate.py", "--model", "tiny-org/unknown", "--prompt", "hi")
-    assert_bad_input(refused, "unknown model 'tiny-org/unknown'", "HF_HUB_OFFLINE=0", str(hf_home / "hub"))
+
+
+def test_generate_refuses_an_unknown_id_in_one_line(hub_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same ``main`` and one-line error path as the script (in this process: no interpreter start-up)."""
+    refused = generate_in_process(capsys, "--model", "tiny-org/unknown", "--prompt", "hi")
+    assert_bad_input(refused, "unknown model 'tiny-org/unknown'", "HF_HUB_OFFLINE=0", str(hub_cache))
 
 
 def test_local_models_and_prompt_files_reach_for_no_network(
