@@ -95,10 +95,16 @@ def _read_with_datasets(path: Path, text_field: str | None) -> list[Prompt]:
         raise LayerskipError(f"cannot read prompts from {path}: use .jsonl, .json, .parquet or .csv")
     import datasets
 
+    # A local file needs no network, but online datasets pings its download counter for the
+    # builder (a request to S3): switched off for this call, then restored.
+    counting = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many types for malformed files
         raise LayerskipError(f"cannot read prompts from {path}: {str(exc).splitlines()[0]}") from None
+    finally:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
     field = text_field or next((name for name in ("text", "prompt", "question") if name in table.column_names), None)
     if text_field is not None and text_field not in table.column_names:
         raise LayerskipError(f"{path} has no text field '{text_field}'; pass --text-field, one of {table.column_names}")

@@ -12,8 +12,10 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,8 +35,9 @@ from layerskip.drafts.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, check_output_file
 from layerskip.hf import adapters
-from layerskip.hf.models import load_model
+from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.machine import Machine, this_machine
 from layerskip.measure.agreement import sublayer_order
 from search.calibration_cache import CACHE_ENV, CalibrationCache, phase
 from search.checks import check_arguments, check_resumed_space
@@ -59,6 +62,91 @@ from search.study import (
 )
 
 HOPELESS_PREDICTED = 0.5  # finalists predicted below this are not confirmed by real generation
+MACHINE_ATTR = "machine"  # study and trial attribute: the machine costs were measured on (layerskip.machine)
+
+
+def preset_values(name: str, device: torch.device) -> dict[str, Any]:
+    """What ``--preset NAME`` sets (argparse destinations -> values), unless a flag sets it.
+
+    ``quick``: the recipe of the searches that made the shipped skip-only and hybrid policies
+    (docs/benchmarks.md: ranked space, an int4 draft with a 4096- or 16384-row head, k 3..6, at
+    most a quarter of the sublayers bypassed, every trial a skip draft, prompt lookup in front or
+    not), cut to 30 trials on 4 prompts and 2 confirmations so that it ends in about 5 minutes on
+    2 CPU cores; trials stop starting after 150 s on a slower machine. int4 is a CPU kernel: on
+    a GPU the draft keeps the model's own weights.
+    """
+    if name != "quick":
+        raise LayerskipError(f"unknown --preset '{name}'; choose from {', '.join(PRESETS)}")
+    return {
+        "n_trials": 30,
+        "n_prompts": 4,
+        "reference_tokens": 40,
+        "max_new_tokens": 48,
+        "confirm_top": 2,
+        "space": "ranked",
+        "draft_tokens": (3, 4, 5, 6),
+        "draft_precision": ("int4",) if device.type == "cpu" else ("model",),
+        "draft_vocab": (4096, 16384),
+        "lookup": (0, 3),
+        "require_skip_draft": True,
+        "max_skip_fraction": 0.25,
+        "timeout": 150.0,
+    }
+
+
+PRESETS = ("quick",)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _as_flags(values: dict[str, Any]) -> str:
+    """``{"n_trials": 30, "lookup": (0, 3), "require_skip_draft": True}`` as flags:
+    ``--n-trials 30 --lookup 0,3 --require-skip-draft``."""
+
+    def shown(value: Any) -> str:
+        if isinstance(value, tuple):
+            return ",".join(map(str, value))
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    return " ".join(_flag(dest) if value is True else f"{_flag(dest)} {shown(value)}" for dest, value in values.items())
+
+
+def _preset_help() -> str:
+    return (
+        "quick: the recommended recipe; it ends in about 5 minutes on 2 CPU cores with a policy tuned for this "
+        f"machine: {_as_flags(preset_values('quick', torch.device('cpu')))} (trials stop starting after 150 s; "
+        "on a GPU --draft-precision model). A flag given explicitly overrides the preset's value"
+    )
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with a ``--preset``'s values where no flag was given (``args.preset_record``
+    says which values the preset set and which flags overrode it; the study records it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.preset_record = None
+    if args.preset is None:
+        return args
+    values = preset_values(args.preset, resolve_device(args.device))
+    # Parsed again with the preset's values as the defaults: a flag on the command line wins.
+    parser.set_defaults(**values)
+    args = parser.parse_args(argv)
+    overridden = [_flag(dest) for dest, value in values.items() if getattr(args, dest) != value]
+    args.preset_record = {
+        "name": args.preset,
+        "values": {_flag(dest): list(v) if isinstance(v, tuple) else v for dest, v in values.items()},
+        "overridden": overridden,
+    }
+    return args
+
+
+def default_study_name(model: str, suffix: str) -> str:
+    """``MODEL-SUFFIX`` from a model argument: its last path part (``org/Llama-3.2-1B`` ->
+    ``Llama-3.2-1B``), without a ``.gguf`` suffix."""
+    name = Path(model).name
+    return f"{name.removesuffix('.gguf')}-{suffix}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="layerskip-search", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_model_arguments(parser)
+    parser.add_argument("--preset", choices=PRESETS, help=_preset_help())
     parser.add_argument(
         "--prompts", default="builtin", help="'builtin', a Spec-Bench-style JSONL, or a json/csv/parquet file"
     )
@@ -82,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="sqlite:///layerskip-search.db",
         help="sqlite:///path.db, a journal file path.log, or postgresql://user:pass@host/db",
     )
-    parser.add_argument("--study-name", help="default: MODEL-OBJECTIVE")
+    parser.add_argument("--study-name", help="default: MODEL-OBJECTIVE (with --preset: MODEL-PRESET)")
     parser.add_argument("--objective", choices=OBJECTIVES, default="speedup")
     parser.add_argument("--reference-tokens", type=int, default=48, help="length of each teacher-forcing reference")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt in the real confirmation")
@@ -129,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--require-skip-draft",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="every trial drafts with its skip policy (lookup, if on, leads where the context repeats)",
     )
     parser.add_argument(
@@ -246,7 +336,7 @@ def _summary(study, objective: str, top: list) -> str:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     _check_numbers(args)
     check_arguments(args)
     command = shlex.join(["layerskip-search", *(sys.argv[1:] if argv is None else argv)])
@@ -262,7 +352,7 @@ def _main(argv: list[str] | None) -> int:
     exit_choices = read_exit_choices(args.exit_adapters)
     if not args.exit_thresholds or not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
         raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
-    study_name = args.study_name or f"{Path(args.model).stem}-{args.objective}"
+    study_name = args.study_name or default_study_name(args.model, args.preset or args.objective)
     # Outputs are checked now: a search must not end, after all its work, unable to save.
     check_output_file(args.out or f"{study_name}.policy.json", "--out")
     if args.plots:
@@ -326,6 +416,8 @@ def _main(argv: list[str] | None) -> int:
         storage = open_storage(args.storage)
     existing = existing_study_attrs(storage, study_name)
     check_study_matches(existing, study_name, identity)
+    here = this_machine(next(model.parameters()).device)
+    _warn_if_made_elsewhere(existing, study_name, here)
     progress = not args.no_progress
     cache = CalibrationCache(model, read=not args.no_cache)
     calibration = prepare_calibration(
@@ -371,8 +463,10 @@ def _main(argv: list[str] | None) -> int:
         "calibration": calibration.description,
         "space": space.to_dict(),
         "device": str(next(model.parameters()).device),
+        "machine": here.to_dict(),
         "dtype": args.dtype,
         "torch": torch.__version__,
+        **({"preset": args.preset_record} if args.preset_record else {}),
     }
     seed = args.seed + 1000 * args.worker + counted_trials_safe(storage, study_name)
     study = open_study(
@@ -392,7 +486,7 @@ def _main(argv: list[str] | None) -> int:
         study.set_user_attr(RANKING_ATTR, list(ranking))
     ranking = study.user_attrs[RANKING_ATTR]
     print(f"study '{study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
-    objective = CheapObjective(model, calibration, space, args.objective, ranking)
+    objective = _recording_machine(CheapObjective(model, calibration, space, args.objective, ranking), here)
     with phase("trials", progress) as info:
         before = counted_trials(study)
         run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, progress)
@@ -419,6 +513,29 @@ def _main(argv: list[str] | None) -> int:
     print(_summary(study, args.objective, top))
     print(f"\nexported trial {policy.provenance['trial']} to {out}: {policy.describe()}; {verdict(policy)}")
     return 0
+
+
+def _recording_machine(objective: Callable[[Any], Any], here: Machine) -> Callable[[Any], Any]:
+    """The objective, with each trial recording the machine its costs are measured on: an exported
+    policy says it was tuned there (workers of one study may run on different machines)."""
+
+    def measured_here(trial: Any) -> Any:  # an optuna.Trial
+        trial.set_user_attr(MACHINE_ATTR, here.to_dict())
+        return objective(trial)
+
+    return measured_here
+
+
+def _warn_if_made_elsewhere(attrs: dict[str, Any] | None, study_name: str, here: Machine) -> None:
+    """A study resumed on another machine mixes costs measured on both: one warning line."""
+    made_on = Machine.from_dict((attrs or {}).get(MACHINE_ATTR))
+    if made_on is not None and (differences := made_on.differences(here)):
+        print(
+            f"warning: study '{study_name}' was made on another machine ({'; '.join(differences)}); its trials' "
+            "costs were measured there and do not compare with this machine's; for a policy tuned here, start a "
+            "new study (another --study-name)",
+            file=sys.stderr,
+        )
 
 
 def counted_trials_safe(storage, study_name: str) -> int:

@@ -73,6 +73,13 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
         "dtype": attrs.get("dtype"),
         "command": attrs.get("command"),
     }
+    # The machine its costs were measured on (the trial's own; studies made before trials recorded
+    # it: the study's), and the preset that set the search.
+    machine = trial.user_attrs.get("machine") or attrs.get("machine")
+    if machine:
+        provenance["machine"] = machine
+    if attrs.get("preset"):
+        provenance["preset"] = attrs["preset"]
     if trial.user_attrs.get("latency_warning"):  # its costs were measured on a busy machine
         provenance["latency_warning"] = trial.user_attrs["latency_warning"]
     return replace(trial_policy(study, trial), model=identity, provenance=provenance, measured=measured)

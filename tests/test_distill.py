@@ -140,6 +140,9 @@ def test_cli_trains_writes_policies_and_resumes(tmp_path: Path) -> None:
     assert (out / "agreement.png").stat().st_size > 0 and (out / "report.csv").is_file()
     policy = SkipPolicy.load(out / "exit-L1-layer.json")
     from layerskip.hf.models import load_model
+    from layerskip.machine import this_machine
+
+    assert policy.tuned_machine == this_machine("cpu")  # its precision and measured cost are this machine's
 
     model = load_model(str(model_dir)).model
     tokens, _ = Decoder(model, policy).decode([2, 3, 4, 5], DecodeSettings(max_new_tokens=8))

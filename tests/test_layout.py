@@ -16,6 +16,7 @@ ORDER = [
     "layerskip.data",
     "layerskip.sampling",
     "layerskip.stats",
+    "layerskip.machine",
     "layerskip.hf",
     "layerskip.drafts",
     "layerskip.engine",

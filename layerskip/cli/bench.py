@@ -17,6 +17,7 @@ from layerskip.cli.common import (
     run_cli,
     str_list,
     thread_settings,
+    warn_if_tuned_elsewhere,
 )
 from layerskip.data import load_prompts
 from layerskip.drafts.policy import ABLATIONS, SkipPolicy
@@ -171,6 +172,7 @@ def _main(argv: list[str] | None) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies(policies, model)
+    warn_if_tuned_elsewhere(policies, next(model.parameters()).device, args)
     assistant = load_model(args.assistant_model, args.dtype, args.device).model if args.assistant_model else None
     chat = loaded.instruct if args.chat is None else args.chat
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
@@ -187,7 +189,7 @@ def _main(argv: list[str] | None) -> int:
     results = {
         "command": command,
         "device": env["device"],
-        "device_name": env.get("cpu_model", env["device_name"]),
+        "device_name": env["device_name"],  # the GPU's name, or the CPU model
         "dtype": args.dtype,
         "versions": env["versions"],
         "model": loaded.name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -13,19 +14,17 @@ from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
+from layerskip.machine import Machine, this_machine
 
 EXIT_BAD_INPUT = 2
 
 
 def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Run ``main``; a LayerskipError becomes ``error: ...`` on stderr and exit code 2, no traceback."""
-    # Never reach for a model hub. transformers read the variable at import, before this runs,
-    # so the constant is set too (only when the user has not asked for online mode).
+    # The hub is the user's to configure: a hub id loads through their cache and network
+    # settings (offline only where they set HF_HUB_OFFLINE=1); embedded models, local
+    # directories and .gguf files never reach for it.
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # keep error output to one line
-    if os.environ.setdefault("HF_HUB_OFFLINE", "1") == "1":
-        import huggingface_hub.constants
-
-        huggingface_hub.constants.HF_HUB_OFFLINE = True
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would break the one-line stderr contract
@@ -43,7 +42,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2-135m",
-        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory or a .gguf file",
+        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory, a .gguf file, or a hub id "
+        "(org/name: loaded through your hub cache; downloaded unless HF_HUB_OFFLINE=1)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
@@ -120,6 +120,54 @@ def check_policies(policies: dict[str, SkipPolicy | None], model: object) -> Non
             policy.validate_for(model)
         except LayerskipError as exc:
             raise LayerskipError(f"policy {label}: {exc}") from None
+
+
+def quick_search_command(model: str, dtype: str = "float32", device: str = "cpu") -> str:
+    """The command that tunes a policy for the machine at hand: the search's quick preset."""
+    parts = ["layerskip-search", "--model", model, "--preset", "quick"]
+    parts += ["--dtype", dtype] if dtype != "float32" else []
+    parts += ["--device", device] if device != "cpu" else []
+    return shlex.join(parts)
+
+
+def tuning_advice(policies: dict[str, SkipPolicy | None], here: Machine, tune_command: str) -> str | None:
+    """At most one line on where ``policies`` were tuned: a warning when one was tuned on another
+    machine than ``here`` (another CPU model or other kernel flags: its speedup may not hold), else a
+    note when a policy file records no machine at all (written before policies recorded it), else None.
+    Policies with no provenance (written by hand) or built in this process (``on-the-fly``) claim no
+    tuning and get neither."""
+    elsewhere: dict[str, str] = {}
+    unrecorded = []
+    for label, policy in policies.items():
+        if policy is None or not policy.provenance or policy.provenance == {"source": ON_THE_FLY}:
+            continue
+        tuned = policy.tuned_machine
+        if tuned is None:
+            unrecorded.append(label)
+        elif differences := tuned.differences(here):
+            elsewhere[label] = "; ".join(differences)
+    advice = f"tune one for this machine (about 5 minutes on 2 cores): {tune_command}"
+    if elsewhere:
+        found = set(elsewhere.values())
+        detail = found.pop() if len(found) == 1 else "; ".join(f"{label}: {d}" for label, d in elsewhere.items())
+        if len(elsewhere) == 1:
+            subject, its = f"policy {next(iter(elsewhere))} was", "its"
+        else:
+            subject, its = f"policies {', '.join(elsewhere)} were", "their"
+        return f"warning: {subject} tuned on another machine ({detail}), so {its} speedup may not hold here; {advice}"
+    if unrecorded:
+        subject = f"policy {unrecorded[0]} does" if len(unrecorded) == 1 else f"policies {', '.join(unrecorded)} do"
+        return f"note: {subject} not record the machine it was tuned on; if it runs slower than expected here, {advice}"
+    return None
+
+
+def warn_if_tuned_elsewhere(
+    policies: dict[str, SkipPolicy | None], device: torch.device, args: argparse.Namespace
+) -> None:
+    """Print ``tuning_advice`` for the machine at hand (stderr), if there is any."""
+    line = tuning_advice(policies, this_machine(device), quick_search_command(args.model, args.dtype, args.device))
+    if line is not None:
+        print(line, file=sys.stderr)
 
 
 def check_fits(model: torch.nn.Module, prompt_tokens: int, new_tokens: int, what: str = "the prompt") -> None:

@@ -15,6 +15,7 @@ from layerskip.cli.common import (
     read_prompt,
     run_cli,
     thread_setting,
+    warn_if_tuned_elsewhere,
 )
 from layerskip.drafts.onthefly import converged_policy
 from layerskip.engine.decoding import Decoder, DecodeSettings
@@ -23,6 +24,7 @@ from layerskip.fileio import check_output_file
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.integration.baselines import hf_generate
+from layerskip.machine import this_machine
 from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup, throughput
 from layerskip.sampling import Sampling
 
@@ -100,6 +102,7 @@ def _main(argv: list[str] | None) -> int:
     model, tokenizer = loaded.model, loaded.tokenizer
     # checks the policy against the model, prepares its draft once
     decoder = Decoder(model, policy, threads=args.threads)
+    warn_if_tuned_elsewhere({args.policy: policy}, decoder.device, args)
     chat = loaded.instruct if args.chat is None else args.chat
     ids = encode_prompt(tokenizer, prompt, chat)
     check_fits(model, len(ids), args.max_new_tokens)
@@ -150,7 +153,9 @@ def _main(argv: list[str] | None) -> int:
         report["identical"] = tokens == base.tokens if sampling is None else None
     if args.save_policy:
         assert policy is not None and decoder.selection is not None
+        # The set was learned from speeds measured here: the policy records this machine.
         fixed = converged_policy(policy, decoder.selection).with_model(model, loaded.name)
+        fixed = fixed.with_machine(this_machine(decoder.device))
         report["saved_policy"] = str(fixed.save(args.save_policy))
     if args.json:
         print(json.dumps(report))

@@ -41,6 +41,7 @@ from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_bytes_atomic, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
+from layerskip.machine import this_machine
 
 SPEC_BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 STDLIB = "stdlib"
@@ -397,7 +398,8 @@ def make_policy(
         },
     )
     exit_settings = ExitSettings(relative, sha, adapter.spec.layer, adapter.spec.kind, args.reuse_kv)
-    return replace(policy, exit=exit_settings).with_model(model, name)
+    # Its draft precision and the exit's measured cost are this machine's.
+    return replace(policy, exit=exit_settings).with_model(model, name).with_machine(this_machine(model.device))
 
 
 def exit_frontier(

@@ -6,7 +6,8 @@ A policy file is JSON:
      "skip_attention": [..], "skip_mlp": [..],
      "draft": {"max_draft_tokens": 4, "adaptive": true, ...},
      "model": {"name": .., "architecture": .., "num_layers": .., "fingerprint": ..},
-     "provenance": {...}, "measured": {...},
+     "provenance": {..., "machine": {..}},   # how it was found, and on which machine
+     "measured": {...},
      "draft_vocabulary": [..],   # ranked rows of a truncated draft head (optional)
      "on_the_fly": {..},         # optional: re-choose the bypassed sublayers while generating
      "exit": {..}}               # optional: a trained exit adapter after the draft's last layer
@@ -30,6 +31,7 @@ from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
+from layerskip.machine import Machine
 
 # Names of SkipPolicy.ablations() (which of them a policy has depends on what it uses).
 ABLATIONS = (
@@ -43,6 +45,8 @@ ABLATIONS = (
     "no-bypass",
 )
 FORMAT = "layerskip-policy"
+# provenance["machine"]: the device, CPU model and kernel flags it was tuned on (layerskip.machine)
+MACHINE_KEY = "machine"
 VERSION = 1
 
 
@@ -219,6 +223,15 @@ class SkipPolicy:
 
     def with_model(self, model: nn.Module, name: str = "") -> SkipPolicy:
         return replace(self, model=ModelIdentity.of(model, name))
+
+    def with_machine(self, machine: Machine) -> SkipPolicy:
+        """The same policy, recording ``machine`` as the one it was tuned on (``provenance["machine"]``)."""
+        return replace(self, provenance={**self.provenance, MACHINE_KEY: machine.to_dict()})
+
+    @property
+    def tuned_machine(self) -> Machine | None:
+        """The machine this policy was tuned on; None where its file records none (older files)."""
+        return Machine.from_dict(self.provenance.get(MACHINE_KEY))
 
     @classmethod
     def adaptive_selection(

@@ -1,8 +1,10 @@
-"""load_model(name | HF directory | .gguf file) -> (model, tokenizer), with an embedded registry.
+"""load_model(name | HF directory | .gguf file | hub id) -> (model, tokenizer), with an embedded registry.
 
 Embedded models ship their weights inside pip packages (no hub at run time). GGUF files are
 dequantised on first load (tens of seconds), so the first load also writes a safetensors copy
 to the cache directory (``$LAYERSKIP_CACHE`` or ``~/.cache/layerskip``); later loads take seconds.
+A hub id (``org/name``) goes through ``from_pretrained`` with the user's own hub cache
+(``HF_HOME``, ``HF_HUB_CACHE``) and network settings: offline only where ``HF_HUB_OFFLINE=1``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import sys
@@ -225,6 +228,93 @@ def _dequantise(gguf: Path, target: Path) -> Path:
     return target
 
 
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` is shaped like a hub model id (``org/name`` or ``name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _check_hub_model(repo_id: str) -> str:
+    """Fetch (or find in the hub cache) ``repo_id``'s config.json, so that an id the hub client
+    cannot reach fails here in one line that says why; returns the hub cache directory used.
+
+    The cache and the offline switch are read now, as the hub client reads them, not when
+    transformers was imported (it copies the cache path then)."""
+    from huggingface_hub import constants, hf_hub_download
+
+    cache = constants.HF_HUB_CACHE
+    try:
+        with _quiet_retries():
+            hf_hub_download(repo_id, "config.json", cache_dir=cache)
+    except Exception as exc:  # the hub client raises many types: each is named below
+        raise hub_error(repo_id, exc, cache, constants.HF_HUB_OFFLINE) from None
+    return cache
+
+
+@contextlib.contextmanager
+def _quiet_retries() -> Iterator[None]:
+    """Hide the hub client's "Retrying in 4s" lines: with no network it retries an uncached file
+    for about 20 s, then fails, and that failure is reported in one line of our own."""
+    logger = logging.getLogger("huggingface_hub.utils._http")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def hub_error(repo_id: str, exc: BaseException, cache: str, offline: bool) -> LayerskipError:
+    """The one line for a hub id the hub client could not fetch: what went wrong and the way out."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    local = f"or pass a local directory, a .gguf file or an embedded name ({', '.join(EMBEDDED)})"
+    if isinstance(exc, LocalEntryNotFoundError):  # before EntryNotFoundError: it is one
+        if offline:
+            return LayerskipError(
+                f"unknown model '{repo_id}': the hub is off (HF_HUB_OFFLINE=1) and it is not in the hub cache "
+                f"({cache}); set HF_HUB_OFFLINE=0 to download it, {local}"
+            )
+        cause = f" ({_first_line(exc.__cause__)})" if exc.__cause__ is not None else ""
+        return LayerskipError(
+            f"model '{repo_id}': the hub cannot be reached{cause} and it is not in the hub cache ({cache}); "
+            f"check the network (or HF_ENDPOINT, proxies), {local}"
+        )
+    if isinstance(exc, GatedRepoError):  # before RepositoryNotFoundError: it is one
+        return LayerskipError(
+            f"model '{repo_id}' is gated on the hub: accept its terms on its hub page and log in "
+            f"(hf auth login, or HF_TOKEN), {local}"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return LayerskipError(
+            f"unknown model '{repo_id}': the hub has no such model, or it is private (log in with hf auth login, "
+            f"or set HF_TOKEN); check the id, {local}"
+        )
+    if isinstance(exc, EntryNotFoundError):
+        return LayerskipError(
+            f"hub repository '{repo_id}' has no config.json, so it is not a transformers model; "
+            f"for a GGUF file in it, download the file and pass its path, {local}"
+        )
+    if isinstance(exc, HfHubHTTPError):
+        return LayerskipError(f"the hub refused model '{repo_id}' ({_first_line(exc)}); try again later, {local}")
+    return LayerskipError(f"cannot fetch model '{repo_id}' from the hub ({_first_line(exc)}); {local}")
+
+
 def _looks_instruct(name: str, tokenizer: object) -> bool:
     lowered = name.lower()
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -237,35 +327,41 @@ def load_model(
     device: str = "cpu",
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
-    """Load an embedded model by name, a local HF directory, or a ``.gguf`` file."""
+    """Load an embedded model by name, a local HF directory, a ``.gguf`` file, or a hub id
+    (``org/name``, through the user's hub cache and network settings)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     entry = EMBEDDED.get(name_or_path)
     path = Path(name_or_path).expanduser()
+    hub: dict[str, str] = {}  # from_pretrained's hub arguments (a hub id only)
     if entry is not None:
         try:
             gguf = entry.locate_gguf()
         except ImportError:
             raise LayerskipError(f"embedded model '{entry.name}' is not installed; run: {entry.install}") from None
-        directory, name, instruct = _convert_gguf(gguf), entry.name, entry.instruct
+        source, name, instruct = str(_convert_gguf(gguf)), entry.name, entry.instruct
     elif path.is_file() and path.suffix == ".gguf":
-        directory, name, instruct = _convert_gguf(path), path.stem, None
+        source, name, instruct = str(_convert_gguf(path)), path.stem, None
     elif path.is_dir() and (path / "config.json").is_file():
-        directory, name, instruct = path, path.name, None
+        source, name, instruct = str(path), path.name, None
+    elif is_hub_id(name_or_path) and not path.exists():
+        hub = {"cache_dir": _check_hub_model(name_or_path)}
+        source, name, instruct = name_or_path, name_or_path, None
     else:
         raise LayerskipError(
             f"unknown model '{name_or_path}': not an embedded name ({', '.join(EMBEDDED)}), "
-            "a .gguf file, or a directory with config.json"
+            "a .gguf file, a directory with config.json, or a hub id (org/name)"
         )
+    where = f"'{source}' from the hub cache ({hub['cache_dir']})" if hub else source
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=torch_dtype, attn_implementation=attn_implementation
+            source, dtype=torch_dtype, attn_implementation=attn_implementation, **hub
         )
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
     except (OSError, ValueError) as exc:  # ValueError: a config.json without a known model_type
-        raise LayerskipError(f"cannot load model from {directory}: {str(exc).splitlines()[0]}") from None
+        raise LayerskipError(f"cannot load model {where}: {_first_line(exc)}") from None
     model.eval().to(torch_device)
     adapters.spec_for(model)  # unsupported architecture -> one clear error, before any work
     model.layerskip_name = name

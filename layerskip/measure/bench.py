@@ -15,7 +15,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.integration.baselines import hf_custom_generate, hf_generate
 from layerskip.integration.decoders import decoder_for
+from layerskip.machine import this_machine
 from layerskip.measure.timing import Runner, run_interleaved, throughput
 from layerskip.stats import GenerationStats
 
@@ -417,10 +417,14 @@ def time_profile(stats: GenerationStats, seconds: float, runs: int) -> dict[str,
 def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
+    machine = this_machine(device)  # the same record a tuned policy keeps in its provenance
     info: dict[str, Any] = {
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),  # when the run ended
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_name": machine.device_name,
+        "cpu_model": machine.cpu_model,
+        "cpu_flags": list(machine.cpu_flags),
+        "cores": machine.cores,
         "cpu_threads": torch.get_num_threads(),
         "versions": {
             "torch": torch.__version__,
@@ -429,33 +433,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         },
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    info.update(cpu_identity())
     return info
-
-
-# The CPU features that decide what a draft costs: int4/int8 kernels (AVX2, AVX-512 VNNI, AMX
-# int8) and whether a bf16 verify of several rows is about one step (avx512_bf16, AMX bf16).
-CPU_FLAGS = ("fma", "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_identity(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, Any]:
-    """``cpu_model`` (lscpu's model name) and ``cpu_flags`` (those of ``CPU_FLAGS`` it has), as far
-    as ``cpuinfo`` tells; an empty dict where it cannot be read (not Linux)."""
-    try:
-        lines = Path(cpuinfo).read_text().splitlines()
-    except OSError:
-        return {}
-    fields = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    found: dict[str, Any] = {}
-    if "model name" in fields:
-        found["cpu_model"] = fields["model name"]
-    if "flags" in fields:
-        present = set(fields["flags"].split())
-        found["cpu_flags"] = [flag for flag in CPU_FLAGS if flag in present]
-    return found
 
 
 def rows_as_dicts(rows: Sequence[PromptResult]) -> list[dict[str, Any]]:

@@ -72,7 +72,7 @@ _REQUIRED = {
     "environment": dict,
 }
 DTYPE_ORDER = {"float32": 0, "bfloat16": 1}
-# The CPU features worth naming in a table, most telling first (see measure.bench.CPU_FLAGS).
+# The CPU features worth naming in a table, most telling first (see machine.KERNEL_FLAGS).
 _FLAG_LABELS = (("amx_bf16", "AMX"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 
 
