@@ -1,11 +1,18 @@
-"""What a draft step costs, against what it keeps, and where its milliseconds go.
+"""What a draft step costs, against what it keeps, its physical floor, and where its milliseconds go.
 
 For a set of drafts (bypassed sublayers, draft precision, truncated head; add your own with
 --policy) the draft step is timed on the device (median of repeats after warm-up) next to one
-plain step, with the fraction of the step's weights it still reads. On the CPU each step is also
-split (torch.profiler self times) into the LM head, the kept projections, attention kernels, the
-other tensor ops (norms, rotary, residual adds, casts, cache writes) and the rest of the wall
-time (Python, module calls, dispatch): the part no smaller weight can remove.
+plain step (a full forward of one token with every logit, as HF ``generate`` takes it), with the
+fraction of the step's weights it still reads and its bandwidth floor: the bytes it must read
+(kept weights in the draft's precision, its head rows, the K/V it attends to) over the memory
+bandwidth a large copy measures on this machine. On the CPU each step is also split
+(torch.profiler self times) into the LM head, the kept projections, attention kernels, the other
+tensor ops (norms, rotary, residual adds, casts, cache writes) and the rest of the wall time
+(Python, module calls, dispatch).
+
+The verify curve t(n)/t(1), n = 1..8, is timed for the greedy verify as the engine runs it (its
+head certified from bf16 on the CPU), in fp32 and in bf16 (a bf16 copy of the model), each also
+against the plain step of its dtype.
 
     python scripts/draft_cost.py --model smollm2-135m --out results/draft_cost/smollm2-fp32
 """
@@ -13,20 +20,31 @@ time (Python, module calls, dispatch): the part no smaller weight can remove.
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 import sys
 from pathlib import Path
+
+import torch
 
 from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import exit_adapter_for
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.engine.decoding import engine_verify_head
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
-from layerskip.measure.latency import draft_step_breakdown, draft_step_seconds, verify_seconds
+from layerskip.machine import this_machine
+from layerskip.measure.latency import (
+    copy_bandwidth,
+    draft_bytes_read,
+    draft_step_breakdown,
+    draft_step_seconds,
+    verify_seconds,
+)
 
 BREAKDOWN = ("head_ms", "layer_projections_ms", "attention_kernels_ms", "other_ops_ms", "python_and_dispatch_ms")
 
@@ -54,6 +72,24 @@ def candidate_policies(layers: int, cpu: bool) -> dict[str, SkipPolicy]:
     }
 
 
+VERIFY_BLOCKS = range(1, 9)
+
+
+def verify_curve(model: torch.nn.Module, context: list[int], repeats: int) -> dict[str, object]:
+    """The engine's greedy verify of n = 1..8 tokens: t(n)/t(1), and t(n) over the plain step
+    (one token, every logit: HF's step) of the same model."""
+    plain = verify_seconds(model, context, 1, repeats)
+    greedy = engine_verify_head(model)
+    seconds = {n: verify_seconds(model, context, n, repeats, greedy) for n in VERIFY_BLOCKS}
+    return {
+        "plain_step_seconds": plain,
+        "verify_seconds": {str(n): s for n, s in seconds.items()},
+        "relative": {str(n): s / seconds[1] for n, s in seconds.items()},
+        "to_plain_step": {str(n): s / plain for n, s in seconds.items()},
+        "certified_head": greedy.certified,
+    }
+
+
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
@@ -67,7 +103,12 @@ def _main(argv: list[str] | None) -> int:
     check_policies(extra, model)
     cpu = next(model.parameters()).device.type == "cpu"
     context = encode_prompt(tokenizer, builtin_prompts()[6].text, loaded.instruct)  # a ~100-token prompt
-    plain = verify_seconds(model, context, 1, args.repeats)
+    bandwidth = copy_bandwidth(next(model.parameters()).device)
+    curves = {args.dtype: verify_curve(model, context, args.repeats)}
+    if args.dtype == "float32":  # the same model in bf16, for its curve
+        curves["bfloat16"] = verify_curve(copy.deepcopy(model).to(torch.bfloat16), context, args.repeats)
+    plain = curves[args.dtype]["plain_step_seconds"]
+    plain_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     attn, mlp, total = adapters.sublayer_parameter_counts(model)
     head = adapters.lm_head(model).weight
     rows = []
@@ -81,6 +122,7 @@ def _main(argv: list[str] | None) -> int:
         head_rows = policy.head_rows(head.shape[0])
         args_ = (draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows)
         seconds = draft_step_seconds(*args_, repeats=args.repeats)
+        read = draft_bytes_read(draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows)
         # Compute per token: the layers' weights plus the head rows scored (embedding lookups are free).
         layer_weights = sum(attn) + sum(mlp)
         kept = layer_weights - sum(attn[i] for i in policy.skip_attention) - sum(mlp[i] for i in policy.skip_mlp)
@@ -92,6 +134,10 @@ def _main(argv: list[str] | None) -> int:
             "fraction_of_step_compute": (kept + scored * head.shape[1]) / (layer_weights + head.numel()),
             "draft_step_ms": seconds * 1000,
             "relative_to_plain_step": seconds / plain,
+            "draft_step": draft_model.step_kind,
+            "bytes_read_mb": read / 1e6,
+            "bandwidth_floor_ms": 1000 * read / bandwidth,
+            "floor_relative_to_plain_step": read / bandwidth / plain,
         }
         if cpu:
             row.update(draft_step_breakdown(*args_, repeats=args.repeats))
@@ -101,13 +147,22 @@ def _main(argv: list[str] | None) -> int:
         "model": loaded.name,
         "dtype": args.dtype,
         "device": str(next(model.parameters()).device),
+        "machine": this_machine(next(model.parameters()).device).describe(),
         "plain_step_ms": plain * 1000,
+        "plain_step_bandwidth_floor_ms": 1000 * plain_bytes / bandwidth,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
         "total_parameters": total,
+        "verify_relative": curves[args.dtype]["relative"],
+        "verify_relative_to_plain_step": curves[args.dtype]["to_plain_step"],
+        "verify_curves": {dtype: {k: v for k, v in c.items()} for dtype, c in curves.items()},
         "draft_memory_mb": {p: m.nbytes / 2**20 for p, m in draft_models.items()},
         "rows": rows,
     }
-    header = "| policy | weights bypassed | step compute kept | draft step (ms) | vs plain step |"
-    rule = "|---|---|---|---|---|"
+    header = (
+        "| policy | weights bypassed | step compute kept | draft step (ms) | vs plain step "
+        "| floor (ms) | floor vs plain step | step |"
+    )
+    rule = "|---|---|---|---|---|---|---|---|"
     if cpu:
         header += " head | projections | attention | other ops | Python & dispatch |"
         rule += "---|---|---|---|---|"
@@ -115,16 +170,31 @@ def _main(argv: list[str] | None) -> int:
     for r in rows:
         line = (
             f"| {r['policy']} | {r['fraction_of_weights_bypassed']:.2f} | {r['fraction_of_step_compute']:.2f} "
-            f"| {r['draft_step_ms']:.1f} | {r['relative_to_plain_step']:.2f} |"
+            f"| {r['draft_step_ms']:.1f} | {r['relative_to_plain_step']:.2f} "
+            f"| {r['bandwidth_floor_ms']:.1f} | {r['floor_relative_to_plain_step']:.2f} | {r['draft_step']} |"
         )
         if cpu:
             line += "".join(f" {r[key]:.1f} |" for key in BREAKDOWN)
         lines.append(line)
+    lines += ["", "| verify block n | " + " | ".join(str(n) for n in VERIFY_BLOCKS) + " |"]
+    lines.append("|---|" + "---|" * len(VERIFY_BLOCKS))
+    for dtype, curve in curves.items():
+        lines.append(
+            f"| {dtype} t(n)/t(1) | " + " | ".join(f"{curve['relative'][str(n)]:.2f}" for n in VERIFY_BLOCKS) + " |"
+        )
+        lines.append(
+            f"| {dtype} t(n) / plain step | "
+            + " | ".join(f"{curve['to_plain_step'][str(n)]:.2f}" for n in VERIFY_BLOCKS)
+            + " |"
+        )
     table = "\n".join(lines)
     out = Path(args.out)
     write_json_atomic(out / "draft_cost.json", result)
     write_text_atomic(out / "draft_cost.md", table + "\n")
-    print(f"plain step: {plain * 1000:.1f} ms ({loaded.name}, {args.dtype}, {result['device']})")
+    print(
+        f"plain step: {plain * 1000:.1f} ms ({loaded.name}, {args.dtype}, {result['device']}); "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {result['machine']}"
+    )
     print(table)
     return 0
 

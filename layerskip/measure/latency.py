@@ -190,3 +190,53 @@ def draft_step_breakdown(
         "other_ops_ms": 1000 * max(0.0, total_ops - projections - attention_ops),
         "python_and_dispatch_ms": 1000 * max(0.0, wall - total_ops),
     }
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 7) -> float:
+    """Bytes per second a large copy moves on ``device`` (what it reads plus what it writes): the
+    memory bandwidth a bandwidth-bound step can hope for."""
+    source = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
+    target = torch.empty_like(source)
+    seconds = median_seconds(lambda: target.copy_(source), torch.device(device), repeats)
+    return 2 * source.numel() * source.element_size() / seconds
+
+
+def draft_bytes_read(
+    draft_model: DraftModel,
+    context: Sequence[int],
+    attention: Sequence[int] = (),
+    mlp: Sequence[int] = (),
+    head_rows: Sequence[int] | None = None,
+) -> int:
+    """Bytes one draft step after ``context`` must read: the kept projections (the draft's copies,
+    or the model's own weights), the head rows it scores in the draft's dtype, and the K/V of the
+    kept attention layers (``len(context)`` positions each, the model's dtype). Norms, biases and
+    the embedding row are left out: a rounding error next to these."""
+    model = draft_model.model
+    skipped = {(i, "attention") for i in attention} | {(i, "mlp") for i in mlp}
+    weights = 0
+    for index in range(adapters.num_layers(model)):
+        for kind in ("attention", "mlp"):
+            if (index, kind) in skipped:
+                continue
+            if (index, kind) in draft_model.projections:
+                weights += sum(group.nbytes for _, group in draft_model.projections[(index, kind)])
+            else:
+                modules = adapters.sublayer_projections(model, index, kind)
+                weights += sum(m.weight.numel() * m.weight.element_size() for m in modules)
+    if draft_model.exit is not None:
+        weights += sum(p.numel() * p.element_size() for p in draft_model.exit.module.parameters())
+    head = adapters.lm_head(model).weight
+    rows = head.shape[0] if head_rows is None else len({*head_rows, *context})
+    head_bytes = rows * head.shape[1] * torch.tensor([], dtype=draft_model.dtype).element_size()
+    kv = 0
+    config = model.config.get_text_config(decoder=True)
+    windows = adapters.sliding_windows(model)
+    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    for index in range(adapters.num_layers(model)):
+        if index not in attention:
+            seen = len(context) if windows[index] is None else min(len(context), windows[index])
+            kv += 2 * kv_heads * head_dim * seen * element
+    return weights + head_bytes + kv
