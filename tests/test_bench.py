@@ -245,8 +245,9 @@ def test_time_profile(benchmark: dict) -> None:
     assert 0.0 <= summary["self-spec-lookup"]["overall"]["profile"]["lookup_share"] <= 1.0
 
 
-def test_a_divergence_is_recorded_with_the_top2_gap(model: torch.nn.Module) -> None:
-    """A method that leaves the reference is flagged, with the position and the full model's top-2 gap there."""
+def test_a_divergence_is_recorded_and_classed(model: torch.nn.Module) -> None:
+    """A method that leaves the reference is flagged: where, the two tokens, the fp32 gap against the
+    error bound, and its class (in fp32 a wrong token is a defect); the summary counts it."""
     baseline = build_methods(model, ["hf-ar"], (), {})
 
     def wrong(ids: list[int], max_new: int):
@@ -258,11 +259,67 @@ def test_a_divergence_is_recorded_with_the_top2_gap(model: torch.nn.Module) -> N
     config = BenchConfig(max_new_tokens=6, warmup_tokens=2, progress=False)
     rows = run_benchmark(model, [*baseline, Method("broken", wrong)], PROMPTS[:1], PROMPT_IDS[:1], config)
     broken = next(r for r in rows if r.method == "broken")
-    assert broken.identical is False
-    assert broken.divergence["position"] == 3
-    assert broken.divergence["top2_logit_gap"] > 0
+    reference = next(r for r in rows if r.method == "hf-ar")
+    assert broken.identical is False and reference.divergence is None
+    found = broken.divergence
+    assert found["position"] == 3 and found["class"] == "defect"
+    assert found["method_token"] == (found["reference_token"] + 1) % VOCAB
+    assert found["fp32_gap"] > found["error_bound"] > 0 and found["dtype"] == "float32"
     figures = summarise(rows)["broken"]["overall"]
-    assert figures["identical_fraction"] == 0.0 and figures["divergences"] == [broken.divergence]
+    assert figures["identical_fraction"] == 0.0 and figures["divergences"] == [found]
+    assert (figures["n_identical"], figures["n_rounding"], figures["n_defect"]) == (0, 0, 1)
+    assert summarise(rows)["hf-ar"]["overall"]["n_identical"] == 1
+    results = {"methods": summarise(rows), "per_prompt": bench.rows_as_dicts(rows)}
+    table = report_module.markdown_report(results)
+    assert "| broken | p0 | 3 |" in table and "| defect |" in table
+    assert "| 0 / 0 / 1 |" in report_module.markdown_table(results)
+
+
+def test_bf16_bench_classes_every_method_hf_pld_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bf16 each method's figures count identical / rounding / defect, HF's prompt lookup
+    included; a method with a real defect (a draft accepted past the first mismatch) is counted
+    a defect, the same policy run correctly is not."""
+    from layerskip.engine import decoding
+    from layerskip.sampling import accept_greedy
+
+    model = tiny_model("mistral").to(torch.bfloat16)  # sliding window 4; the prompts of test_divergence
+    prompt_ids = [random_prompt(seed=0), random_prompt(seed=2)]
+    policy = _policy()
+    methods = build_methods(model, ["hf-ar", "self-spec", "hf-pld"], (), {"p": policy})
+
+    def one_past(drafted: list[int], targets: list[int]) -> tuple[int, int]:
+        accepted, token = accept_greedy(drafted, targets)
+        if accepted < len(drafted):
+            accepted += 1
+            token = targets[accepted]
+        return accepted, token
+
+    sloppy = build_methods(model, ["self-spec"], (), {"p": policy})[1].run
+
+    def defective(ids: list[int], max_new: int):
+        with monkeypatch.context() as patch:
+            patch.setattr(decoding, "accept_greedy", one_past)
+            return sloppy(ids, max_new)
+
+    methods.append(Method("sloppy", defective, policy))
+    config = BenchConfig(max_new_tokens=16, warmup_tokens=2, progress=False)
+    rows = run_benchmark(model, methods, PROMPTS, prompt_ids, config)
+    summary = summarise(rows)
+    for name in ("hf-ar", "self-spec", "hf-pld", "sloppy"):
+        o = summary[name]["overall"]
+        assert o["n_identical"] + o["n_rounding"] + o["n_defect"] + o["n_unclassified"] == 2, name
+        assert o["n_defect"] == sum(d["class"] == "defect" for d in o["divergences"]), name
+    assert summary["self-spec"]["overall"]["n_defect"] == 0
+    assert summary["sloppy"]["overall"]["n_defect"] == 2
+    for row in rows:
+        if row.divergence is not None:
+            assert {"position", "reference_token", "method_token", "fp32_gap", "error_bound", "class"} <= set(
+                row.divergence
+            )
+            assert row.divergence["dtype"] == "bfloat16"
+    table = list(csv.reader(io.StringIO(report_module.csv_text({"methods": summary}))))
+    assert table[0][-3:] == ["n_identical", "n_rounding", "n_defect"]
+    assert [r[-1] for r in table[1:] if r[:2] == ["sloppy", "overall"]] == ["2"]
 
 
 def test_truncated_head_policy_in_the_benchmark(model: torch.nn.Module) -> None:

@@ -156,6 +156,39 @@ def test_tiny_checkpoint_compare_json(tmp_path: Path, tiny_llama_dir: str) -> No
     report = json.loads(result.stdout)
     assert REPORT_KEYS <= set(report)
     assert report["identical"] is True and report["model"] == "tiny-llama"
+    assert report["divergence"] is None
+
+
+def test_compare_names_the_divergence_and_its_class(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--compare on a bf16 run whose verify keeps one draft past the first mismatch (an injected
+    defect): the line and the JSON give the position, both tokens and the class, checked in fp32."""
+    from layerskip.engine import decoding
+    from layerskip.sampling import accept_greedy
+
+    def one_past(drafted: list[int], targets: list[int]) -> tuple[int, int]:
+        accepted, token = accept_greedy(drafted, targets)
+        if accepted < len(drafted):
+            accepted += 1
+            token = targets[accepted]
+        return accepted, token
+
+    save_checkpoint(tiny_model("mistral"), tmp_path / "tiny-mistral")
+    policy = _policy_file(tmp_path, SkipPolicy(skip_attention=(0, 2), draft=DraftSettings(max_draft_tokens=4)))
+    args = ["--model", str(tmp_path / "tiny-mistral"), "--dtype", "bfloat16", "--policy", policy, "--compare"]
+    args += ["--prompt", "w5 w9 hello w3 w3 world", "--max-new-tokens", "16"]
+    assert json.loads(generate_in_process(capsys, *args, "--json").stdout)["divergence"] is None  # correct: identical
+    monkeypatch.setattr(decoding, "accept_greedy", one_past)
+    result = generate_in_process(capsys, *args)
+    assert result.returncode == 0, result.stderr
+    assert "identical: False (first divergence at new token 1: ours 'w45' (id 47), HF " in result.stderr
+    assert "fp32 gap" in result.stderr and "error bound" in result.stderr
+    assert result.stderr.rstrip().endswith(": defect)]")
+    report = json.loads(generate_in_process(capsys, *args, "--json").stdout)
+    found = report["divergence"]
+    assert report["identical"] is False and found["position"] == 1 and found["class"] == "defect"
+    assert found["method_token"] == 47 and found["method_text"] == "w45" and found["fp32_gap"] > found["error_bound"]
 
 
 # -- more bad input, run in-process (same run_cli, no interpreter start) --------------------------------

@@ -183,7 +183,12 @@ def _main(argv: list[str] | None) -> int:
     )
     with busy_processes(args.busy_processes):
         rows = run_benchmark(
-            model, methods, prompts, prompt_ids, BenchConfig(args.max_new_tokens, progress=not args.no_progress)
+            model,
+            methods,
+            prompts,
+            prompt_ids,
+            BenchConfig(args.max_new_tokens, progress=not args.no_progress),
+            tokenizer=tokenizer,
         )
     env = environment(next(model.parameters()).device)
     results = {

@@ -25,6 +25,7 @@ from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.integration.baselines import hf_generate
 from layerskip.machine import this_machine
+from layerskip.measure.divergence import DivergenceCheck
 from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup, throughput
 from layerskip.sampling import Sampling
 
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compare",
         action="store_true",
-        help="also run HF generate on the same prompt: speedup and whether tokens are identical",
+        help="also run HF generate on the same prompt: speedup, and whether tokens are identical (if not: where "
+        "they first differ, the two tokens, and whether that is rounding or a defect, checked in fp32)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument(
@@ -151,6 +153,11 @@ def _main(argv: list[str] | None) -> int:
         report["speedup"] = speedup([ours], [base])
         # Sampled outputs differ run to run by design; identity is a greedy property.
         report["identical"] = tokens == base.tokens if sampling is None else None
+        divergence = None
+        if report["identical"] is False:  # where, the two tokens, and rounding or defect (measure.divergence)
+            with DivergenceCheck(model, tokenizer) as check:
+                divergence = check.classify(ids, tokens, base.tokens)
+        report["divergence"] = None if divergence is None else divergence.to_dict()
     if args.save_policy:
         assert policy is not None and decoder.selection is not None
         # The set was learned from speeds measured here: the policy records this machine.
@@ -176,6 +183,8 @@ def _main(argv: list[str] | None) -> int:
             f"; HF generate {report['baseline_tokens_per_second']:.1f} tok/s, speedup {report['speedup']:.2f}x, "
             f"identical: {report['identical']}"
         )
+        if divergence is not None:
+            line += f" ({divergence.describe('ours', 'HF')})"
     print(line + "]", file=sys.stderr)
     return 0
 

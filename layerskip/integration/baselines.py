@@ -63,6 +63,18 @@ def hf_generate(
     return out[0, ids.shape[1] :].tolist()
 
 
+@torch.inference_mode()
+def hf_greedy_logits(model: nn.Module, input_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF greedy ``generate`` as ``hf_generate`` runs it (no EOS stop): the new tokens and the raw
+    logits it chose each from, ``[n, V]`` float32 (the model's own values, upcast). Nothing else
+    differs from the baseline's call, so the logits are the ones the baseline decided on."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(input_ids)], device=device)
+    kwargs = _generate_arguments(ids, max_new_tokens, (), None, None)
+    out = model.generate(ids, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[0, ids.shape[1] :].tolist(), torch.cat(out.logits, dim=0).float()
+
+
 def hf_custom_generate(
     model: nn.Module,
     input_ids: Sequence[int],

@@ -3,8 +3,8 @@
 Timing and the speedup definition are ``measure.timing``'s: each call timed from the outside,
 methods back to back per prompt in a rotating order after a warm-up; speedup is aggregate
 throughput against ``hf-ar`` (HF ``generate``, greedy). Greedy outputs are compared with
-hf-ar's token for token; at a divergence the full model's top-2 logit gap there is recorded, so
-a near-tie can be told apart from a bug.
+hf-ar's token for token; each method's first divergence is classed ``rounding`` or ``defect``
+against an fp32 copy of the weights (``measure.divergence``), after the timed runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from layerskip.data import Prompt
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
@@ -28,6 +29,7 @@ from layerskip.hf import adapters
 from layerskip.integration.baselines import hf_custom_generate, hf_generate
 from layerskip.integration.decoders import decoder_for
 from layerskip.machine import this_machine
+from layerskip.measure.divergence import DEFECT, ROUNDING, DivergenceCheck
 from layerskip.measure.timing import Runner, run_interleaved, throughput
 from layerskip.stats import GenerationStats
 
@@ -63,7 +65,7 @@ class PromptResult:
     new_tokens: int
     seconds: float
     identical: bool | None
-    divergence: dict[str, Any] | None = None
+    divergence: dict[str, Any] | None = None  # measure.divergence.Divergence.to_dict(): where, and its class
     peak_memory_mb: float | None = None
     stats: GenerationStats | None = None  # None for HF methods (they expose no step counts)
 
@@ -262,30 +264,18 @@ def _early_exit_depth(model: nn.Module, policy: SkipPolicy | None) -> int:
     return count // 2
 
 
-@torch.inference_mode()
-def top2_gap(model: nn.Module, prompt: list[int], reference: list[int], position: int) -> float:
-    """The full model's top-1 minus top-2 logit where ``reference[position]`` was chosen."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([[*prompt, *reference[:position]]], device=device)
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
-
-
-def _divergence(model: nn.Module, ids: list[int], tokens: list[int], reference: list[int]) -> dict[str, Any]:
-    position = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
-    gap = top2_gap(model, ids, reference, position) if position < len(reference) else None
-    return {"position": position, "top2_logit_gap": gap}
-
-
 def run_benchmark(
     model: nn.Module,
     methods: list[Method],
     prompts: Sequence[Prompt],
     prompt_ids: Sequence[list[int]],
     config: BenchConfig,
+    tokenizer: Any | None = None,
 ) -> list[PromptResult]:
-    """Run every method on every prompt, interleaved; returns one row per (prompt, method)."""
+    """Run every method on every prompt, interleaved; returns one row per (prompt, method).
+
+    After the timed runs, each output that is not identical to hf-ar's gets its first
+    divergence classed (``measure.divergence``; ``tokenizer`` adds the two tokens' text)."""
     device = next(model.parameters()).device
     runs = run_interleaved(
         {m.name: m.run for m in methods},
@@ -297,24 +287,28 @@ def run_benchmark(
         desc="benchmark",
     )
     rows: list[PromptResult] = []
-    for prompt, ids, by_method in zip(prompts, prompt_ids, runs):
-        reference = by_method[BASELINE].tokens
-        for method in methods:
-            run = by_method[method.name]
-            identical = run.tokens == reference
-            rows.append(
-                PromptResult(
-                    prompt.id,
-                    prompt.category,
-                    method.name,
-                    len(run.tokens),
-                    run.seconds,
-                    identical,
-                    None if identical else _divergence(model, ids, run.tokens, reference),
-                    run.peak_memory_mb,
-                    run.stats,
+    with DivergenceCheck(model, tokenizer) as check:  # its fp32 copy, if one is made, goes with it
+        for prompt, ids, by_method in tqdm(
+            list(zip(prompts, prompt_ids, runs)), desc="divergence check", disable=not config.progress, leave=False
+        ):
+            reference = by_method[BASELINE].tokens
+            found = check.classify_many(ids, reference, {m.name: by_method[m.name].tokens for m in methods})
+            for method in methods:
+                run = by_method[method.name]
+                divergence = found[method.name]
+                rows.append(
+                    PromptResult(
+                        prompt.id,
+                        prompt.category,
+                        method.name,
+                        len(run.tokens),
+                        run.seconds,
+                        divergence is None,
+                        None if divergence is None else divergence.to_dict(),
+                        run.peak_memory_mb,
+                        run.stats,
+                    )
                 )
-            )
     return rows
 
 
@@ -351,6 +345,7 @@ def summarise(
             "mean_accepted": 1.0 if is_plain else (stats.mean_accepted if stats is not None else None),
             "acceptance_rate": None if is_plain or stats is None or not stats.drafted else stats.acceptance_rate,
             "identical_fraction": sum(bool(r.identical) for r in subset) / len(subset),
+            **divergence_counts(subset),
             "n_prompts": len(subset),
             "new_tokens": sum(r.new_tokens for r in subset),
             "divergences": divergences,
@@ -387,6 +382,18 @@ def summarise(
                 split[group] = figures(mine, base) if mine else None
             summary[name]["split"] = {"tuned_categories": sorted(tuned), **split}
     return summary
+
+
+def divergence_counts(rows: Sequence[PromptResult]) -> dict[str, int]:
+    """Outputs identical to hf-ar's, and divergences by class (``unclassified``: rows saved before
+    divergences were classed, re-read with ``--from-results``)."""
+    classes = [(r.divergence or {}).get("class") for r in rows if not r.identical]
+    return {
+        "n_identical": sum(bool(r.identical) for r in rows),
+        "n_rounding": classes.count(ROUNDING),
+        "n_defect": classes.count(DEFECT),
+        "n_unclassified": sum(c not in (ROUNDING, DEFECT) for c in classes),
+    }
 
 
 def time_profile(stats: GenerationStats, seconds: float, runs: int) -> dict[str, Any] | None:

@@ -10,7 +10,18 @@ from typing import Any
 
 from layerskip.fileio import write_file_set
 
-COLUMNS = ("tokens_per_second", "speedup", "mean_accepted", "acceptance_rate", "identical_fraction", "n_prompts")
+COLUMNS = (
+    "tokens_per_second",
+    "speedup",
+    "mean_accepted",
+    "acceptance_rate",
+    "identical_fraction",
+    "n_prompts",
+    # Outputs identical to hf-ar's, then divergences by class (measure.divergence).
+    "n_identical",
+    "n_rounding",
+    "n_defect",
+)
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -25,7 +36,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     """Methods as rows: overall figures, then speedup by category."""
     methods = results["methods"]
     categories = sorted({c for m in methods.values() for c in m["by_category"]})
-    header = ["method", "tok/s", "speedup", "tau", "acceptance", "identical", *categories]
+    header = ["method", "tok/s", "speedup", "tau", "acceptance", "identical / rounding / defect", *categories]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, figures in methods.items():
         o = figures["overall"]
@@ -35,13 +46,57 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"{_fmt(o['speedup'])}x",
             _fmt(o["mean_accepted"]),
             _fmt(o["acceptance_rate"]),
-            _fmt(o["identical_fraction"]),
+            _identity(o),
         ]
         for category in categories:
             c = figures["by_category"].get(category)
             cells.append(f"{_fmt(c['speedup'])}x" if c else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _identity(figures: dict[str, Any]) -> str:
+    """``identical / rounding / defect`` counts; older results (no classes) show the fraction identical."""
+    if "n_identical" not in figures:
+        return _fmt(figures.get("identical_fraction"))
+    cell = f"{figures['n_identical']} / {figures['n_rounding']} / {figures['n_defect']}"
+    unclassified = figures.get("n_unclassified")
+    return f"{cell} (+{unclassified} unclassified)" if unclassified else cell
+
+
+def divergence_table(results: dict[str, Any]) -> str:
+    """Every divergence from hf-ar: where, the two tokens, the fp32 gap against the error bound, the class."""
+    rows = [row for row in results.get("per_prompt", []) if row.get("divergence")]
+    if not rows:
+        return ""
+    header = ["method", "prompt", "position", "method token", "hf-ar token", "fp32 gap", "error bound", "class"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        d = row["divergence"]
+        cells = [
+            row["method"],
+            str(row["prompt_id"]),
+            str(d.get("position")),
+            _token(d, "method"),
+            _token(d, "reference"),
+            _fmt(d.get("fp32_gap"), 4),
+            _fmt(d.get("error_bound"), 4),
+            d.get("class") or "unclassified",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _token(divergence: dict[str, Any], side: str) -> str:
+    if f"{side}_token" not in divergence:
+        return "-"  # saved before divergences were classed
+    token_id, text = divergence[f"{side}_token"], divergence.get(f"{side}_text")
+    if token_id is None:
+        return "(ended)"
+    if text is None:
+        return str(token_id)
+    shown = repr(text).replace("|", "\\|")  # a pipe would end the Markdown cell
+    return f"{shown} ({token_id})"
 
 
 def profile_table(results: dict[str, Any]) -> str:
@@ -91,8 +146,14 @@ def held_out_table(results: dict[str, Any]) -> str:
 
 
 def markdown_report(results: dict[str, Any]) -> str:
-    """The figures table, the held-out check, then the time profile of our engine's methods."""
+    """The figures table, the divergences, the held-out check, then the time profile of our engine's methods."""
     parts = [markdown_table(results)]
+    divergences = divergence_table(results)
+    if divergences:
+        parts.append(
+            "Divergences from hf-ar (first differing token; `rounding`: the fp32 gap between the two tokens is "
+            f"within the measured rounding error of the two paths, `defect`: it is not):\n\n{divergences}"
+        )
     held_out = held_out_table(results)
     if held_out:
         parts.append(f"Held-out check (categories the policy was not tuned on):\n\n{held_out}")
