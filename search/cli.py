@@ -89,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--objective", choices=OBJECTIVES, default="speedup")
     parser.add_argument("--reference-tokens", type=int, default=48, help="length of each teacher-forcing reference")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt in the real confirmation")
-    parser.add_argument("--confirm-top", type=int, default=3, help="finalists confirmed by real generation (0: none)")
+    parser.add_argument(
+        "--confirm-top",
+        type=int,
+        default=3,
+        help="finalists confirmed by real generation: the N best predicted, and the best predicted trial of each "
+        "other kind of draft (exit, skip, hybrid, lookup) found (0: none)",
+    )
     parser.add_argument(
         "--confirm-rounds",
         type=int,
@@ -435,12 +441,12 @@ def _main(argv: list[str] | None) -> int:
         after = counted_trials(study)
         info["detail"] = f"{after - before} finished while this ran, {after} in the study"
 
-    top = finalists(study, args.objective, max(args.confirm_top, 1))
+    # The best predictions, and the best of every other kind of draft (exit, skip, hybrid, lookup).
+    top = finalists(study, args.objective, max(args.confirm_top, 1), per_kind=True)
     with phase("confirm", progress) as info:
         # Real generation with a hopeless draft is slow and tells nothing new: skip those.
-        chosen = [
-            t for t in top[: args.confirm_top] if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED
-        ]
+        hopeful = [t for t in top if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED]
+        chosen = hopeful if args.confirm_top else []
         settings = {
             "rounds": args.confirm_rounds,
             "prompts": len(calibration.prompts),

@@ -3,8 +3,10 @@
 The exported policy is the one the trial evaluated (stored on the trial), with the study's
 model identity, provenance and the figures measured for it. Only *exportable* trials are
 offered (``search.space.exportable``): a skip draft that bypasses nothing is the full model
-drafting for itself and is never exported. Whether the choice beats plain decoding is reported
-by ``verdict``, plainly.
+drafting for itself and is never exported. The trial exported by default is the one the last
+confirmation window chose (``search.confirmation``); the provenance then records every
+finalist's measured speedup and noise and whether a close call decided it. Whether the choice
+beats plain decoding is reported by ``verdict``, plainly.
 """
 
 from __future__ import annotations

@@ -225,6 +225,26 @@ def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
     assert "nothing found beats plain decoding" in verdict(policy)
 
 
+def test_finalists_add_the_best_of_every_other_kind_of_draft():
+    """The cheap score may rank a whole kind of draft just below another on noise: the best of each kind
+    is confirmed beside the top predictions (with per_kind)."""
+    from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+    from search.space import trial_policy
+    from search.study import draft_kind, finalists
+
+    study = optuna.create_study(direction="maximize")
+    exit_draft = ExitSettings(adapter="/a.safetensors", sha256="0" * 64, layer=1, kind="linear")
+    exits = [_trial_with(study, SkipPolicy.early_exit(4, 2, exit=exit_draft), p) for p in (2.0, 1.9)]
+    skip = _trial_with(study, SkipPolicy(skip_mlp=(1,)), 1.8)
+    _trial_with(study, SkipPolicy(skip_mlp=(2,)), 1.7)  # a second skip draft: not its kind's best
+    hybrid = _trial_with(study, SkipPolicy(skip_mlp=(1,), draft=DraftSettings(lookup_max_ngram=3)), 1.5)
+    lookup = _trial_with(study, SkipPolicy(draft=DraftSettings(use_skip_draft=False, lookup_max_ngram=3)), 1.0)
+    assert [t.number for t in finalists(study, "speedup", 2)] == exits
+    assert [t.number for t in finalists(study, "speedup", 2, per_kind=True)] == [*exits, skip, hybrid, lookup]
+    kinds = [draft_kind(trial_policy(study, t)) for t in finalists(study, "speedup", 1, per_kind=True)]
+    assert kinds == ["exit", "skip", "hybrid", "lookup"]
+
+
 def test_export_refuses_a_study_without_an_exportable_trial():
     from layerskip.drafts.policy import SkipPolicy
     from search.export import choose_trial
