@@ -447,10 +447,11 @@ def _main(argv: list[str] | None) -> int:
         # Real generation with a hopeless draft is slow and tells nothing new: skip those.
         hopeful = [t for t in top if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED]
         chosen = hopeful if args.confirm_top else []
-        settings = {
+        settings = {  # a window measured with other settings is not reused
             "rounds": args.confirm_rounds,
             "prompts": len(calibration.prompts),
             "max_new_tokens": args.max_new_tokens,
+            "prompt_ids": calibration.description.get("prompts", []),
         }
 
         def measure(policies):
