@@ -23,7 +23,8 @@ from layerskip.cli.common import add_model_arguments, run_cli  # noqa: E402
 from layerskip.data import load_prompts  # noqa: E402
 from layerskip.hf.models import load_model  # noqa: E402
 from layerskip.hf.prompting import encode_prompt, eos_token_ids  # noqa: E402
-from search.objective import confirm, prepare_calibration, spearman  # noqa: E402
+from search.confirmation import confirm_window  # noqa: E402
+from search.objective import prepare_calibration, spearman  # noqa: E402
 from search.space import trial_policy  # noqa: E402
 from search.study import confirmations, open_storage, record_confirmation  # noqa: E402
 
@@ -57,10 +58,12 @@ def _main(argv: list[str] | None) -> int:
     step = max(1, len(trials) // args.n)
     chosen = trials[::step][: args.n]
     done = confirmations(study)
-    for trial in chosen:
-        if trial.number not in done:
-            policy = trial_policy(study, trial)
-            record_confirmation(study, trial, confirm(loaded.model, calibration, policy, args.max_new_tokens))
+    missing = [trial for trial in chosen if trial.number not in done]
+    if missing:  # measured together in one interleaved window (search.confirmation)
+        policies = {trial.number: trial_policy(study, trial) for trial in missing}
+        measured = confirm_window(loaded.model, calibration, policies, args.max_new_tokens)
+        for trial in missing:
+            record_confirmation(study, trial, measured[trial.number])
     done = confirmations(study)
     pairs = [
         (t.user_attrs["predicted_speedup"], done[t.number]["speedup"], t.number) for t in trials if t.number in done

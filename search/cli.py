@@ -41,15 +41,19 @@ from layerskip.machine import Machine, this_machine
 from layerskip.measure.agreement import sublayer_order
 from search.calibration_cache import CACHE_ENV, CalibrationCache, phase
 from search.checks import check_arguments, check_resumed_space
+from search.confirmation import MIN_ROUNDS, confirm_window
+from search.draft_timing import shared_timing_counts
 from search.export import export_policy, verdict
 from search.journal import repair_journal
-from search.objective import OBJECTIVES, CheapObjective, confirm, prepare_calibration
+from search.objective import OBJECTIVES, CheapObjective, prepare_calibration
 from search.plots import write_plots
 from search.space import RANKING_ATTR, ExitChoice, SearchSpace, trial_policy
 from search.study import (
     check_local_storage,
     check_storage_url,
     check_study_matches,
+    confirm_finalists,
+    confirmation_window,
     confirmations,
     counted_trials,
     existing_study_attrs,
@@ -57,7 +61,6 @@ from search.study import (
     local_storage_file,
     open_storage,
     open_study,
-    record_confirmation,
     run_trials,
 )
 
@@ -175,7 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--objective", choices=OBJECTIVES, default="speedup")
     parser.add_argument("--reference-tokens", type=int, default=48, help="length of each teacher-forcing reference")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt in the real confirmation")
-    parser.add_argument("--confirm-top", type=int, default=3, help="finalists confirmed by real generation (0: none)")
+    parser.add_argument(
+        "--confirm-top",
+        type=int,
+        default=3,
+        help="finalists confirmed by real generation: the N best predicted, and the best predicted trial of each "
+        "other kind of draft (exit, skip, hybrid, lookup) found (0: none)",
+    )
+    parser.add_argument(
+        "--confirm-rounds",
+        type=int,
+        default=MIN_ROUNDS,
+        help=f"rounds of the confirmation window (>= {MIN_ROUNDS}): each runs every finalist and HF generate on "
+        "every calibration prompt, interleaved; a finalist's speedup is the median over rounds, its noise the "
+        "interquartile range",
+    )
     parser.add_argument("--draft-tokens", type=int_list, default=(2, 3, 4, 6, 8), help="max draft token choices")
     parser.add_argument(
         "--no-adaptive",
@@ -279,6 +296,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise LayerskipError("--total-trials must be > 0")
     if args.confirm_top < 0:
         raise LayerskipError("--confirm-top must be >= 0")
+    if args.confirm_rounds < MIN_ROUNDS:
+        raise LayerskipError(
+            f"--confirm-rounds must be >= {MIN_ROUNDS} (got {args.confirm_rounds}): fewer rounds cannot tell "
+            "the noise; --confirm-top 0 skips the confirmation"
+        )
     if any(k < 1 for k in args.draft_tokens) or not args.draft_tokens:
         raise LayerskipError("--draft-tokens must list integers >= 1")
 
@@ -307,16 +329,24 @@ def read_exit_choices(directories: list[str]) -> tuple[ExitChoice, ...]:
 
 def _summary(study, objective: str, top: list) -> str:
     confirmed = confirmations(study)
+    window = confirmation_window(study)
+    rows = list(top)
+    if window is not None:  # the last window's trials, a previous winner among them, are shown too
+        extra = set(window["trials"]) - {t.number for t in rows}
+        rows += [t for t in study.get_trials(deepcopy=False) if t.number in extra]
     lines = [
         "| trial | attention skipped | MLP skipped | draft | acceptance (tf) | predicted "
-        "| measured speedup | tau | identical |",
+        "| measured speedup (IQR) | tau | identical |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for trial in top:
+    for trial in rows:
         policy = trial_policy(study, trial)
         c = confirmed.get(trial.number)
+        noise = f" ({c['speedup_iqr']:.2f})" if c and "speedup_iqr" in c else ""
         measured = (
-            f"{c['speedup']:.2f}x | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}" if c else "- | - | -"
+            f"{c['speedup']:.2f}x{noise} | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}"
+            if c
+            else "- | - | -"
         )
         k = f"{policy.draft.max_draft_tokens} {policy.draft.ending}".rstrip()
         if policy.draft.precision != "model" and policy.draft.use_skip_draft:
@@ -332,6 +362,18 @@ def _summary(study, objective: str, top: list) -> str:
             f"| {trial.user_attrs.get('acceptance', 0):.3f} | {trial.user_attrs.get('predicted_speedup', 0):.2f}x "
             f"| {measured} |"
         )
+    if window is not None:
+        settings = window.get("settings", {})
+        lines.append(
+            f"\nconfirmation: trials {', '.join(map(str, window['trials']))} and HF generate in one interleaved "
+            f"window, {settings.get('rounds')} rounds x {settings.get('prompts')} prompts x "
+            f"{settings.get('max_new_tokens')} tokens; speedup = median of the per-round speedups, "
+            "noise = their interquartile range (IQR)"
+        )
+        lines.append(f"decision: {window['note']}")
+    timed, reused = shared_timing_counts(study.get_trials(deepcopy=False))
+    if timed or reused:
+        lines.append(f"draft timings: {timed} distinct drafts timed once each; {reused} trials reused a timing")
     return "\n".join(lines)
 
 
@@ -493,17 +535,29 @@ def _main(argv: list[str] | None) -> int:
         after = counted_trials(study)
         info["detail"] = f"{after - before} finished while this ran, {after} in the study"
 
-    top = finalists(study, args.objective, max(args.confirm_top, 1))
-    done = confirmations(study)
+    # The best predictions, and the best of every other kind of draft (exit, skip, hybrid, lookup).
+    top = finalists(study, args.objective, max(args.confirm_top, 1), per_kind=True)
     with phase("confirm", progress) as info:
-        confirmed = 0
-        for trial in top[: args.confirm_top]:
-            # Real generation with a hopeless draft is slow and tells nothing new: skip those.
-            if trial.number not in done and trial.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED:
-                policy = trial_policy(study, trial)
-                record_confirmation(study, trial, confirm(model, calibration, policy, args.max_new_tokens, progress))
-                confirmed += 1
-        info["detail"] = f"{confirmed} finalist(s) measured by real generation"
+        # Real generation with a hopeless draft is slow and tells nothing new: skip those.
+        hopeful = [t for t in top if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED]
+        chosen = hopeful if args.confirm_top else []
+        settings = {  # a window measured with other settings is not reused
+            "rounds": args.confirm_rounds,
+            "prompts": len(calibration.prompts),
+            "max_new_tokens": args.max_new_tokens,
+            "prompt_ids": calibration.description.get("prompts", []),
+        }
+
+        def measure(policies):
+            return confirm_window(model, calibration, policies, args.max_new_tokens, args.confirm_rounds, progress)
+
+        window, measured = confirm_finalists(study, chosen, measure, settings) if chosen else (None, False)
+        if measured:
+            info["detail"] = (
+                f"{len(window['trials'])} finalist(s) and HF generate interleaved, {args.confirm_rounds} rounds"
+            )
+        else:
+            info["detail"] = "nothing new to measure"
     out = Path(args.out or f"{study_name}.policy.json")
     policy = export_policy(study, out, args.export_trial)
     if args.plots:

@@ -3,14 +3,17 @@
 The exported policy is the one the trial evaluated (stored on the trial), with the study's
 model identity, provenance and the figures measured for it. Only *exportable* trials are
 offered (``search.space.exportable``): a skip draft that bypasses nothing is the full model
-drafting for itself and is never exported. Whether the choice beats plain decoding is reported
-by ``verdict``, plainly.
+drafting for itself and is never exported. The trial exported by default is the one the last
+confirmation window chose (``search.confirmation``); the provenance then records every
+finalist's measured speedup and noise and whether a close call decided it. Whether the choice
+beats plain decoding is reported by ``verdict``, plainly.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -18,9 +21,17 @@ from optuna.trial import FrozenTrial, TrialState
 from layerskip.drafts.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from search.space import exportable, trial_policy
-from search.study import confirmations
+from search.study import confirmation_window, confirmations
 
-CHEAP_FIGURES = ("acceptance", "draft_seconds", "draft_cost", "verify_cost", "predicted_speedup", "skip_fraction")
+CHEAP_FIGURES = (
+    "acceptance",
+    "draft_seconds",
+    "draft_cost",
+    "verify_cost",
+    "predicted_speedup",
+    "skip_fraction",
+    "draft_timed_by_trial",
+)
 
 
 def exportable_trials(study: optuna.Study) -> list[FrozenTrial]:
@@ -29,7 +40,8 @@ def exportable_trials(study: optuna.Study) -> list[FrozenTrial]:
 
 
 def choose_trial(study: optuna.Study, trial_number: int | None = None) -> FrozenTrial:
-    """The chosen trial, else the exportable trial with the best *measured* speedup, else the best predicted one."""
+    """The chosen trial, else the last confirmation window's choice (``search.confirmation.decide``), else
+    the exportable trial with the best *measured* speedup, else the best predicted one."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:
         raise LayerskipError(f"study '{study.study_name}' has no completed trial yet; run more trials first")
@@ -44,7 +56,12 @@ def choose_trial(study: optuna.Study, trial_number: int | None = None) -> Frozen
             f"study '{study.study_name}' has no trial that bypasses a sublayer or drafts by lookup; "
             "run more trials (or allow more skips: --max-skip-fraction)"
         )
-    confirmed = confirmations(study)
+    window = confirmation_window(study)
+    chosen = None if window is None else window["decision"]["chosen"]
+    for trial in candidates:  # the finalists measured together, and its close call settled
+        if trial.number == chosen:
+            return trial
+    confirmed = confirmations(study)  # a study from before confirmation windows
     measured = [t for t in candidates if t.number in confirmed]
     if measured:
         return max(measured, key=lambda t: confirmed[t.number]["speedup"])
@@ -80,9 +97,39 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
         provenance["machine"] = machine
     if attrs.get("preset"):
         provenance["preset"] = attrs["preset"]
+    window = confirmation_window(study)
+    if window is not None:
+        provenance["confirmation"] = window_provenance(window, confirmations(study), trial.number)
     if trial.user_attrs.get("latency_warning"):  # its costs were measured on a busy machine
         provenance["latency_warning"] = trial.user_attrs["latency_warning"]
     return replace(trial_policy(study, trial), model=identity, provenance=provenance, measured=measured)
+
+
+def window_provenance(window: dict[str, Any], confirmed: dict[int, dict[str, Any]], exported: int) -> dict[str, Any]:
+    """How the finalists were measured, each one's noise, and how the choice among them was made."""
+    settings = window.get("settings", {})
+    finalists = [
+        {
+            "trial": number,
+            "speedup": confirmed[number]["speedup"],
+            "speedup_iqr": confirmed[number].get("speedup_iqr", 0.0),
+            "mean_accepted": confirmed[number]["mean_accepted"],
+        }
+        for number in window["trials"]
+        if number in confirmed
+    ]
+    decision = window["decision"]
+    return {
+        "window": "finalists and HF generate interleaved, paired by round",
+        **settings,
+        "noise": "interquartile range of each finalist's per-round speedups (speedup_iqr)",
+        "finalists": finalists,
+        "close_call": decision["close_call"],
+        "decided_by": decision["decided_by"],
+        "chosen": decision["chosen"],
+        "exported_is_chosen": exported == decision["chosen"],
+        "note": window.get("note", ""),
+    }
 
 
 def verdict(policy: SkipPolicy) -> str:
@@ -90,9 +137,17 @@ def verdict(policy: SkipPolicy) -> str:
     confirmed = policy.measured.get("confirmed")
     if confirmed is not None:
         speed = confirmed["speedup"]
+        noise = (
+            f" (median of {confirmed['rounds']} rounds, IQR {confirmed['speedup_iqr']:.2f})"
+            if "rounds" in confirmed
+            else ""
+        )
         if speed < 1.0:
-            return f"measured {speed:.2f}x vs HF generate: nothing found beats plain decoding on this model and device"
-        return f"measured {speed:.2f}x vs HF generate"
+            return (
+                f"measured {speed:.2f}x vs HF generate{noise}: "
+                "nothing found beats plain decoding on this model and device"
+            )
+        return f"measured {speed:.2f}x vs HF generate{noise}"
     predicted = policy.measured.get("predicted_speedup")
     if predicted is None:
         return "not measured"

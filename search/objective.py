@@ -4,8 +4,9 @@ cheap: the draft's teacher-forced predictions over the calibration references (i
        sublayers, precision and head included), replayed through the engine's own drafting
        rules (``measure.agreement.simulate_greedy``), priced with the draft step's latency and
        every verify block length *measured* on the device: a predicted speedup.
-real:  actual self-speculative generation against HF ``generate`` on the same prompts, timed
-       as the benchmark times (``measure.timing``); measured speedup, tau and acceptance.
+real:  actual self-speculative generation against HF ``generate`` on the same prompts, every
+       finalist in one interleaved window (``search.confirmation``); measured speedup, its
+       noise, tau and acceptance.
 """
 
 from __future__ import annotations
@@ -23,14 +24,11 @@ from layerskip.drafts.builder import draft_model_for
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import ExitSettings, SkipPolicy
-from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf import adapters
-from layerskip.integration.baselines import hf_generate
 from layerskip.measure.agreement import Reference, TeacherForcedDraft, build_references, simulate_greedy
 from layerskip.measure.latency import block_cost, draft_step_seconds
-from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup
-from layerskip.stats import GenerationStats
 from search.calibration_cache import CalibrationCache, measure_latency, phase
+from search.draft_timing import DraftTimings, draft_key
 from search.space import POLICY_ATTR, SearchSpace, policy_attr, with_vocabulary
 
 OBJECTIVES = ("pareto", "speedup")
@@ -113,6 +111,7 @@ class CheapScore:
     draft_cost: float  # draft step / plain step
     verify_cost: float  # verify of k+1 / plain step
     predicted_speedup: float
+    draft_timed_by_trial: int | None = None  # the trial whose timing of this same draft priced it
 
 
 class CheapObjective:
@@ -142,6 +141,8 @@ class CheapObjective:
         # One per (precision, exit adapter file), every sublayer kept: an adapter is loaded once per
         # study process, keyed by its content hash, never trained by a trial.
         self.draft_models: dict[tuple[str, str], DraftModel] = {}
+        # One timing per distinct draft in the study (search.draft_timing): noise cannot price it twice.
+        self.draft_timings = DraftTimings()
 
     def draft_model(self, precision: str, exit: ExitSettings | None = None) -> DraftModel:
         key = (precision, exit.sha256 if exit is not None else "")
@@ -154,12 +155,18 @@ class CheapObjective:
         cal = self.calibration
         k = policy.draft.max_draft_tokens
         draft_cost = draft = 0.0
+        timed_by = None
         draft_model = self.draft_model(policy.draft.precision, policy.exit)
         head_rows = policy.head_rows(adapters.lm_head(self.model).weight.shape[0])
         attention, mlp = policy.skip_attention, policy.skip_mlp
         if policy.draft.use_skip_draft:
-            context = cal.latency_context
-            draft = draft_step_seconds(draft_model, context, attention, mlp, head_rows, self.latency_repeats)
+            context, repeats = cal.latency_context, self.latency_repeats
+            timing = self.draft_timings.seconds(
+                draft_key(self.model, policy, head_rows, context, repeats),
+                lambda: draft_step_seconds(draft_model, context, attention, mlp, head_rows, repeats),
+                trial,
+            )
+            draft, timed_by = timing.seconds, timing.trial
             draft_cost = draft / cal.plain_step_seconds
         matches = total = tokens = drafted = accepted = 0
         cost = 0.0
@@ -184,7 +191,8 @@ class CheapObjective:
             acceptance = matches / total if total else 0.0
         else:
             acceptance = accepted / drafted if drafted else 0.0
-        return CheapScore(acceptance, draft, draft_cost, cal.verify_cost(k + 1), tokens / cost if cost else 0.0)
+        predicted = tokens / cost if cost else 0.0
+        return CheapScore(acceptance, draft, draft_cost, cal.verify_cost(k + 1), predicted, timed_by)
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]:
         policy = with_vocabulary(self.space.suggest(trial), self.ranking)
@@ -198,51 +206,6 @@ class CheapObjective:
         if self.mode == "pareto":
             return score.acceptance, score.draft_seconds
         return score.predicted_speedup
-
-
-@dataclass
-class Confirmation:
-    """A policy measured by real generation against HF generate on the calibration prompts."""
-
-    speedup: float
-    tokens_per_second: float
-    baseline_tokens_per_second: float
-    mean_accepted: float
-    acceptance_rate: float
-    identical_fraction: float
-    prompts: int
-    max_new_tokens: int
-
-
-def confirm(
-    model: nn.Module,
-    calibration: Calibration,
-    policy: SkipPolicy,
-    max_new_tokens: int,
-    progress: bool = False,
-) -> Confirmation:
-    """Greedy self-speculative generation vs HF generate on the calibration prompts, timed and
-    compared as the benchmark does (``measure.timing``: interleaved, aggregate throughput)."""
-    decoder = Decoder(model, policy)
-    eos = calibration.eos_token_ids
-    runners: dict[str, Runner] = {
-        "ours": lambda ids, n: decoder.decode(ids, DecodeSettings(max_new_tokens=n, eos_token_ids=eos)),
-        "hf": lambda ids, n: (hf_generate(model, ids, n, eos), None),
-    }
-    device = next(model.parameters()).device
-    runs = run_interleaved(runners, calibration.prompts, max_new_tokens, device, 8, progress, "confirm")
-    ours, hf = [r["ours"] for r in runs], [r["hf"] for r in runs]
-    stats = GenerationStats.combined([r.stats for r in ours])
-    return Confirmation(
-        speedup=speedup(ours, hf) or 0.0,
-        tokens_per_second=aggregate_throughput(ours),
-        baseline_tokens_per_second=aggregate_throughput(hf),
-        mean_accepted=stats.mean_accepted,
-        acceptance_rate=stats.acceptance_rate,
-        identical_fraction=sum(r["ours"].tokens == r["hf"].tokens for r in runs) / len(runs),
-        prompts=len(runs),
-        max_new_tokens=max_new_tokens,
-    )
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:

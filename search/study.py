@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,12 +27,14 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
-from search.objective import Confirmation
+from search.confirmation import Confirmation, decide
 from search.space import exportable, trial_policy
 
 COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
 CONFIRMED_PREFIX = "confirmed:"
+WINDOW_ATTR = "confirmation_window"  # the last window of finalists measured together, and its decision
 HEARTBEAT_SECONDS = 30
 WORKER_ATTR = "worker"  # "host:pid" of the process running a trial
 SERVER_SCHEMES = ("postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://", "mysql://", "mysql+pymysql://")
@@ -428,14 +430,36 @@ class _CheckedTrial:
         return checked
 
 
-def finalists(study: optuna.Study, objective: str, top_k: int) -> list[FrozenTrial]:
+def draft_kind(policy: SkipPolicy) -> str:
+    """What kind of draft a policy makes: "exit" (a trained exit), "skip" (bypassed sublayers),
+    "hybrid" (a skip draft with prompt lookup in front) or "lookup" (prompt lookup alone)."""
+    if not policy.draft.use_skip_draft:
+        return "lookup"
+    if policy.exit is not None:
+        return "exit"
+    return "hybrid" if policy.draft.lookup_max_ngram else "skip"
+
+
+def finalists(study: optuna.Study, objective: str, top_k: int, per_kind: bool = False) -> list[FrozenTrial]:
     """Trials worth confirming by real generation: the best predicted speedups (of the Pareto set)
-    among trials the search may export (``search.space.exportable``)."""
+    among trials the search may export (``search.space.exportable``).
+
+    ``per_kind``: then the best predicted trial of every other ``draft_kind`` too. The cheap score
+    prices different drafts with timings taken at different moments, so a kind that predicts a
+    little lower may well be faster; only measuring it beside the others tells."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     pool = study.best_trials if objective == "pareto" else complete
     pool = [t for t in pool if exportable(trial_policy(study, t))]
     ranked = sorted(pool, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0), reverse=True)
-    return ranked[:top_k]
+    chosen = ranked[:top_k]
+    if per_kind:
+        kinds = {draft_kind(trial_policy(study, t)) for t in chosen}
+        for trial in ranked[top_k:]:
+            kind = draft_kind(trial_policy(study, trial))
+            if kind not in kinds:
+                kinds.add(kind)
+                chosen.append(trial)
+    return chosen
 
 
 def record_confirmation(study: optuna.Study, trial: FrozenTrial, confirmation: Confirmation) -> None:
@@ -449,3 +473,54 @@ def confirmations(study: optuna.Study) -> dict[int, dict[str, Any]]:
         for key, value in study.user_attrs.items()
         if key.startswith(CONFIRMED_PREFIX)
     }
+
+
+def confirmation_window(study: optuna.Study) -> dict[str, Any] | None:
+    """The last confirmation window: its trials, settings, figures and decision (None before the first)."""
+    window = study.user_attrs.get(WINDOW_ATTR)
+    return window if isinstance(window, dict) else None
+
+
+Measure = Callable[[Mapping[int, SkipPolicy]], Mapping[int, Confirmation]]
+
+
+def confirm_finalists(
+    study: optuna.Study, trials: list[FrozenTrial], measure: Measure, settings: dict[str, Any]
+) -> tuple[dict[str, Any] | None, bool]:
+    """Measure ``trials`` together in one window (``measure``: ``search.confirmation.confirm_window``
+    bound to the model, calibration and ``settings``), record every figure and which one is chosen.
+
+    The last window's choice joins them when it is no longer a finalist: a resumed search measures
+    its winner again beside the newcomers rather than comparing figures from two windows. A window
+    of the same trials and ``settings`` as the last one is not measured again. Returns the window
+    (None if nothing was ever measured) and whether it was measured now."""
+    last = confirmation_window(study)
+    by_number = {t.number: t for t in trials}
+    if last is not None and last["decision"]["chosen"] not in by_number:
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if trial.number == last["decision"]["chosen"] and exportable(trial_policy(study, trial)):
+                by_number[trial.number] = trial
+    if not by_number:
+        return last, False
+    confirmed = confirmations(study)
+    if (
+        last is not None
+        and sorted(last["trials"]) == sorted(by_number)
+        and last.get("settings") == settings
+        and all(number in confirmed for number in by_number)
+    ):
+        return last, False
+    measured = measure({number: trial_policy(study, trial) for number, trial in by_number.items()})
+    figures = {number: asdict(confirmation) for number, confirmation in measured.items()}
+    for number, trial in by_number.items():
+        record_confirmation(study, trial, measured[number])
+    decision = decide(figures)
+    assert decision is not None
+    window = {
+        "trials": list(by_number),
+        "settings": settings,
+        "decision": asdict(decision),
+        "note": decision.describe(figures),
+    }
+    study.set_user_attr(WINDOW_ATTR, window)
+    return window, True

@@ -128,6 +128,55 @@ def test_single_choice_knobs_and_head_rows_reach_the_exported_policy(run_search,
     assert policy.provenance["trial"] != 0
 
 
+# -- finalists measured together; a close call is said, broken on acceptance, and recorded --------------------------
+def test_close_call_is_broken_on_acceptance_and_reported(run_search, tiny_llama, tmp_path, monkeypatch):
+    """Two finalists closer than their measured noise: the summary says so, the one with more tokens per
+    verify is exported, and the policy's provenance carries each finalist's noise and how the call was made."""
+    import search.cli
+    from search.confirmation import Confirmation
+
+    monkeypatch.setattr(search.cli, "HOPELESS_PREDICTED", 0.0)  # a tiny random model predicts little
+    windows = []
+
+    def within_noise(model, calibration, policies, max_new_tokens, rounds, progress):
+        windows.append((sorted(policies), rounds))
+        fast, slow = sorted(policies)
+        figures = {fast: (1.50, 2.0), slow: (1.45, 2.4)}  # 0.05 apart, noise 0.10 each; the slower accepts more
+        return {
+            n: Confirmation(speed, 9.0, 6.0, tau, 0.6, 1.0, 2, 8, rounds, 0.10, [speed] * rounds)
+            for n, (speed, tau) in figures.items()
+        }
+
+    monkeypatch.setattr(search.cli, "confirm_window", within_noise)
+    out = tmp_path / "p.json"
+    args = [
+        "--n-trials",
+        "3",
+        "--confirm-top",
+        "2",
+        "--confirm-rounds",
+        "6",
+        "--storage",
+        f"sqlite:///{tmp_path / 's.db'}",
+    ]
+    result = ok(run_search(tiny_llama, *args, "--out", str(out)))
+
+    assert len(windows) == 1 and len(windows[0][0]) == 2 and windows[0][1] == 6  # one window, both finalists
+    fast, slow = windows[0][0]
+    assert "1.50x (0.10)" in result.stdout and "1.45x (0.10)" in result.stdout
+    assert "and HF generate in one interleaved window, 6 rounds x 2 prompts x 8 tokens" in result.stdout
+    assert f"decision: close call: trial {fast} 1.50x (IQR 0.10, tau 2.00) is the fastest" in result.stdout
+    assert f"broken on acceptance (most tokens per verify): trial {slow}" in result.stdout
+    assert "draft timings:" in result.stdout and "distinct drafts timed once each" in result.stdout
+    policy = SkipPolicy.load(out)
+    confirmation = policy.provenance["confirmation"]
+    assert policy.provenance["trial"] == slow and confirmation["chosen"] == slow
+    assert confirmation["close_call"] is True and confirmation["decided_by"] == "acceptance"
+    assert sorted((f["trial"], f["speedup_iqr"]) for f in confirmation["finalists"]) == [(fast, 0.1), (slow, 0.1)]
+    assert confirmation["rounds"] == 6 and "close call" in confirmation["note"]
+    assert policy.measured["confirmed"]["speedup_iqr"] == 0.10 and policy.measured["draft_timed_by_trial"] >= 0
+
+
 # -- journal storage, Pareto objective, plots, --total-trials ---------------------------------------------------------
 def test_journal_storage_pareto_plots_and_total_trials(run_search, tiny_llama, tmp_path):
     journal, out, plots = tmp_path / "j.log", tmp_path / "p.json", tmp_path / "plots"
@@ -222,6 +271,7 @@ BAD_INPUTS = {
     "text-field-json": (["--prompts", "{tmp}/prompts.json", "--text-field", "body"], "journal", ["'body'"]),
     "model-missing": (["--model", "{tmp}/no-such-model"], "sqlite", ["unknown model"]),
     "never-skip-range": (["--never-skip", "7"], "journal", ["out of range"]),
+    "confirm-rounds-3": (["--confirm-rounds", "3"], "sqlite", ["--confirm-rounds must be >= 5"]),
 }
 
 

@@ -7,6 +7,7 @@ import signal
 
 import optuna
 import pytest
+import torch
 from optuna.trial import TrialState
 
 from layerskip.errors import LayerskipError
@@ -224,6 +225,26 @@ def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
     assert "nothing found beats plain decoding" in verdict(policy)
 
 
+def test_finalists_add_the_best_of_every_other_kind_of_draft():
+    """The cheap score may rank a whole kind of draft just below another on noise: the best of each kind
+    is confirmed beside the top predictions (with per_kind)."""
+    from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+    from search.space import trial_policy
+    from search.study import draft_kind, finalists
+
+    study = optuna.create_study(direction="maximize")
+    exit_draft = ExitSettings(adapter="/a.safetensors", sha256="0" * 64, layer=1, kind="linear")
+    exits = [_trial_with(study, SkipPolicy.early_exit(4, 2, exit=exit_draft), p) for p in (2.0, 1.9)]
+    skip = _trial_with(study, SkipPolicy(skip_mlp=(1,)), 1.8)
+    _trial_with(study, SkipPolicy(skip_mlp=(2,)), 1.7)  # a second skip draft: not its kind's best
+    hybrid = _trial_with(study, SkipPolicy(skip_mlp=(1,), draft=DraftSettings(lookup_max_ngram=3)), 1.5)
+    lookup = _trial_with(study, SkipPolicy(draft=DraftSettings(use_skip_draft=False, lookup_max_ngram=3)), 1.0)
+    assert [t.number for t in finalists(study, "speedup", 2)] == exits
+    assert [t.number for t in finalists(study, "speedup", 2, per_kind=True)] == [*exits, skip, hybrid, lookup]
+    kinds = [draft_kind(trial_policy(study, t)) for t in finalists(study, "speedup", 1, per_kind=True)]
+    assert kinds == ["exit", "skip", "hybrid", "lookup"]
+
+
 def test_export_refuses_a_study_without_an_exportable_trial():
     from layerskip.drafts.policy import SkipPolicy
     from search.export import choose_trial
@@ -234,31 +255,142 @@ def test_export_refuses_a_study_without_an_exportable_trial():
         choose_trial(study)
 
 
-def test_confirm_uses_the_benchmark_timing_and_speedup(monkeypatch):
-    """confirm() times through measure.timing and reports aggregate throughput, as the benchmark does."""
+# -- confirmation: finalists in one interleaved window, paired medians, noise, close calls ----------------------------
+def test_run_rounds_warms_up_once_and_rotates_every_round():
+    """Each round runs every method on every prompt; the order turns by one per prompt and per round."""
+    from layerskip.measure.timing import run_rounds
+
+    calls = []
+
+    def runner(name):
+        return lambda ids, n: (calls.append((name, ids[0], n)), ([1] * n, None))[1]
+
+    runners = {name: runner(name) for name in ("a", "b", "hf")}
+    window = run_rounds(runners, [[0], [1]], 3, torch.device("cpu"), rounds=2, warmup_tokens=1)
+    assert calls[:3] == [("a", 0, 1), ("b", 0, 1), ("hf", 0, 1)]  # one warm-up each, then never again
+    orders = [[name for name, _, _ in calls[3 + 3 * i : 6 + 3 * i]] for i in range(4)]
+    assert orders == [["a", "b", "hf"], ["b", "hf", "a"], ["b", "hf", "a"], ["hf", "a", "b"]]
+    assert len(window) == 2 and all(list(passes[0]) == ["a", "b", "hf"] and len(passes) == 2 for passes in window)
+
+
+def test_confirm_window_pairs_each_finalist_with_the_baseline_round_by_round(monkeypatch):
+    """Every finalist and HF generate run in ONE window; a finalist's speedup is the median of its
+    per-round speedups (same round, same prompts as the baseline), its noise their interquartile range."""
     from tiny_models import random_prompt, tiny_model
 
     from layerskip.drafts.policy import SkipPolicy
     from layerskip.measure.timing import TimedRun
-    from search import objective
+    from search import confirmation
+    from search.objective import Calibration
 
+    # Seconds per round for the whole round (one prompt): the baseline drifts, the finalists follow it.
+    seconds = {
+        "hf": [2.0, 4.0, 2.0, 2.0, 3.0],
+        "trial 3": [1.0, 2.0, 1.0, 0.5, 1.5],  # speedups 2, 2, 2, 4, 2
+        "trial 7": [1.0, 1.0, 2.0, 1.0, 1.0],  # speedups 2, 4, 1, 2, 3
+    }
     calls = []
 
-    def fake_runs(runners, prompts, max_new, device, warmup, progress, desc):
-        calls.append((list(runners), len(prompts)))
-        real = [{name: runner(ids, 4) for name, runner in runners.items()} for ids in prompts]
-        # Prompt 1: 4 tokens in 1 s vs 2 s; prompt 2: 4 tokens in 4 s vs 2 s. Mean of ratios 1.25, aggregate 0.8.
-        seconds = [{"ours": 1.0, "hf": 2.0}, {"ours": 4.0, "hf": 2.0}]
+    def timed(name, runner, ids, max_new, round_index):
+        tokens, stats = runner(ids, max_new)  # a real generation: its tokens and the engine's record
+        return TimedRun(tokens, seconds[name][round_index], stats)
+
+    def fake_rounds(runners, prompts, max_new, device, rounds, warmup, progress, desc):
+        calls.append((sorted(runners), len(prompts), rounds))
         return [
-            {name: TimedRun(run[0], seconds[i][name], run[1]) for name, run in by_name.items()}
-            for i, by_name in enumerate(real)
+            [{name: timed(name, runner, ids, max_new, r) for name, runner in runners.items()} for ids in prompts]
+            for r in range(rounds)
         ]
 
-    monkeypatch.setattr(objective, "run_interleaved", fake_runs)
+    monkeypatch.setattr(confirmation, "run_rounds", fake_rounds)
     model = tiny_model("llama")
-    prompts = [random_prompt(seed=0), random_prompt(seed=1)]
-    calibration = objective.Calibration(prompts, [], 1.0, {}, prompts[0])
-    confirmation = objective.confirm(model, calibration, SkipPolicy(skip_attention=(0,)), 4)
-    assert calls == [(["ours", "hf"], 2)]
-    assert confirmation.speedup == pytest.approx((8 / 5) / (8 / 4))
-    assert confirmation.identical_fraction == 1.0
+    prompts = [random_prompt(seed=0)]
+    calibration = Calibration(prompts, [], 1.0, {}, prompts[0])
+    policies = {3: SkipPolicy(skip_attention=(0,)), 7: SkipPolicy(skip_mlp=(1,))}
+    confirmed = confirmation.confirm_window(model, calibration, policies, 4, rounds=5)
+    assert calls == [(["hf", "trial 3", "trial 7"], 1, 5)]  # one window for both finalists
+    assert confirmed[3].round_speedups == [2.0, 2.0, 2.0, 4.0, 2.0] and confirmed[3].speedup == 2.0
+    assert confirmed[3].speedup_iqr == 0.0  # one disturbed round moves neither the median nor the noise
+    assert confirmed[7].speedup == 2.0 and confirmed[7].speedup_iqr == pytest.approx(3.0 - 2.0)
+    assert confirmed[3].identical_fraction == 1.0 and confirmed[3].rounds == 5 and confirmed[3].prompts == 1
+    assert confirmed[3].mean_accepted >= 1.0
+
+
+def _figures(speedup: float, iqr: float, tau: float) -> dict:
+    return {"speedup": speedup, "speedup_iqr": iqr, "mean_accepted": tau}
+
+
+def test_decide_takes_a_clear_win_on_speed():
+    from search.confirmation import decide
+
+    confirmed = {1: _figures(1.80, 0.05, 2.0), 2: _figures(1.60, 0.05, 3.0)}
+    decision = decide(confirmed)
+    assert (decision.chosen, decision.close_call, decision.decided_by) == (1, False, "speedup")
+    assert "chosen on measured speedup" in decision.describe(confirmed)
+    assert decide({4: _figures(1.1, 0.2, 1.5)}).chosen == 4
+
+
+def test_decide_breaks_a_close_call_on_acceptance():
+    """Within the larger noise of the two, the rival with more tokens per verify wins; a finalist
+    outside the noise is no rival, whatever its acceptance."""
+    from search.confirmation import decide
+
+    confirmed = {
+        1: _figures(1.80, 0.03, 2.0),
+        2: _figures(1.75, 0.08, 2.6),  # 0.05 slower, its own noise 0.08: a rival
+        3: _figures(1.50, 0.08, 4.0),  # far slower: not a rival
+    }
+    decision = decide(confirmed)
+    assert (decision.chosen, decision.fastest, decision.close_call) == (2, 1, True)
+    assert decision.rivals == [1, 2] and decision.decided_by == "acceptance"
+    note = decision.describe(confirmed)
+    assert note.startswith("close call: trial 1 1.80x") and "trial 2 1.75x (IQR 0.08, tau 2.60)" in note
+    assert note.endswith("broken on acceptance (most tokens per verify): trial 2")
+    tied = {1: _figures(1.80, 0.1, 2.0), 2: _figures(1.75, 0.1, 2.0)}
+    assert decide(tied).chosen == 1 and "tied here, then the faster median" in decide(tied).describe(tied)
+
+
+def _confirmation(speedup: float, iqr: float, tau: float):
+    from search.confirmation import Confirmation
+
+    return Confirmation(speedup, 10.0, 5.0, tau, 0.5, 1.0, 2, 8, 5, iqr, [speedup] * 5)
+
+
+def test_confirm_finalists_measures_once_keeps_its_winner_and_exports_the_decision(tmp_path):
+    """One window per set of finalists; the same set again is not measured again; a new set is measured
+    together with the last winner; the export follows the window's decision and carries its noise."""
+    from layerskip.drafts.policy import SkipPolicy
+    from search.export import export_policy, verdict
+    from search.study import WINDOW_ATTR, confirm_finalists
+
+    study = optuna.create_study(direction="maximize")
+    numbers = [_trial_with(study, SkipPolicy(skip_mlp=(i,)), 2.0 - i / 10) for i in range(3)]
+    trials = {t.number: t for t in study.get_trials()}
+    windows = []
+    figures = {numbers[0]: (1.80, 0.05, 2.0), numbers[1]: (1.76, 0.05, 2.5), numbers[2]: (1.90, 0.01, 1.5)}
+
+    def measure(policies):
+        windows.append(sorted(policies))
+        return {n: _confirmation(*figures[n]) for n in policies}
+
+    settings = {"rounds": 5, "prompts": 2, "max_new_tokens": 8}
+    window, measured = confirm_finalists(study, [trials[numbers[0]], trials[numbers[1]]], measure, settings)
+    assert measured and windows == [numbers[:2]]
+    assert window["decision"]["chosen"] == numbers[1] and window["decision"]["close_call"]
+    assert study.user_attrs[WINDOW_ATTR] == window
+    _, again = confirm_finalists(study, [trials[numbers[1]], trials[numbers[0]]], measure, settings)
+    assert not again and len(windows) == 1
+    # A new finalist displaces the winner from the top: the winner is measured again beside it.
+    window, measured = confirm_finalists(study, [trials[numbers[2]], trials[numbers[0]]], measure, settings)
+    assert measured and windows[-1] == sorted(numbers)
+    assert window["decision"]["chosen"] == numbers[2] and not window["decision"]["close_call"]
+
+    policy = export_policy(study, tmp_path / "p.json")
+    confirmation = policy.provenance["confirmation"]
+    assert policy.provenance["trial"] == numbers[2] and confirmation["chosen"] == numbers[2]
+    assert confirmation["close_call"] is False and confirmation["decided_by"] == "speedup"
+    assert confirmation["rounds"] == 5 and confirmation["exported_is_chosen"] is True
+    by_trial = {f["trial"]: f for f in confirmation["finalists"]}
+    assert by_trial[numbers[1]]["speedup_iqr"] == 0.05 and by_trial[numbers[1]]["mean_accepted"] == 2.5
+    assert "IQR" in confirmation["note"] and policy.measured["confirmed"]["speedup_iqr"] == 0.01
+    assert "median of 5 rounds, IQR 0.01" in verdict(policy)

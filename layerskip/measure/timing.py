@@ -63,17 +63,40 @@ def run_interleaved(
     desc: str = "runs",
 ) -> list[dict[str, TimedRun]]:
     """Every runner on every prompt, interleaved after a warm-up; one ``{name: run}`` per prompt."""
+    return run_rounds(runners, prompt_ids, max_new_tokens, device, 1, warmup_tokens, progress, desc)[0]
+
+
+def run_rounds(
+    runners: dict[str, Runner],
+    prompt_ids: Sequence[list[int]],
+    max_new_tokens: int,
+    device: torch.device,
+    rounds: int,
+    warmup_tokens: int = 16,
+    progress: bool = False,
+    desc: str = "runs",
+) -> list[list[dict[str, TimedRun]]]:
+    """``rounds`` passes of every runner over every prompt in one window, after one warm-up each.
+
+    The order rotates by one from prompt to prompt and again from round to round, so no method
+    always runs first, on any prompt, and a drift of the machine's speed falls on every method
+    alike; a round's runs of two methods are a pair (same prompts, same minutes). Per round, one
+    ``{name: run}`` per prompt.
+    """
     names = list(runners)
     for name in tqdm(names, desc="warm-up", disable=not progress, leave=False):
         runners[name](prompt_ids[0], warmup_tokens)
-    results: list[dict[str, TimedRun]] = []
-    bar = tqdm(total=len(prompt_ids) * len(names), desc=desc, disable=not progress, leave=False)
-    for index, ids in enumerate(prompt_ids):
-        runs: dict[str, TimedRun] = {}
-        for name in rotated(names, index):
-            runs[name] = timed_call(runners[name], ids, max_new_tokens, device)
-            bar.update()
-        results.append({name: runs[name] for name in names})
+    results: list[list[dict[str, TimedRun]]] = []
+    bar = tqdm(total=rounds * len(prompt_ids) * len(names), desc=desc, disable=not progress, leave=False)
+    for round_index in range(rounds):
+        passes: list[dict[str, TimedRun]] = []
+        for index, ids in enumerate(prompt_ids):
+            runs: dict[str, TimedRun] = {}
+            for name in rotated(names, round_index + index):
+                runs[name] = timed_call(runners[name], ids, max_new_tokens, device)
+                bar.update()
+            passes.append({name: runs[name] for name in names})
+        results.append(passes)
     bar.close()
     return results
 
