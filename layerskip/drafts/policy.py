@@ -30,7 +30,7 @@ from torch import nn
 from layerskip.drafts.exit_adapter import KINDS
 from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError, few
-from layerskip.fileio import write_json_atomic
+from layerskip.fileio import read_json_file, write_json_atomic
 from layerskip.hf import adapters
 
 # Names of SkipPolicy.ablations() (which of them a policy has depends on what it uses).
@@ -544,6 +544,12 @@ class SkipPolicy:
             ) from None
         policy = cls.from_dict(data, source=f"policy file {path}")
         return replace(policy, root=str(path.resolve().parent)) if policy.exit is not None else policy
+
+
+def is_policy_file(path: Path) -> bool:
+    """Whether ``path`` holds a layerskip policy (by its format marker; the values may be anything)."""
+    data = read_json_file(path)
+    return isinstance(data, dict) and data.get("format") == FORMAT
 
 
 def _check_policy_path(path: Path) -> None:
