@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -358,7 +359,11 @@ def test_head_values_are_checked_against_the_model(llama) -> None:
         SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=rows + 1)).validate_for(llama)
     SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=rows)).validate_for(llama)  # the full head
     # The on-the-fly default head size is chosen per device before any model is known.
-    SkipPolicy.adaptive_selection(DraftSettings(draft_vocab_size=rows + 1)).validate_for(llama)
+    on_the_fly = SkipPolicy.adaptive_selection(DraftSettings(draft_vocab_size=rows + 1))
+    on_the_fly.validate_for(llama)
+    # Fixed for this model (generate --save-policy), that size is the full head it means.
+    assert replace(on_the_fly, on_the_fly=None).with_model(llama).draft.draft_vocab_size == 0
+    assert SkipPolicy(draft=DraftSettings(draft_vocab_size=8)).with_model(llama).draft.draft_vocab_size == 8
     few_ids = SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=8), draft_vocabulary=(1, 2, 3))
     with pytest.raises(LayerskipError, match="lists 3 token ids but draft.draft_vocab_size is 8"):
         few_ids.validate_for(llama)

@@ -244,7 +244,13 @@ class SkipPolicy:
         return cls(skip_attention=tuple(layers), skip_mlp=tuple(layers), **kwargs)
 
     def with_model(self, model: nn.Module, name: str = "") -> SkipPolicy:
-        return replace(self, model=ModelIdentity.of(model, name))
+        """This policy made for ``model``: its identity recorded, and a head size that covers the
+        model's whole vocabulary (on-the-fly's device default can) written as 0, the full head it
+        means there, so the policy validates as a fixed one."""
+        draft = self.draft
+        if draft.draft_vocab_size >= adapters.lm_head(model).weight.shape[0]:
+            draft = replace(draft, draft_vocab_size=0)
+        return replace(self, model=ModelIdentity.of(model, name), draft=draft)
 
     @classmethod
     def adaptive_selection(
