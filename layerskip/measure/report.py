@@ -159,9 +159,10 @@ def check_outputs_replaceable(directory: str | Path, force: bool = False) -> Non
     present = [name for name in OUTPUT_FILES if (directory / name).exists()]
     if force or not present or is_bench_results(directory / "results.json"):
         return
+    why = "" if present[0] == "results.json" else " (no bench results.json beside it)"
     raise LayerskipError(
-        f"--out {directory} holds {present[0]}, which no layerskip-bench run wrote (no bench results.json "
-        "beside it), and a run would replace it; pass --force to replace it, or choose another directory"
+        f"--out {directory} holds {present[0]}, which no layerskip-bench run wrote{why}, and a run would "
+        "replace it; pass --force to replace it, or choose another directory"
     )
 
 
