@@ -199,7 +199,7 @@ def _resume(
         module.load_state_dict(before[0])
         optimizer.load_state_dict(before[1])
         scheduler.load_state_dict(before[2])
-        detail = (str(exc).strip().splitlines() or [""])[0][:120]
+        detail = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]  # torch's first sentence
         print(
             f"warning: checkpoint {path} is unreadable ({type(exc).__name__}: {detail}); training this adapter "
             "again from the start",
