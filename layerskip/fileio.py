@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,27 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _writable(directory: Path) -> bool:
+    """Whether a file can be created in ``directory``. Permission bits first; then a real try,
+    since they do not tell everything (root passes them everywhere, /proc and read-only mounts
+    included). The try's file is removed at once."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, name = tempfile.mkstemp(prefix=".layerskip-write-check-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
 def _check_creatable(path: Path, flag: str) -> None:
     """``path`` does not exist yet: its closest existing ancestor must be a writable directory."""
     base = _nearest_existing(path.parent)
     if not base.is_dir():
         raise LayerskipError(f"{flag} {path}: {base} is a file, not a directory; choose another path")
-    if not os.access(base, os.W_OK | os.X_OK):
+    if not _writable(base):
         raise LayerskipError(f"{flag} {path}: directory {base} is not writable; choose another path")
 
 
@@ -65,7 +81,7 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
         raise LayerskipError(f"{flag} {path} is a directory; name a file, e.g. {path / 'policy.json'}")
     if path.exists():
         # Replaced atomically (a new file in the same directory), so the directory must be writable too.
-        if not os.access(path.parent, os.W_OK | os.X_OK):
+        if not _writable(path.parent):
             raise LayerskipError(f"{flag} {path}: directory {path.parent} is not writable; choose another path")
         return path
     _check_creatable(path, flag)
@@ -78,11 +94,34 @@ def check_output_dir(path: str | os.PathLike[str], flag: str) -> Path:
     if path.exists() and not path.is_dir():
         raise LayerskipError(f"{flag} {path} is a file; name a directory")
     if path.is_dir():
-        if not os.access(path, os.W_OK | os.X_OK):
+        if not _writable(path):
             raise LayerskipError(f"{flag} directory {path} is not writable; choose another path")
         return path
     _check_creatable(path, flag)
     return path
+
+
+def check_replaceable(
+    path: str | os.PathLike[str], flag: str, ours: Callable[[Path], bool], what: str, force: bool = False
+) -> None:
+    """Raise LayerskipError if ``path`` holds a file that ``ours`` does not recognise as one this
+    tool wrote (``what`` names such a file), unless ``force``: a mistyped output path must not
+    destroy someone's data. Reads, writes nothing."""
+    path = Path(path).expanduser()
+    if force or not path.is_file() or ours(path):
+        return
+    raise LayerskipError(f"{flag} {path} exists and is not {what}; pass --force to replace it, or choose another path")
+
+
+def read_json_file(path: Path, limit: int = 256 * 2**20) -> object:
+    """The JSON document in ``path`` (UTF-8, an optional byte-order mark), or None if it is not one
+    or is larger than ``limit`` bytes: for recognising files, not for loading them."""
+    try:
+        if path.stat().st_size > limit:
+            return None
+        return json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
 
 
 def write_file_set(directory: str | os.PathLike[str], payloads: dict[str, bytes]) -> list[Path]:

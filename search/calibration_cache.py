@@ -198,6 +198,9 @@ class CalibrationCache:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }
+        # Every sublayer of the model, as a cached order must list them (not part of the key: the
+        # fingerprint already fixes the layer count).
+        self.sublayers = {(i, kind) for i in range(adapters.num_layers(model)) for kind in ("attention", "mlp")}
         self._references_entry: tuple[dict[str, Any], dict[str, Any]] | None = None  # (key, payload)
 
     # -- files ----------------------------------------------------------------------------------------------------
@@ -252,8 +255,8 @@ class CalibrationCache:
                 if not all(isinstance(t, int) for t in continuation):
                     raise ValueError("a reference holds a non-integer token")
             order = data.get("sublayer_order")
-            if order is not None and not all(isinstance(i, int) and kind in ("attention", "mlp") for i, kind in order):
-                raise ValueError("bad sublayer order")
+            if order is not None:
+                self._check_order(order)
 
         data = self._load("references", key, check)
         if data is None:
@@ -261,6 +264,18 @@ class CalibrationCache:
         self._references_entry = (key, data)
         self.log(f"using cached references from {self.path('references', key)}")
         return [Reference(tuple(prompt), tuple(continuation)) for prompt, continuation in data["references"]]
+
+    def _check_order(self, order: Any) -> None:
+        """A cached sublayer order lists each of this model's sublayers once (a hand-edited or damaged
+        one naming layer 999 would make every trial fail)."""
+        items = [tuple(item) if isinstance(item, list) and len(item) == 2 else None for item in order]
+        if not all(item is not None and isinstance(item[0], int) and not isinstance(item[0], bool) for item in items):
+            raise ValueError("its sublayer order holds an entry that is not [layer, kind]")
+        strange = [list(item) for item in items if item not in self.sublayers]
+        if strange:
+            raise ValueError(f"its sublayer order names {strange[0]}, not a sublayer of this model")
+        if len(items) != len(self.sublayers) or set(items) != self.sublayers:
+            raise ValueError(f"its sublayer order does not list this model's {len(self.sublayers)} sublayers once each")
 
     def store_references(
         self, prompts: Sequence[Sequence[int]], reference_tokens: int, references: Sequence[Reference]

@@ -1,19 +1,25 @@
 """Checks of a search's command line made before any model loads or any storage is written.
 
 Two kinds: values no study can use (a negative seed, timeout or head size), and, for a study
-that already exists, flags that would change its search space. Optuna refuses a parameter whose
-choices changed ("dynamic value space") only when a trial samples it, after minutes of
-calibration, and records a FAIL trial; here it is one line before any work.
+that already exists, flags that would change its search space or its calibration. Optuna refuses
+a parameter whose choices changed ("dynamic value space") only when a trial samples it, after
+minutes of calibration, and records a FAIL trial; here it is one line before any work. Other
+calibration prompts would not fail at all: new trials would be scored on other text than the
+study's earlier ones, and the study and its exported policy would still name the first prompts.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
-from layerskip.errors import LayerskipError
+from layerskip.data import Prompt
+from layerskip.drafts.policy import MAX_DRAFT_TOKENS
+from layerskip.errors import LayerskipError, few
 
 # numpy's RandomState (under Optuna's samplers) takes seeds in [0, 2**32); the sampler seed
 # adds the worker and trial counts to --seed, so --seed leaves them room.
@@ -48,12 +54,18 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise LayerskipError(f"--timeout must be a number of seconds > 0 (got {args.timeout})")
     if args.export_trial is not None and args.export_trial < 0:
         raise LayerskipError(f"--export-trial must be a trial number >= 0 (got {args.export_trial})")
+    if args.study_name is not None and not args.study_name.strip():
+        raise LayerskipError("--study-name is empty; name the study, or leave the flag out for MODEL-OBJECTIVE")
     _at_least("--draft-vocab", args.draft_vocab, 0, "0 = the full head")
     _at_least("--lookup", args.lookup, 0, "0 = off")
     _at_least("--lookup-tokens", args.lookup_tokens, 1)
     _at_least("--lookup-min", args.lookup_min, 1)
     _at_least("--verify-pad", args.verify_pad, 0, "0 = no padding")
     _at_least("--never-skip", args.never_skip, 0)
+    # A policy drafts at most MAX_DRAFT_TOKENS tokens (drafts/policy.py): a larger choice would fail every trial.
+    _at_most("--draft-tokens", args.draft_tokens, MAX_DRAFT_TOKENS)
+    _at_most("--lookup-tokens", args.lookup_tokens, MAX_DRAFT_TOKENS)
+    _at_most("--verify-pad", args.verify_pad, MAX_DRAFT_TOKENS + 1)
     if not args.lookup_confidence or not all(0 <= c < 1 for c in args.lookup_confidence):
         got = _flag_value(args.lookup_confidence)
         raise LayerskipError(f"--lookup-confidence choices must be in [0, 1) (got {got})")
@@ -67,6 +79,21 @@ def _at_least(flag: str, values: Sequence[int], low: int, note: str = "") -> Non
     if bad:
         hint = f" ({note})" if note else ""
         raise LayerskipError(f"{flag} choices must be >= {low}{hint}; got {_flag_value(values)}")
+
+
+def _at_most(flag: str, values: Sequence[int], high: int) -> None:
+    if any(v > high for v in values):
+        raise LayerskipError(f"{flag} choices must be <= {high}; got {_flag_value(values)}")
+
+
+def check_head_sizes(sizes: Sequence[int], rows: int) -> None:
+    """--draft-vocab choices past the model's vocabulary would fail every trial that draws them."""
+    larger = [size for size in sizes if size > rows]
+    if larger:
+        raise LayerskipError(
+            f"--draft-vocab choices {_flag_value(larger)} are more than this model's {rows} vocabulary rows; "
+            f"choose sizes below {rows} (0 = the full head)"
+        )
 
 
 def requested_space(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,3 +163,58 @@ def _describe(flag: str, value: Any) -> str:
     if flag == "--require-skip-draft":
         return flag if value else f"no {flag}"
     return f"{flag} {_flag_value(value)}"
+
+
+# The flags that pick a study's calibration prompts, for the message that refuses other prompts.
+PROMPT_FLAGS = "--prompts, --text-field, --categories, --per-category, --n-prompts and --seed"
+
+
+def prompts_digest(prompts: Sequence[Prompt]) -> str:
+    """A hash of the calibration prompts (ids, categories and text): the same whichever flags or path
+    spelling picked them, different if a file's text changed."""
+    payload = json.dumps([[p.id, p.category, p.text] for p in prompts], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def check_resumed_calibration(
+    attrs: dict[str, Any] | None, study_name: str, args: argparse.Namespace, prompts: Sequence[Prompt]
+) -> None:
+    """A resumed study keeps the prompts and reference length it was calibrated on: every trial of
+    a study must be scored on the same references. A new study (``attrs`` None) passes."""
+    recorded = (attrs or {}).get("calibration")
+    if not isinstance(recorded, dict):
+        return
+    way_out = "or start a new study with another --study-name"
+    was_length = recorded.get("reference_tokens")
+    if was_length is not None and was_length != args.reference_tokens:
+        raise LayerskipError(
+            f"study '{study_name}' was calibrated with --reference-tokens {was_length} but this run has "
+            f"--reference-tokens {args.reference_tokens}; re-run with the study's value, {way_out}"
+        )
+    was_ids, source = list(recorded.get("prompts", [])), str(recorded.get("source", "?"))
+    ids = [p.id for p in prompts]
+    digest = recorded.get("prompts_sha256")
+    # Studies made before the digest was recorded are compared by prompt ids and source.
+    same = digest == prompts_digest(prompts) if digest else (was_ids == ids and source == args.prompts)
+    if same:
+        return
+    if source == args.prompts and was_ids == ids:
+        change = f"the same prompt ids from {source} with other text (the file changed, or --text-field)"
+    else:
+        change = f"{len(ids)} prompt(s) {few(ids, 3)} from {args.prompts}"
+    raise LayerskipError(
+        f"study '{study_name}' was calibrated on {len(was_ids)} prompt(s) {few(was_ids, 3)} from {source} but "
+        f"this run picks {change}; re-run with the study's {PROMPT_FLAGS}, {way_out}"
+    )
+
+
+def check_resumed_chat(attrs: dict[str, Any] | None, study_name: str, chat: bool) -> None:
+    """The chat template changes every calibration prompt's tokens (checked once the model says
+    whether it is an instruct model)."""
+    was = ((attrs or {}).get("calibration") or {}).get("chat")
+    if was is not None and bool(was) != chat:
+        before, now = ("--chat", "--no-chat") if was else ("--no-chat", "--chat")
+        raise LayerskipError(
+            f"study '{study_name}' was calibrated with {before} but this run has {now}; "
+            f"re-run with {before}, or start a new study with another --study-name"
+        )

@@ -30,17 +30,24 @@ from layerskip.cli.common import (
 )
 from layerskip.data import load_prompts
 from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy import SkipPolicy, is_policy_file
 from layerskip.drafts.vocab import DraftVocabulary
 from layerskip.errors import LayerskipError
-from layerskip.fileio import check_output_dir, check_output_file
+from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.machine import Machine, this_machine
 from layerskip.measure.agreement import sublayer_order
 from search.calibration_cache import CACHE_ENV, CalibrationCache, phase
-from search.checks import check_arguments, check_resumed_space
+from search.checks import (
+    check_arguments,
+    check_head_sizes,
+    check_resumed_calibration,
+    check_resumed_chat,
+    check_resumed_space,
+    prompts_digest,
+)
 from search.confirmation import MIN_ROUNDS, confirm_window
 from search.draft_timing import shared_timing_counts
 from search.export import export_policy, verdict
@@ -273,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", type=int, default=0, help="worker number: varies the sampler seed between workers")
     parser.add_argument("--out", help="policy JSON to write (default: STUDY_NAME.policy.json)")
     parser.add_argument("--export-trial", type=int, help="export this trial (e.g. a Pareto point) instead of the best")
+    parser.add_argument("--force", action="store_true", help="let --out replace a file that is not a policy")
     parser.add_argument("--plots", help="directory for pareto.png, history.png, skip_frequency.png")
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bars and no per-phase timing lines on stderr"
@@ -396,7 +404,9 @@ def _main(argv: list[str] | None) -> int:
         raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
     study_name = args.study_name or default_study_name(args.model, args.preset or args.objective)
     # Outputs are checked now: a search must not end, after all its work, unable to save.
-    check_output_file(args.out or f"{study_name}.policy.json", "--out")
+    out = args.out or f"{study_name}.policy.json"
+    check_output_file(out, "--out")
+    check_replaceable(out, "--out", is_policy_file, "a layerskip policy", args.force)  # a resume re-exports
     if args.plots:
         check_output_dir(args.plots, "--plots")
     # A database server is contacted now, so an unreachable one fails before the model loads; a
@@ -410,12 +420,16 @@ def _main(argv: list[str] | None) -> int:
         if repair is not None:
             print(repair.warning(storage_file), file=sys.stderr)
     storage = open_storage(args.storage) if storage_file is None or storage_file.exists() else None
-    if storage is not None:  # resuming: a flag that changes the study's space is refused before any work
-        check_resumed_space(existing_study_attrs(storage, study_name), study_name, args)
+    attrs = None
+    if storage is not None:  # resuming: a flag that changes the study's space or prompts is refused before any work
+        attrs = existing_study_attrs(storage, study_name)
+        check_resumed_space(attrs, study_name, args)
+        check_resumed_calibration(attrs, study_name, args, prompts)
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies({f"--warm-start {path}": policy for path, policy in seeds.items()}, model)
+    check_head_sizes(args.draft_vocab, adapters.lm_head(model).weight.shape[0])
     identity = {
         "model_name": loaded.name,
         "model_architecture": adapters.architecture_of(model),
@@ -444,12 +458,14 @@ def _main(argv: list[str] | None) -> int:
     for choice in exit_choices:  # another model's adapter, or a changed file, fails before any work
         ExitAdapter.load(choice.adapter, model, choice.sha256)
     chat = loaded.instruct if args.chat is None else args.chat
+    check_resumed_chat(attrs, study_name, chat)  # known once the model says whether it is an instruct model
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     for prompt, ids in zip(prompts, prompt_ids):
         check_fits(model, len(ids), max(args.reference_tokens, args.max_new_tokens), f"calibration prompt {prompt.id}")
     calibration_info = {
         "source": args.prompts,
         "prompts": [p.id for p in prompts],
+        "prompts_sha256": prompts_digest(prompts),
         "categories": sorted({p.category for p in prompts}),
         "chat": chat,
         "reference_tokens": args.reference_tokens,
@@ -558,7 +574,7 @@ def _main(argv: list[str] | None) -> int:
             )
         else:
             info["detail"] = "nothing new to measure"
-    out = Path(args.out or f"{study_name}.policy.json")
+    out = Path(out)
     policy = export_policy(study, out, args.export_trial)
     if args.plots:
         for path in write_plots(study, args.plots):

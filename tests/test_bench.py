@@ -617,6 +617,30 @@ def test_cli_out_that_is_a_file_or_under_a_file(bench_cli, cli_inputs: dict[str,
     assert taken.read_text() == "mine"
 
 
+def test_cli_out_holding_files_no_bench_wrote(bench_cli, benchmark: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text('{"my": "data"}')
+    args = ["--model", str(tmp_path / "no-model"), "--methods", "ar", "--out", str(out)]
+    assert_bad_input(bench_cli(*args), "--out", "holds results.json, which no layerskip-bench run wrote", "--force")
+    assert (out / "results.json").read_text() == '{"my": "data"}'
+    assert_bad_input(bench_cli(*args, "--force"), "unknown model")  # forced: the run goes on
+    (out / "results.json").unlink()
+    (out / "results.csv").write_text("a,b\n")  # a report file with no bench results.json beside it
+    assert_bad_input(bench_cli(*args), "holds results.csv")
+    write_outputs(_results(benchmark), out)  # an earlier bench run's set is replaced without --force
+    assert_bad_input(bench_cli(*args), "unknown model")
+
+
+def test_cli_more_threads_than_cpus(bench_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from layerskip.cli import common
+
+    monkeypatch.setattr(common, "available_cpus", lambda: 2)
+    args = ["--model", str(tmp_path / "no-model"), "--methods", "ar", "--out", str(tmp_path / "o")]
+    assert_bad_input(bench_cli(*args, "--threads", "auto,1,999"), "--threads 999 is more than the 2 CPU(s)")
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_unwritable_out_is_refused_before_the_work(
     bench_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

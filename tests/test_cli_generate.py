@@ -326,6 +326,32 @@ def test_save_policy_path_checked_before_loading(tmp_path: Path, capsys: pytest.
     assert taken.read_text() == "mine"
 
 
+def test_save_policy_replaces_only_a_policy_unless_forced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"my": "notes"}')
+    common = ["--model", str(tmp_path / "no-model"), "--prompt", "hi", "--policy", "on-the-fly", "--save-policy"]
+    result = generate_in_process(capsys, *common, str(mine))
+    assert_bad_input(result, "--save-policy", "is not a layerskip policy", "--force")
+    assert mine.read_text() == '{"my": "notes"}'
+    # With --force, or over an earlier policy, the run goes on (to the model that does not exist).
+    assert_bad_input(generate_in_process(capsys, *common, str(mine), "--force"), "unknown model")
+    earlier = SkipPolicy(skip_mlp=(1,)).save(tmp_path / "earlier.json")
+    assert_bad_input(generate_in_process(capsys, *common, str(earlier)), "unknown model")
+
+
+def test_more_threads_than_cpus_are_refused_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from layerskip.cli import common
+
+    monkeypatch.setattr(common, "available_cpus", lambda: 2)
+    args = ["--model", str(tmp_path / "no-model"), "--prompt", "hi", "--max-new-tokens", "4"]
+    for count in ("3", "999"):
+        result = generate_in_process(capsys, *args, "--threads", count)
+        assert_bad_input(result, f"--threads {count} is more than the 2 CPU(s)", "'auto'")
+    assert_bad_input(generate_in_process(capsys, *args, "--threads", "2"), "unknown model")
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # rotary positions, and learned ones (an IndexError before)
 def test_prompt_past_the_model_positions(arch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     directory = tmp_path / arch

@@ -158,6 +158,54 @@ def test_generation_config_and_user_processor_and_criteria() -> None:
     assert plain.shape[1] == 19
 
 
+def test_stopping_criteria_that_answer_a_bool_or_read_the_scores() -> None:
+    """A criterion may answer a Python bool (plain generate accepts it), and it gets the scores plain
+    generate gives it: every token's processed scores so far with output_scores, else None."""
+    from transformers import StoppingCriteria
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids.shape[1] >= 17  # a Python bool
+
+    class StopOnScores(StoppingCriteria):
+        """Stops when the scores' best token is ``target``; notes what it was given at each call."""
+
+        def __init__(self, target: int) -> None:
+            self.target, self.seen = target, []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if scores is None:
+                self.seen.append(None)
+                return False
+            self.seen.append((input_ids.shape[1], len(scores), [row.clone() for row in scores]))
+            return bool(scores[-1][0].argmax() == self.target)
+
+    model = tiny_model("llama")
+    ids = _ids()
+    plain, ours = _both(model, ids, max_new_tokens=NEW, stopping_criteria=[StopAtLength()])
+    assert ours.tolist() == plain.tolist() and plain.shape[1] == 17
+
+    reference = model.generate(ids, max_new_tokens=NEW)[0, ids.shape[1] :].tolist()
+    target = reference[7]
+    first = reference.index(target)
+    dicts = dict(max_new_tokens=NEW, return_dict_in_generate=True, output_scores=True)
+    plain_stop, our_stop = StopOnScores(target), StopOnScores(target)
+    plain = model.generate(ids, stopping_criteria=[plain_stop], **dicts)
+    ours = _ours(model, ids, stopping_criteria=[our_stop], **dicts)
+    assert ours.sequences.tolist() == plain.sequences.tolist()
+    assert plain.sequences.shape[1] == ids.shape[1] + first + 1  # it stopped on the scores
+    assert [(n, count) for n, count, _ in our_stop.seen] == [(n, count) for n, count, _ in plain_stop.seen]
+    assert all(n - ids.shape[1] == count for n, count, _ in our_stop.seen)  # one row per token so far
+    for (_, _, mine), (_, _, theirs) in zip(our_stop.seen, plain_stop.seen):
+        for row, expected in zip(mine, theirs):
+            torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
+
+    plain_stop, our_stop = StopOnScores(target), StopOnScores(target)  # no output_scores: None, as plain generate
+    model.generate(ids, max_new_tokens=4, stopping_criteria=[plain_stop])
+    _ours(model, ids, max_new_tokens=4, stopping_criteria=[our_stop])
+    assert our_stop.seen == plain_stop.seen == [None] * 4
+
+
 def test_attention_mask_and_left_padding() -> None:
     model = tiny_model("llama")
     ids = _ids()

@@ -4,6 +4,7 @@ CLI trains, writes usable policies and refuses bad input in one line."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,39 @@ def test_resumed_training_continues_from_its_checkpoint(tiny_data, tmp_path: Pat
         torch.testing.assert_close(resumed.module.state_dict()[name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "another-shape"])
+def test_a_damaged_checkpoint_is_warned_about_and_trained_again(tiny_data, tmp_path: Path, capsys, damage) -> None:
+    """A kill -9 can leave a checkpoint cut short; one from another adapter does not fit either."""
+    model, train, held_out = tiny_data
+    rows = rank_rows(train, 128, 64)
+    settings = TrainSettings(epochs=1, batch_chunks=8, evals_per_epoch=2, patience=100)
+    start = ExitAdapter.fresh(model, ExitSpec(layer=LAYER, rank=8)).module.state_dict()
+
+    def adapter() -> ExitAdapter:
+        fresh = ExitAdapter.fresh(model, ExitSpec(layer=LAYER, rank=8))
+        fresh.module.load_state_dict(start)
+        return fresh
+
+    checkpoint = tmp_path / "exit-L1-linear.pt"
+    whole = adapter()
+    full = train_adapter(model, whole, rows, train, held_out, settings, checkpoint, progress=False)
+    if damage == "truncated":
+        checkpoint.write_bytes(checkpoint.read_bytes()[:1000])
+    else:
+        state = torch.load(checkpoint, weights_only=False)
+        torch.save({**state, "module": {"weight": torch.zeros(3)}, "best_state": None}, checkpoint)
+    capsys.readouterr()
+
+    again = adapter()
+    result = train_adapter(model, again, rows, train, held_out, settings, checkpoint, progress=False)
+
+    assert f"warning: checkpoint {checkpoint} is unreadable" in capsys.readouterr().err
+    assert result.steps == full.steps  # trained again from the start, not resumed
+    for name, value in whole.module.state_dict().items():
+        torch.testing.assert_close(again.module.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    assert torch.load(checkpoint, weights_only=False)["finished"]  # replaced by a whole checkpoint
+
+
 def test_corpus_split_holds_out_whole_domains() -> None:
     documents = [Document(domain, f"{domain} {i}") for domain in ("a", "b", "code") for i in range(10)]
     split = split_documents(documents, ["code"], validation_fraction=0.2)
@@ -129,6 +163,7 @@ def test_cli_trains_writes_policies_and_resumes(tmp_path: Path) -> None:
     ]  # fmt: skip
     result = run_script("train_exit.py", *args)
     assert result.returncode == 0, result.stderr
+    assert "held-out agreement" in result.stderr
     report = json.loads((out / "report.json").read_text())
     assert {(e["layer"], e["kind"]) for e in report["exits"]} == {
         (0, "linear"),
@@ -171,6 +206,26 @@ def test_cli_bad_input_is_one_line_before_loading(tmp_path: Path, args: list[str
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_out_where_no_directory_can_be_is_one_line_before_loading(tmp_path: Path, capsys) -> None:
+    from layerskip.cli.train_exit import main
+
+    (tmp_path / "file").write_text("mine")
+    cases = [
+        (["--out", str(tmp_path / "file" / "exits")], "is a file, not a directory"),
+        (["--out", str(tmp_path / "file")], "--out"),
+        (["--out", str(tmp_path / "exits"), "--max-draft-tokens", "100"], "--max-draft-tokens must be at most 64"),
+    ]
+    if Path("/proc/self").is_dir():  # procfs: its permission bits let root write, yet nothing can be made there
+        cases.append((["--out", "/proc/layerskip-exits"], "directory /proc is not writable"))
+    for extra, fragment in cases:
+        argv = ["--model", "/no/such/model", "--layers", "1", *extra]
+        capsys.readouterr()
+        code = main(argv)
+        captured = capsys.readouterr()
+        assert_bad_input(subprocess.CompletedProcess(argv, code, captured.out, captured.err), fragment)
+    assert (tmp_path / "file").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_search_chooses_among_trained_exits(tmp_path: Path) -> None:
     """A study offered trained exits (--exit-adapters) scores them with their adapters and exports one."""
     model_dir = _tiny_checkpoint(tmp_path)
@@ -184,6 +239,8 @@ def test_search_chooses_among_trained_exits(tmp_path: Path) -> None:
         "--quiet", "--precision", "model",
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr
+    # Nothing is held out: said so, not shown as an agreement of 0.000 -> 0.000.
+    assert "nothing held out" in trained.stderr and "held-out agreement" not in trained.stderr
     out = tmp_path / "policy.json"
     result = run_script(
         "search.py", "--model", str(model_dir), "--prompts", str(data), "--n-prompts", "2", "--n-trials", "5",

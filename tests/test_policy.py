@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -158,10 +159,10 @@ def test_unknown_top_level_key_is_named() -> None:
 def test_validate_for_vocabulary_rows_out_of_range(llama) -> None:
     rows = llama.get_output_embeddings().weight.shape[0]
     SkipPolicy(
-        skip_attention=(1,), draft=DraftSettings(draft_vocab_size=4), draft_vocabulary=(0, rows - 1)
+        skip_attention=(1,), draft=DraftSettings(draft_vocab_size=2), draft_vocabulary=(0, rows - 1)
     ).validate_for(llama)
-    policy = SkipPolicy(skip_attention=(1,), draft=DraftSettings(draft_vocab_size=4), draft_vocabulary=(0, rows))
-    with pytest.raises(LayerskipError, match=f"token id {rows} but this model's head has {rows} rows"):
+    policy = SkipPolicy(skip_attention=(1,), draft=DraftSettings(draft_vocab_size=2), draft_vocabulary=(0, rows))
+    with pytest.raises(LayerskipError, match=rf"token id\(s\) \[{rows}\] but this model's head has {rows} rows"):
         policy.validate_for(llama)
 
 
@@ -327,3 +328,86 @@ def test_write_is_a_rename_of_a_complete_file(tmp_path: Path, monkeypatch: pytes
     SkipPolicy(skip_attention=(2,)).save(path)
     assert seen and seen[0]["skip_attention"] == [2]
     assert json.loads(path.read_text()) == seen[0]
+
+
+# -- values out of range, and files an editor or a shell can produce ------------------------------
+
+OUT_OF_RANGE = {
+    "repeated vocabulary ids": (_with(draft_vocabulary=[5, 5, 5, 5]), "repeats token id(s) [5, 5, 5]"),
+    "huge max_draft_tokens": (_draft(max_draft_tokens=10**9), "between 1 and 64 (got 1000000000)"),
+    "huge draft_vocab_size": (_draft(draft_vocab_size=10**12), "more rows than any model's vocabulary"),
+    "huge lookup run": (_draft(lookup_max_ngram=2, lookup_max_tokens=10**6), "lookup_max_tokens must be at most 64"),
+    "huge verify padding": (_draft(min_verify_block=10**6), "min_verify_block must be between 0"),
+    "unknown exit kind": (_with(exit={"adapter": "a.safetensors", "kind": "conv"}), "'conv' is not an adapter kind"),
+}
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_RANGE))
+def test_values_out_of_range_are_refused_on_load(name: str) -> None:
+    data, fragment = OUT_OF_RANGE[name]
+    with pytest.raises(LayerskipError, match="x.json") as info:
+        SkipPolicy.from_dict(data, source="policy file x.json")
+    assert fragment in str(info.value)
+    if name == "unknown exit kind":
+        assert "linear, layer" in str(info.value)
+
+
+def test_head_values_are_checked_against_the_model(llama) -> None:
+    rows = llama.get_output_embeddings().weight.shape[0]
+    skip = dict(skip_attention=(1,))
+    with pytest.raises(LayerskipError, match=f"draft_vocab_size {rows + 1} is more than this model's {rows}"):
+        SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=rows + 1)).validate_for(llama)
+    SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=rows)).validate_for(llama)  # the full head
+    # The on-the-fly default head size is chosen per device before any model is known.
+    on_the_fly = SkipPolicy.adaptive_selection(DraftSettings(draft_vocab_size=rows + 1))
+    on_the_fly.validate_for(llama)
+    # Fixed for this model (generate --save-policy), that size is the full head it means.
+    assert replace(on_the_fly, on_the_fly=None).with_model(llama).draft.draft_vocab_size == 0
+    assert SkipPolicy(draft=DraftSettings(draft_vocab_size=8)).with_model(llama).draft.draft_vocab_size == 8
+    few_ids = SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=8), draft_vocabulary=(1, 2, 3))
+    with pytest.raises(LayerskipError, match="lists 3 token ids but draft.draft_vocab_size is 8"):
+        few_ids.validate_for(llama)
+    repeated = SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=4), draft_vocabulary=(1, 2, 2, 3))
+    with pytest.raises(LayerskipError, match=r"repeats token id\(s\) \[2\]"):
+        repeated.validate_for(llama)
+
+
+def test_a_million_bad_entries_make_a_short_error(tmp_path: Path, llama) -> None:
+    many = list(range(1000, 1000 + 10**6))
+    cases = [
+        (_with(skip_attention=many), lambda policy: policy.validate_for(llama), "and 999995 more"),
+        (_with(draft_vocabulary=[-1] * 10**6), lambda policy: None, "and 999995 more"),
+        (_with(draft_vocabulary=[7] * 10**6), lambda policy: None, "and 999994 more"),
+        (_with(draft_vocabulary=many, draft={"draft_vocab_size": 2}), lambda p: p.validate_for(llama), "999995 more"),
+    ]
+    for data, use, fragment in cases:
+        path = tmp_path / "many.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(LayerskipError) as info:
+            use(SkipPolicy.load(path))
+        assert fragment in str(info.value) and len(str(info.value)) < 400, str(info.value)[:400]
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "twice.json"
+    path.write_text('{"format": "layerskip-policy", "version": 1, "skip_mlp": [1], "draft": '
+                    '{"max_draft_tokens": 4, "max_draft_tokens": 8}}')  # fmt: skip
+    with pytest.raises(LayerskipError, match="gives key 'max_draft_tokens' twice"):
+        SkipPolicy.load(path)
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(SkipPolicy(skip_mlp=(1,)).to_dict()).encode())
+    assert SkipPolicy.load(path).skip_mlp == (1,)
+
+
+def test_links_that_lead_nowhere_are_named(tmp_path: Path) -> None:
+    loop_a, loop_b, dangling = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "gone.json"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    dangling.symlink_to(tmp_path / "deleted.json")
+    with pytest.raises(LayerskipError, match="is a loop of symbolic links"):
+        SkipPolicy.load(loop_a)
+    with pytest.raises(LayerskipError, match="symbolic link to .*deleted.json, which does not exist"):
+        SkipPolicy.load(dangling)

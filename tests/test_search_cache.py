@@ -128,6 +128,33 @@ def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(search, counted, tmp_pa
     assert search() and counted == {"references": 2, "latency": 2}
 
 
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        (lambda order: [[999, "mlp"], *order[1:]], "names [999, 'mlp']"),
+        (lambda order: [order[0], *order[:-1]], "does not list this model's 8 sublayers once each"),
+    ],
+    ids=["layer-999", "one-twice"],
+)
+def test_a_cached_sublayer_order_is_checked_against_the_model(
+    search, counted, tmp_path: Path, tamper, reason: str
+) -> None:
+    search()
+    [references] = cache_files(tmp_path, "references")
+    data = json.loads(references.read_text())
+    whole = data["sublayer_order"]
+    data["sublayer_order"] = tamper(whole)
+    references.write_text(json.dumps(data))
+
+    result = search()  # ok(): no trial failed on the order
+    assert f"warning: ignoring damaged search cache {references} (its sublayer order {reason}" in result.stderr
+    assert counted["references"] == 2
+    assert json.loads(references.read_text())["sublayer_order"] == whole  # rebuilt whole
+    study = load_study(f"sqlite:///{tmp_path / 's1.db'}", "t")
+    states = [t.state.name for t in study.trials]
+    assert "FAIL" not in states and states.count("COMPLETE") + states.count("PRUNED") == 2, states
+
+
 def test_no_cache_rebuilds_and_refreshes(search, counted, tmp_path: Path) -> None:
     search()
     [latency] = cache_files(tmp_path, "latency")

@@ -48,6 +48,10 @@ ARGUMENT_ERRORS = {
     "worker-negative": (["--worker", "-1"], ["--worker"]),
     "fractions-crossed": (["--min-skip-fraction", "0.8", "--max-skip-fraction", "0.2"], ["--min-skip-fraction"]),
     "export-trial-negative": (["--export-trial", "-2"], ["--export-trial"]),
+    "study-name-empty": (["--study-name", ""], ["--study-name is empty"]),
+    "study-name-blank": (["--study-name", "  "], ["--study-name is empty"]),
+    "draft-tokens-huge": (["--draft-tokens", "2,100"], ["--draft-tokens choices must be <= 64"]),
+    "lookup-tokens-huge": (["--lookup-tokens", "1000"], ["--lookup-tokens choices must be <= 64"]),
 }
 
 
@@ -68,6 +72,7 @@ def test_output_paths_that_cannot_be_written(tmp_path: Path, capsys, monkeypatch
         (["--out", str(tmp_path / "dir")], ["--out", "is a directory"]),
         (["--out", str(tmp_path / "file" / "p.json")], ["--out", "is a file, not a directory"]),
         (["--out", str(tmp_path / "p.json"), "--plots", str(tmp_path / "file")], ["--plots", "is a file"]),
+        (["--out", str(tmp_path / "file")], ["--out", "is not a layerskip policy", "--force"]),  # not replaced
     ]
     for extra, fragments in cases:
         assert_bad_input(search_in_process(capsys, NO_MODEL, *storage, *extra), *fragments)
@@ -236,6 +241,75 @@ def test_a_changed_space_flag_is_refused_before_any_work(
     assert db.read_bytes() == before
     with sqlite3.connect(db) as connection:
         assert connection.execute("SELECT count(*) FROM trials").fetchone()[0] == 0
+
+
+# -- a resumed study keeps its calibration prompts -------------------------------------------------------------------
+def _study_calibrated_on(url: str, digest: bool = True, **changes: object) -> None:
+    from layerskip.data import load_prompts
+    from search.checks import prompts_digest
+
+    prompts = load_prompts("builtin", n=2)  # what FAST_ARGS pick
+    calibration = {"source": "builtin", "prompts": [p.id for p in prompts], "chat": False, "reference_tokens": 8}
+    if digest:
+        calibration["prompts_sha256"] = prompts_digest(prompts)
+    study = optuna.create_study(study_name="s", storage=url)
+    study.set_user_attr("calibration", {**calibration, **changes})
+    study.set_user_attr("model_fingerprint", "f")
+
+
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--n-prompts", "3"], ["calibrated on 2 prompt(s)", "this run picks 3 prompt(s)", "--n-prompts"]),
+        (["--categories", "qa"], ["this run picks 2 prompt(s)", "--categories"]),
+        (["--per-category", "1"], ["--per-category"]),
+        (["--prompts", "MINE"], ["from builtin", "mine.jsonl", "--prompts"]),
+        (["--reference-tokens", "6"], ["--reference-tokens 8", "this run has --reference-tokens 6"]),
+    ],
+    ids=["n-prompts", "categories", "per-category", "prompts-file", "reference-tokens"],
+)
+@pytest.mark.parametrize("digest", [True, False], ids=["digest", "older-study"])
+def test_other_calibration_prompts_are_refused_before_any_work(
+    tmp_path: Path, capsys, extra: list[str], fragments: list[str], digest: bool
+) -> None:
+    db = tmp_path / "s.db"
+    url = f"sqlite:///{db}"
+    _study_calibrated_on(url, digest)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"turns": ["a prompt of mine"]}\n{"turns": ["another one"]}\n')
+    extra = [str(mine) if value == "MINE" else value for value in extra]
+    before = db.read_bytes()
+    args = ["--storage", url, "--study-name", "s", "--out", str(tmp_path / "p.json")]
+    result = search_in_process(capsys, NO_MODEL, *args, *extra)
+    assert_bad_input(result, "study 's'", "another --study-name", *fragments)
+    assert db.read_bytes() == before
+
+
+def test_the_same_prompts_resume_and_other_text_is_refused(tmp_path: Path, capsys) -> None:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    _study_calibrated_on(url)
+    args = ["--storage", url, "--study-name", "s", "--out", str(tmp_path / "p.json")]
+    # The study's own prompts pass every check made before loading: the unknown model is what stops it.
+    assert_bad_input(search_in_process(capsys, NO_MODEL, *args), "unknown model")
+    url = f"sqlite:///{tmp_path / 'other.db'}"
+    _study_calibrated_on(url, prompts_sha256="0123456789abcdef")  # same ids and source, other text
+    args = ["--storage", url, "--study-name", "s", "--out", str(tmp_path / "p.json")]
+    assert_bad_input(search_in_process(capsys, NO_MODEL, *args), "the same prompt ids from builtin with other text")
+
+
+def test_a_resumed_search_refuses_other_prompts_and_another_chat_setting(
+    tiny_llama: Path, tmp_path: Path, capsys
+) -> None:
+    """End to end: the digest a study records is the one a resume compares with."""
+    from search_fixtures import ok
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    args = ["--storage", url, "--study-name", "base", "--out", str(tmp_path / "p.json"), "--n-trials", "2"]
+    ok(search_in_process(capsys, tiny_llama, *args, "--confirm-top", "0"))
+    policy_before = (tmp_path / "p.json").read_bytes()
+    assert_bad_input(search_in_process(capsys, tiny_llama, *args, "--n-prompts", "3"), "--n-prompts")
+    assert_bad_input(search_in_process(capsys, tiny_llama, *args, "--chat"), "calibrated with --no-chat")
+    assert (tmp_path / "p.json").read_bytes() == policy_before
 
 
 # -- warm starts -----------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from layerskip.measure.bench import (
     tuning_categories,
 )
 from layerskip.measure.load import busy_processes
-from layerskip.measure.report import markdown_report, write_outputs
+from layerskip.measure.report import check_outputs_replaceable, markdown_report, write_outputs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply the chat template (default: on for instruct models)",
     )
     parser.add_argument("--out", required=True, help="directory for results.json, results.csv, results.md, speedup.png")
+    parser.add_argument("--force", action="store_true", help="replace report files in --out that no bench run wrote")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
         "--from-results",
@@ -144,6 +145,7 @@ def _tuned_on(rows: list, policies: dict[str, SkipPolicy]) -> dict[str, frozense
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     check_output_dir(args.out, "--out")  # before any work: a run that cannot be saved is not started
+    check_outputs_replaceable(args.out, args.force)
     if args.from_results:
         results = resummarise(read_results(args.from_results))
         for path in write_outputs(results, args.out):

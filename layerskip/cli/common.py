@@ -12,6 +12,7 @@ import torch
 
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
+from layerskip.engine.threads import available_cpus
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.machine import Machine, this_machine
@@ -66,7 +67,11 @@ def float_list(text: str) -> tuple[float, ...]:
 
 
 def thread_setting(text: str) -> int | str:
-    """An argparse type: ``"auto"`` or a positive thread count."""
+    """An argparse type: ``"auto"`` or a positive thread count.
+
+    A count above the CPUs this process may use is a LayerskipError, which argparse lets through
+    to ``run_cli`` (one line): torch would start that many threads, and they would spend their
+    time waiting for each other (999 threads hung a 2-core machine)."""
     if text.strip() == "auto":
         return "auto"
     try:
@@ -75,6 +80,11 @@ def thread_setting(text: str) -> int | str:
         count = 0
     if count < 1:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive thread count, got '{text}'")
+    cpus = available_cpus()
+    if count > cpus:
+        raise LayerskipError(
+            f"--threads {count} is more than the {cpus} CPU(s) this process may use; pass 1 to {cpus}, or 'auto'"
+        )
     return count
 
 

@@ -18,9 +18,10 @@ from layerskip.cli.common import (
     warn_if_tuned_elsewhere,
 )
 from layerskip.drafts.onthefly import converged_policy
+from layerskip.drafts.policy import is_policy_file
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
-from layerskip.fileio import check_output_file
+from layerskip.fileio import check_output_file, check_replaceable
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.integration.baselines import hf_generate
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with an on-the-fly policy: write the skip sets it ended on as a fixed policy JSON "
         "(reuse it, or seed a study with search.py --warm-start PATH)",
     )
+    parser.add_argument("--force", action="store_true", help="let --save-policy replace a file that is not a policy")
     return parser
 
 
@@ -95,6 +97,7 @@ def _main(argv: list[str] | None) -> int:
     check_seed(args.seed)
     if args.save_policy:
         check_output_file(args.save_policy, "--save-policy")
+        check_replaceable(args.save_policy, "--save-policy", is_policy_file, "a layerskip policy", args.force)
     prompt = read_prompt(args.prompt, args.prompt_file)
     policy = load_policy(args.policy, resolve_device(args.device))[1] if args.policy else None
     if args.save_policy and (policy is None or policy.on_the_fly is None):

@@ -36,10 +36,10 @@ from layerskip.distill.corpus import (
 from layerskip.distill.teacher import TeacherData, cache_key, chunk_documents, collect, own_continuations
 from layerskip.distill.train import Student, TrainSettings, evaluate, rank_rows, state_size, train_adapter
 from layerskip.drafts.exit_adapter import KINDS, ExitAdapter, ExitSpec
-from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+from layerskip.drafts.policy import MAX_DRAFT_TOKENS, DraftSettings, ExitSettings, SkipPolicy
 from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
-from layerskip.fileio import write_bytes_atomic, write_json_atomic, write_text_atomic
+from layerskip.fileio import check_output_dir, write_bytes_atomic, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.machine import this_machine
 
@@ -123,6 +123,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if value <= 0:
             raise LayerskipError(f"{flag} must be > 0 (got {value})")
+    if args.max_draft_tokens > MAX_DRAFT_TOKENS:
+        raise LayerskipError(f"--max-draft-tokens must be at most {MAX_DRAFT_TOKENS} (got {args.max_draft_tokens})")
     if args.continuations < 0 or not 0 <= args.temperature <= 5:
         raise LayerskipError("--continuations must be >= 0 and --temperature in [0, 5]")
     if args.rank < 0 or args.draft_vocab < 0:
@@ -135,12 +137,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise LayerskipError(f"--seed must be in 0..{2**32 - 1} (got {args.seed})")
     if args.reuse_kv and args.precision not in (None, "model"):
         raise LayerskipError("--reuse-kv needs the draft in the model's own weights; drop --precision or --reuse-kv")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise LayerskipError(f"--out {out} is a file; pass a directory")
-    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
-    if not os.access(probe, os.W_OK):
-        raise LayerskipError(f"cannot write to {probe}; pass a writable --out directory")
+    check_output_dir(args.out, "--out")  # a file, a path under a file, /proc: one line before the model loads
     for path in [*(args.data or []), *(d for d in args.code_dir if d != STDLIB)]:
         if not Path(path).expanduser().exists():
             raise LayerskipError(f"{path} not found; pass an existing --data file or --code-dir directory")
@@ -353,16 +350,30 @@ def _main(argv: list[str] | None = None) -> int:
                         }
                     )
             print(
-                f"layer {layer} {kind}: held-out agreement {plain['held_out'].get('all', {}).get('agreement', 0):.3f} "
-                f"-> {trained['held_out'].get('all', {}).get('agreement', 0):.3f}, validation "
-                f"{plain['validation']['all']['agreement']:.3f} -> {trained['validation']['all']['agreement']:.3f} "
-                f"({seconds:.0f} s)" + (f"; projected {frontier['projected_speedup']:.2f}x" if frontier else ""),
+                f"layer {layer} {kind}: {_agreement_change(plain, trained)} ({seconds:.0f} s)"
+                + (f"; projected {frontier['projected_speedup']:.2f}x" if frontier else ""),
                 file=sys.stderr,
             )
             report["total_seconds"] = time.perf_counter() - started
             write_report(report, table, out)  # after every exit: a long run's finished part is readable
     print(json.dumps({"out": str(out), "total_seconds": round(report["total_seconds"], 1)}))
     return 0
+
+
+def _agreement_change(plain: dict, trained: dict) -> str:
+    """``held-out agreement A -> B, validation C -> D``; a split with no documents is said to be empty,
+    not shown as an agreement of 0."""
+    parts = []
+    for split, label, empty in (
+        ("held_out", "held-out", "nothing held out (--holdout, --categories)"),
+        ("validation", "validation", "no validation documents"),
+    ):
+        if plain[split].get("all") is None:
+            parts.append(empty)
+        else:
+            before, after = plain[split]["all"]["agreement"], trained[split]["all"]["agreement"]
+            parts.append(f"{label} agreement {before:.3f} -> {after:.3f}")
+    return ", ".join(parts)
 
 
 def make_policy(

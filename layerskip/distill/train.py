@@ -14,9 +14,11 @@ supplies the masks and rotary embeddings a ``layer`` adapter needs, for any arch
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -171,6 +173,42 @@ def _save_checkpoint(path: Path, state: dict) -> None:
     write_bytes_atomic(path, buffer.getvalue())
 
 
+COUNTERS = ("step", "finished", "best_loss", "best_state", "waited", "evaluations")
+
+
+def _resume(
+    path: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+) -> dict | None:
+    """Load a run's checkpoint into ``module``, ``optimizer`` and ``scheduler``; returns its counters.
+
+    A checkpoint that cannot be read or does not fit (truncated by a kill, written by another
+    version) is warned about and None returned, with all three as they were: the adapter is
+    trained again from the start, as a damaged teacher cache is collected again."""
+    before = (copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict()), scheduler.state_dict())
+    try:
+        state = torch.load(path, weights_only=False)
+        if state["best_state"] is not None:
+            module.load_state_dict(state["best_state"])  # it is loaded at the end: it must fit too
+        module.load_state_dict(state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        counters = {name: state[name] for name in COUNTERS}
+        if not isinstance(counters["step"], int) or counters["step"] < 0:
+            raise ValueError(f"step {counters['step']!r}")
+    except Exception as exc:  # torch.load and load_state_dict raise many types for a damaged file
+        module.load_state_dict(before[0])
+        optimizer.load_state_dict(before[1])
+        scheduler.load_state_dict(before[2])
+        detail = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]  # torch's first sentence
+        print(
+            f"warning: checkpoint {path} is unreadable ({type(exc).__name__}: {detail}); training this adapter "
+            "again from the start",
+            file=sys.stderr,
+        )
+        return None
+    return counters
+
+
 def train_adapter(
     model: nn.Module,
     adapter: ExitAdapter,
@@ -202,14 +240,9 @@ def train_adapter(
     step, best_loss, best_state, waited, finished = 0, math.inf, None, 0, False
     evaluations: list[dict[str, float]] = []
     path = Path(checkpoint) if checkpoint is not None else None
-    if path is not None and path.is_file():
-        state = torch.load(path, weights_only=False)
-        module.load_state_dict(state["module"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, best_loss, best_state, waited = state["step"], state["best_loss"], state["best_state"], state["waited"]
-        evaluations = state["evaluations"]
-        finished = state["finished"]
+    resumed = _resume(path, module, optimizer, scheduler) if path is not None and path.is_file() else None
+    if resumed is not None:
+        step, finished, best_loss, best_state, waited, evaluations = (resumed[name] for name in COUNTERS)
     elif validation.domains:
         # The starting adapter is a candidate too (for a linear one: the plain exit), so the
         # result is never worse on validation than where it started.

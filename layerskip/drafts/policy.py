@@ -18,6 +18,7 @@ both sublayers of every layer >= d.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -27,9 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerskip.drafts.exit_adapter import KINDS
 from layerskip.drafts.precision import PRECISIONS
-from layerskip.errors import LayerskipError
-from layerskip.fileio import write_json_atomic
+from layerskip.errors import LayerskipError, few
+from layerskip.fileio import read_json_file, write_json_atomic
 from layerskip.hf import adapters
 from layerskip.machine import Machine
 
@@ -48,6 +50,12 @@ FORMAT = "layerskip-policy"
 # provenance["machine"]: the device, CPU model and kernel flags it was tuned on (layerskip.machine)
 MACHINE_KEY = "machine"
 VERSION = 1
+# Upper bounds on a policy's sizes. A verify block holds k + 1 tokens; past a few dozen its cost
+# grows with k while a longer draft is almost never accepted whole, and a huge k (or lookup run,
+# or padding) asks the model for one absurd block. No model's vocabulary comes near the head
+# bound; it catches values that are not a row count at all.
+MAX_DRAFT_TOKENS = 64
+MAX_HEAD_ROWS = 2**24
 
 
 @dataclass(frozen=True)
@@ -90,8 +98,11 @@ class DraftSettings:
         return "adaptive" if self.adaptive else "by cost" if self.length_by_cost else ""
 
     def validate(self) -> None:
-        if self.max_draft_tokens < 1:
-            raise LayerskipError("draft.max_draft_tokens must be >= 1; set it in the policy file")
+        if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise LayerskipError(
+                f"draft.max_draft_tokens must be between 1 and {MAX_DRAFT_TOKENS} (got {self.max_draft_tokens}); "
+                "set it in the policy file"
+            )
         if not 0.0 <= self.initial_threshold <= 1.0 or not 0.0 < self.target_acceptance <= 1.0:
             raise LayerskipError("draft.initial_threshold must be in [0, 1] and target_acceptance in (0, 1]")
         if self.adaptive and self.length_by_cost:
@@ -100,8 +111,21 @@ class DraftSettings:
             )
         if self.draft_vocab_size < 0 or self.lookup_max_ngram < 0 or self.lookup_max_tokens < 0:
             raise LayerskipError("draft sizes must be >= 0; fix the policy file")
-        if self.min_verify_block < 0:
-            raise LayerskipError("draft.min_verify_block must be >= 0 (0 = no padding); fix the policy file")
+        if self.draft_vocab_size > MAX_HEAD_ROWS:
+            raise LayerskipError(
+                f"draft.draft_vocab_size {self.draft_vocab_size} is more rows than any model's vocabulary; "
+                "use 0 (the full head) or a size below the model's vocabulary"
+            )
+        if self.lookup_max_tokens > MAX_DRAFT_TOKENS:
+            raise LayerskipError(
+                f"draft.lookup_max_tokens must be at most {MAX_DRAFT_TOKENS} (got {self.lookup_max_tokens}); "
+                "fix the policy file"
+            )
+        if not 0 <= self.min_verify_block <= MAX_DRAFT_TOKENS + 1:
+            raise LayerskipError(
+                f"draft.min_verify_block must be between 0 (no padding) and {MAX_DRAFT_TOKENS + 1} "
+                f"(got {self.min_verify_block}); fix the policy file"
+            )
         if not 0.0 <= self.lookup_confidence < 1.0:
             raise LayerskipError("draft.lookup_confidence must be in [0, 1); fix the policy file")
         if self.lookup_max_ngram and not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
@@ -167,6 +191,8 @@ class ExitSettings:
             raise LayerskipError("exit.adapter must name the adapter's safetensors file; fix the policy file")
         if self.layer < 0:
             raise LayerskipError("exit.layer must be >= 0; fix the policy file")
+        if self.kind not in KINDS:
+            raise LayerskipError(f"exit.kind '{self.kind}' is not an adapter kind; use one of {', '.join(KINDS)}")
 
 
 @dataclass(frozen=True)
@@ -222,7 +248,13 @@ class SkipPolicy:
         return cls(skip_attention=tuple(layers), skip_mlp=tuple(layers), **kwargs)
 
     def with_model(self, model: nn.Module, name: str = "") -> SkipPolicy:
-        return replace(self, model=ModelIdentity.of(model, name))
+        """This policy made for ``model``: its identity recorded, and a head size that covers the
+        model's whole vocabulary (on-the-fly's device default can) written as 0, the full head it
+        means there, so the policy validates as a fixed one."""
+        draft = self.draft
+        if draft.draft_vocab_size >= adapters.lm_head(model).weight.shape[0]:
+            draft = replace(draft, draft_vocab_size=0)
+        return replace(self, model=ModelIdentity.of(model, name), draft=draft)
 
     def with_machine(self, machine: Machine) -> SkipPolicy:
         """The same policy, recording ``machine`` as the one it was tuned on (``provenance["machine"]``)."""
@@ -316,17 +348,49 @@ class SkipPolicy:
                 "use a policy made for this model"
             )
         adapters.check_indices(model, self.skip_attention, self.skip_mlp)
-        rows = adapters.lm_head(model).weight.shape[0]
-        if self.draft_vocabulary and max(self.draft_vocabulary) >= rows:
-            raise LayerskipError(
-                f"draft_vocabulary holds token id {max(self.draft_vocabulary)} but this model's head has {rows} rows; "
-                "use a policy made for this model"
-            )
+        self._validate_head(adapters.lm_head(model).weight.shape[0])
         if self.exit is not None:
             self._validate_exit(count)
         if len(self.skip_attention) == count and len(self.skip_mlp) == count:
             raise LayerskipError(
                 "policy bypasses every sublayer, so the draft would ignore the input; keep at least one layer"
+            )
+
+    def _validate_head(self, rows: int) -> None:
+        """The truncated head's size and rows against a head of ``rows`` rows."""
+        self._check_vocabulary_ids()
+        size, vocabulary = self.draft.draft_vocab_size, self.draft_vocabulary
+        too_large = [t for t in vocabulary if t >= rows]
+        if too_large:
+            raise LayerskipError(
+                f"draft_vocabulary holds token id(s) {few(too_large)} but this model's head has {rows} rows "
+                f"(ids 0..{rows - 1}); use a policy made for this model"
+            )
+        # An on-the-fly policy's size is the device's default, chosen before the model is known (a
+        # size past the vocabulary is the full head there); any other is a number someone wrote.
+        if size > rows and self.on_the_fly is None:
+            raise LayerskipError(
+                f"draft.draft_vocab_size {size} is more than this model's {rows} vocabulary rows; "
+                f"use 0 (the full head) or a size below {rows}"
+            )
+        if vocabulary and 0 < size < rows and len(vocabulary) < size:
+            raise LayerskipError(
+                f"draft_vocabulary lists {len(vocabulary)} token ids but draft.draft_vocab_size is {size}; "
+                "list at least that many distinct ids, or lower draft_vocab_size"
+            )
+
+    def _check_vocabulary_ids(self) -> None:
+        """Each ranked head row once: a repeated id would take a row of the head twice."""
+        seen: set[int] = set()
+        repeated = []
+        for token in self.draft_vocabulary:
+            if token in seen:
+                repeated.append(token)
+            seen.add(token)
+        if repeated:
+            raise LayerskipError(
+                f"draft_vocabulary repeats token id(s) {few(repeated)}; list each id once (the search writes it "
+                "ranked, most useful first)"
             )
 
     def _validate_exit(self, count: int) -> None:
@@ -439,8 +503,9 @@ class SkipPolicy:
             exit_settings = None if exit_data is None else _dataclass_from(ExitSettings, exit_data)
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp, *vocabulary]):
                 raise TypeError("skip lists and draft_vocabulary must hold integers")
-            if any(i < 0 for i in vocabulary):
-                raise ValueError("draft_vocabulary must hold token ids >= 0")
+            negative = [i for i in vocabulary if i < 0]
+            if negative:
+                raise ValueError(f"draft_vocabulary must hold token ids >= 0, not {few(negative)}")
             policy = cls(
                 skip_attention=tuple(attention),
                 skip_mlp=tuple(mlp),
@@ -456,11 +521,15 @@ class SkipPolicy:
             raise LayerskipError(
                 f"{source} has the wrong schema ({exc}); regenerate it with layerskip-search"
             ) from None
-        policy.draft.validate()
-        if policy.on_the_fly is not None:
-            policy.on_the_fly.validate()
-        if policy.exit is not None:
-            policy.exit.validate()
+        try:
+            policy.draft.validate()
+            policy._check_vocabulary_ids()
+            if policy.on_the_fly is not None:
+                policy.on_the_fly.validate()
+            if policy.exit is not None:
+                policy.exit.validate()
+        except LayerskipError as exc:
+            raise LayerskipError(f"{source}: {exc}") from None
         return policy
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -475,20 +544,71 @@ class SkipPolicy:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SkipPolicy:
         path = Path(path)
-        if path.is_dir():
-            raise LayerskipError(f"policy path {path} is a directory; pass a policy JSON file")
-        if not path.is_file():
-            raise LayerskipError(f"policy file {path} not found; pass an existing --policy path")
+        _check_policy_path(path)
         try:
-            data = json.loads(path.read_text())
+            # utf-8-sig: an editor that saves UTF-8 with a byte-order mark still gives a policy.
+            text = path.read_text(encoding="utf-8-sig")
+            data = json.loads(text, object_pairs_hook=_without_repeated_keys)
         except OSError as exc:
             raise LayerskipError(f"cannot read policy file {path}: {exc.strerror}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError as exc:
+            raise LayerskipError(f"policy file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+        except _RepeatedKey as exc:
             raise LayerskipError(
-                f"policy file {path} is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})"
+                f"policy file {path} gives key '{exc.key}' twice in one object; keep the one you mean"
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise LayerskipError(
+                f"policy file {path} is not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
             ) from None
         policy = cls.from_dict(data, source=f"policy file {path}")
         return replace(policy, root=str(path.resolve().parent)) if policy.exit is not None else policy
+
+
+def is_policy_file(path: Path) -> bool:
+    """Whether ``path`` holds a layerskip policy (by its format marker; the values may be anything)."""
+    data = read_json_file(path)
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
+def _check_policy_path(path: Path) -> None:
+    """A policy path must lead to a file: a loop of links or a dangling link is named as one."""
+    try:
+        path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LayerskipError(
+                f"policy path {path} is a loop of symbolic links; point it at a policy JSON file"
+            ) from None
+        if path.is_symlink():
+            target = os.readlink(path)
+            raise LayerskipError(
+                f"policy path {path} is a symbolic link to {target}, which does not exist; pass an existing policy"
+            ) from None
+        if exc.errno != errno.ENOENT:
+            raise LayerskipError(f"cannot read policy file {path}: {exc.strerror}") from None
+        raise LayerskipError(f"policy file {path} not found; pass an existing --policy path") from None
+    if path.is_dir():
+        raise LayerskipError(f"policy path {path} is a directory; pass a policy JSON file")
+    if not path.is_file():
+        raise LayerskipError(f"policy path {path} is not a regular file; pass a policy JSON file")
+
+
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different: with a key given twice, json keeps the last
+    copy and the other is silently lost."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _RepeatedKey(key)
+        data[key] = value
+    return data
 
 
 def _dataclass_from(cls: type, data: Any) -> Any:

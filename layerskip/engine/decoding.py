@@ -96,12 +96,10 @@ class _Output:
         for token in tokens:
             kept += 1
             self.history.append(token)
-            if (
-                token in self.settings.eos_token_ids
-                or self.remaining <= 0
-                or self._hit_stop_string()
-                or (self.stop_check is not None and self.stop_check(self.history))
-            ):
+            # Asked after every token, whatever else ends the generation there: plain generate asks
+            # its stopping criteria so, and a criterion may keep count.
+            stopped = self.stop_check is not None and self.stop_check(self.history)
+            if token in self.settings.eos_token_ids or self.remaining <= 0 or self._hit_stop_string() or stopped:
                 self.done = True
                 break
         if kept and self.on_tokens is not None:

@@ -14,6 +14,7 @@ Thread counts change no result: greedy output is the verify's argmax whatever th
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 PHASES = ("draft", "verify")
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container or ``taskset`` can give it
+    fewer than the machine has). More torch threads than this only wait for each other."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def candidate_counts(available: int) -> tuple[int, ...]:

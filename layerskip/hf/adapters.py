@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerskip.errors import LayerskipError
+from layerskip.errors import LayerskipError, few
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,7 @@ def check_indices(model: nn.Module, attention: Sequence[int], mlp: Sequence[int]
         bad = [i for i in indices if not 0 <= i < count]
         if bad:
             raise LayerskipError(
-                f"policy skips {kind} layer(s) {bad} but the model has {count} layers (valid 0..{count - 1}); "
+                f"policy skips {kind} layer(s) {few(bad)} but the model has {count} layers (valid 0..{count - 1}); "
                 "fix the indices in the policy file"
             )
 

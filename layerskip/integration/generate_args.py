@@ -14,7 +14,10 @@ the config:
   exactly plain ``generate``'s (greedy) or follows its distribution (sampling);
 - ``MaxLengthCriteria`` and ``EosTokenCriteria`` become the engine's token budget and EOS ids;
   every other criterion (stop strings, ``max_time``, a user's ``stopping_criteria``) is asked
-  after each accepted token, as plain ``generate`` asks after each token.
+  after each accepted token, as plain ``generate`` asks after each token, with what plain
+  ``generate`` passes: the ids so far and ``scores``, the tuple of processed scores of every
+  token so far when ``output_scores`` is recorded (``return_dict_in_generate=True``), else None.
+  Its answer may be a tensor or a Python bool, as plain ``generate`` accepts.
 
 A batch (or ``num_return_sequences`` copies of one prompt) is one engine call per row, decoded one
 after another. Anything whose output we cannot reproduce exactly is refused in one line naming
@@ -24,7 +27,7 @@ the argument.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,8 @@ from layerskip.sampling import Sampling
 # positions and full-block logits, so these are read (attention mask, cache) or dropped.
 UNSUPPORTED = "is not supported by layerskip's custom_generate"
 _PREPARED_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values", "use_cache"}
+# new tokens so far -> the ``scores`` plain generate would hand a stopping criterion after that many
+ScoresSoFar = Callable[[int], tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -49,8 +54,24 @@ class EngineCall:
     padding: list[int]  # left-padding tokens removed from the input; processors still see them
     settings: DecodeSettings
     logits_hook: LogitsHook | None
-    stop_check: StopCheck | None
+    criteria: list[object]  # stopping criteria asked after every token (not max length, not EOS)
     warpers: list[object]  # generate's sampling warpers that ``settings.sampling`` stands for
+    device: torch.device = torch.device("cpu")  # where the ids handed to the criteria live
+
+    def stop_check(self, scores: ScoresSoFar | None = None) -> StopCheck | None:
+        """The engine's stop check for this row's criteria; ``scores``, where ``output_scores`` is
+        recorded, gives them the scores so far as plain ``generate`` does (else they get None)."""
+        if not self.criteria:
+            return None
+        criteria, padding, prompt_length = self.criteria, self.padding, len(self.prompt)
+
+        def check(history: list[int]) -> bool:
+            ids = torch.tensor([[*padding, *history]], device=self.device)
+            so_far = None if scores is None else scores(len(history) - prompt_length)
+            # Every criterion is asked, as plain generate's list asks them all (some keep state).
+            return any([_stops(criterion(ids, so_far)) for criterion in criteria])
+
+        return check
 
 
 def _refuse_config(config: Any) -> None:
@@ -159,15 +180,10 @@ def _logits_hook(processors: list[object], padding: list[int]) -> LogitsHook | N
     return functools.partial(apply_by_row, processors, padding)
 
 
-def _stop_check(criteria: list[object], padding: list[int], device: torch.device) -> StopCheck | None:
-    if not criteria:
-        return None
-
-    def check(history: list[int]) -> bool:
-        ids = torch.tensor([[*padding, *history]], device=device)
-        return any(bool(criterion(ids, None).any()) for criterion in criteria)
-
-    return check
+def _stops(answer: object) -> bool:
+    """A criterion's answer for one row: a bool tensor of shape [1] (HF's own criteria), a Python
+    or numpy bool (what many user criteria return, and plain ``generate`` accepts)."""
+    return bool(torch.as_tensor(answer).any())
 
 
 def engine_calls(
@@ -224,8 +240,9 @@ def engine_calls(
             padding=padding,
             settings=settings,
             logits_hook=_logits_hook(processors, padding),
-            stop_check=_stop_check(others, padding, input_ids.device),
+            criteria=others,
             warpers=warpers,
+            device=input_ids.device,
         )
         for prompt, padding in prompts
     ]

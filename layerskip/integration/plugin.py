@@ -94,7 +94,11 @@ def self_speculative_generate(
             generation_config.output_scores or generation_config.output_logits
         )
         recorders = [ScoreRecorder(call.logits_hook, call.warpers, call.padding) if record else None for call in calls]
-        results = [_decode(decoder, call, streamer, recorder) for call, recorder in zip(calls, recorders)]
+        # Stopping criteria get the scores so far only where plain generate keeps them (output_scores).
+        output_scores = bool(record and generation_config.output_scores)
+        results = [
+            _decode(decoder, call, streamer, recorder, output_scores) for call, recorder in zip(calls, recorders)
+        ]
     finally:
         if streamer is not None:  # also on an error, so a reader of a TextIteratorStreamer is released
             streamer.end()
@@ -115,7 +119,7 @@ def self_speculative_generate(
 
 
 def _decode(
-    decoder: Decoder, call: EngineCall, streamer: Any, recorder: ScoreRecorder | None
+    decoder: Decoder, call: EngineCall, streamer: Any, recorder: ScoreRecorder | None, output_scores: bool = False
 ) -> tuple[list[int], GenerationStats]:
     """One row through the engine; accepted tokens go to the streamer and the score record."""
     listeners: list[Callable[[list[int]], None]] = []
@@ -133,7 +137,7 @@ def _decode(
         call.settings,
         on_tokens=on_tokens if listeners else None,
         logits_hook=recorder.process if recorder is not None else call.logits_hook,
-        stop_check=call.stop_check,
+        stop_check=call.stop_check(recorder.so_far if recorder is not None and output_scores else None),
     )
 
 

@@ -36,6 +36,18 @@ class ScoreRecorder:
         self._block = (raw, scores)
         return processed
 
+    def so_far(self, new_tokens: int) -> tuple[torch.Tensor, ...]:
+        """The scores of the first ``new_tokens`` tokens while the engine is still choosing from the
+        last block: the tokens before it are recorded, the rest are the block's first rows (what a
+        stopping criterion sees after each token, before the block's tokens are handed on)."""
+        recorded = tuple(self.scores)
+        extra = new_tokens - len(recorded)
+        if extra <= 0:
+            return recorded[:new_tokens]
+        assert self._block is not None
+        scores = self._block[1]
+        return recorded + tuple(scores[j : j + 1] for j in range(extra))
+
     def on_tokens(self, tokens: list[int]) -> None:
         """The token callback: the first ``len(tokens)`` rows of the last block chose them."""
         assert self._block is not None

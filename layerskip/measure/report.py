@@ -8,8 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from layerskip.fileio import write_file_set
+from layerskip.errors import LayerskipError
+from layerskip.fileio import read_json_file, write_file_set
 
+OUTPUT_FILES = ("results.json", "results.csv", "results.md", "speedup.png")
 COLUMNS = (
     "tokens_per_second",
     "speedup",
@@ -203,6 +205,26 @@ def speedup_png(results: dict[str, Any]) -> bytes:
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
     return buffer.getvalue()
+
+
+def is_bench_results(path: Path) -> bool:
+    """Whether ``path`` is a results.json a layerskip-bench run wrote (its summary and its rows)."""
+    data = read_json_file(path)
+    return isinstance(data, dict) and {"methods", "per_prompt", "model"} <= data.keys()
+
+
+def check_outputs_replaceable(directory: str | Path, force: bool = False) -> None:
+    """Refuse a directory holding one of the report files that no bench run wrote (unless ``force``):
+    they are replaced as a set, and a set is recognised by its results.json."""
+    directory = Path(directory).expanduser()
+    present = [name for name in OUTPUT_FILES if (directory / name).exists()]
+    if force or not present or is_bench_results(directory / "results.json"):
+        return
+    why = "" if present[0] == "results.json" else " (no bench results.json beside it)"
+    raise LayerskipError(
+        f"--out {directory} holds {present[0]}, which no layerskip-bench run wrote{why}, and a run would "
+        "replace it; pass --force to replace it, or choose another directory"
+    )
 
 
 def write_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:
