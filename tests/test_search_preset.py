@@ -50,10 +50,11 @@ def test_a_quick_search_records_its_preset_and_machine(run_search, capsys, tiny_
     preset's sizes); the exported policy records the preset and this machine, so generate says nothing."""
     db, out = tmp_path / "q.db", tmp_path / "q.json"
     storage = ["--storage", f"sqlite:///{db}", "--out", str(out)]
-    ok(run_search(tiny_llama, "--preset", "quick", "--n-trials", "3", *storage))
+    # The tiny model has 300 vocabulary rows: the preset's head sizes are overridden to fit it.
+    ok(run_search(tiny_llama, "--preset", "quick", "--n-trials", "3", "--draft-vocab", "0,128", *storage))
     study = load_study(f"sqlite:///{db}", "tiny-llama-quick")  # the preset names the default study
     space = study.user_attrs["space"]
-    assert space["precision_choices"] == ["int4"] and space["draft_vocab_choices"] == [4096, 16384]
+    assert space["precision_choices"] == ["int4"] and space["draft_vocab_choices"] == [0, 128]
     assert space["lookup_ngram_choices"] == [0, 3] and space["require_skip_draft"] is True
     assert space["max_fraction"] == 0.25 and space["sublayer_order"]  # ranked
     assert study.user_attrs["preset"]["name"] == "quick"
@@ -66,7 +67,7 @@ def test_a_quick_search_records_its_preset_and_machine(run_search, capsys, tiny_
     # Resumed on "another machine" (the study says it was made elsewhere): one warning; the policy
     # still records where its trial was measured, here.
     study.set_user_attr("machine", replace(this_machine("cpu"), cpu_model="Elsewhere CPU").to_dict())
-    resumed = ok(run_search(tiny_llama, "--preset", "quick", "--n-trials", "2", *storage))
+    resumed = ok(run_search(tiny_llama, "--preset", "quick", "--n-trials", "2", "--draft-vocab", "0,128", *storage))
     assert resumed.stderr.count("was made on another machine (Elsewhere CPU -> ") == 1
     assert SkipPolicy.load(out).tuned_machine == this_machine("cpu")
     generated = generate_in_process(
