@@ -41,6 +41,11 @@ class GenerationStats:
     skip_sets: dict[str, int] = field(default_factory=dict)
     # CPU thread counts used ("draft:1", "verify:2" -> runs of that phase): see engine.threads.
     thread_runs: dict[str, int] = field(default_factory=dict)
+    # How the phases ran, counted per generation: "draft step: lean" (or "hf (why)"), "draft
+    # compiled: no", "verify head: certified bf16" (or "fp32"); and the verify rows whose argmax the
+    # fp32 head had to give (a row too flat for the certified bf16 head).
+    paths: dict[str, int] = field(default_factory=dict)
+    head_fallback_rows: int = 0
 
     @property
     def mean_accepted(self) -> float:

@@ -87,7 +87,10 @@ def test_greedy_decoding_is_identical_with_and_without_the_certified_head(arch: 
     reference, logits = hf_greedy(model, prompt, 24)
     for certified in (True, False):
         decoder = Decoder(model, policy, certified_head=certified)
-        tokens, _ = decoder.decode(prompt, DecodeSettings(max_new_tokens=24))
+        tokens, stats = decoder.decode(prompt, DecodeSettings(max_new_tokens=24))
         assert_same_tokens(tokens, reference, ref_logits=logits, label=f"{arch} certified_head={certified}")
         assert decoder.head.certified == certified
+        step = "draft step: hf (no lean draft step for 'gpt2'" if arch == "gpt2" else "draft step: lean"
+        assert any(path.startswith(step) for path in stats.paths), stats.paths
+        assert ("verify head: certified bf16" in stats.paths) == certified
     assert decoder.head.stats.rows == 0  # the uncertified head never took the bf16 route

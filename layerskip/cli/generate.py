@@ -144,6 +144,8 @@ def _main(argv: list[str] | None) -> int:
         "draft_seconds": stats.draft_seconds,
         "verify_seconds": stats.verify_seconds,
         "thread_runs": stats.thread_runs,  # "draft:1" -> runs of that phase on 1 CPU thread (--threads)
+        "paths": stats.paths,  # how the draft step and the verify head ran (lean / HF, compiled, certified)
+        "head_fallback_rows": stats.head_fallback_rows,
     }
     if policy is not None and policy.on_the_fly is not None:
         # Skip-drafted steps per bypassed set ("a<attention layers>|m<MLP layers>"), and how often it changed.

@@ -175,6 +175,13 @@ class Decoder:
     def selection(self) -> SelectionState | None:
         return None if self.draft is None else self.draft.selection
 
+    def paths(self) -> list[str]:
+        """How this decoder's phases run (``GenerationStats.paths``)."""
+        head = "verify head: certified bf16" if self.head.certified else "verify head: model's own"
+        if self.draft_model is None:
+            return [head]
+        return [f"draft step: {self.draft_model.step_kind}", "draft compiled: no", head]
+
     def cache_windows(self) -> list[int | None]:
         """Per cache layer, its sliding window (a layer exit adapter adds one of its own)."""
         return adapters.sliding_windows(self.model) if self.draft is None else self.draft.cache_windows()
@@ -213,6 +220,7 @@ class Decoder:
             output = _Output(prompt, settings, tokenizer, on_tokens, stop_check)
             generator = _generator(settings.seed, self.device)
             cache = RollbackCache(self.cache_windows())
+            fallbacks_before = self.head.stats.fallbacks
             drafter = drafter or self._drafter(len(prompt), settings, generator)
             sampling = settings.sampling
             pad_to = self.policy.draft.min_verify_block if self.policy is not None else 0
@@ -288,6 +296,9 @@ class Decoder:
 
             drafter.report(stats)
             stats.thread_runs = dict(self.threads.used)
+            for path in self.paths():
+                stats.paths[path] = 1
+            stats.head_fallback_rows = self.head.stats.fallbacks - fallbacks_before
             stats.total_seconds = clock.now() - start
             stats.new_tokens = len(output.generated)
             return output.generated, stats

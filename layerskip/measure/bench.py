@@ -356,6 +356,10 @@ def summarise(
             "skip_sets": dict(stats.skip_sets) if stats is not None and stats.skip_sets else None,
             # CPU thread counts the draft and verify ran with ("draft:1" -> runs): see engine.threads.
             "thread_runs": dict(stats.thread_runs) if stats is not None and stats.thread_runs else None,
+            # How the draft step and the verify head ran (generations per path), and the verify rows
+            # the fp32 head decided (too flat for the certified bf16 head).
+            "paths": dict(stats.paths) if stats is not None and stats.paths else None,
+            "head_fallback_rows": stats.head_fallback_rows if stats is not None else None,
         }
 
     by_method: dict[str, list[PromptResult]] = defaultdict(list)
