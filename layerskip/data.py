@@ -43,8 +43,22 @@ def _from_spec_bench_rows(rows: list[dict], source: str) -> list[Prompt]:
 
 def builtin_prompts() -> list[Prompt]:
     """The project's own 18 prompts, three in each Spec-Bench category."""
-    text = files("layerskip").joinpath("prompts/builtin.jsonl").read_text(encoding="utf-8")
-    return _from_spec_bench_rows([json.loads(line) for line in text.splitlines() if line.strip()], "built-in prompts")
+    return _packaged("builtin.jsonl", "built-in prompts")
+
+
+def code_prompts() -> list[Prompt]:
+    """The project's own 12 code-continuation prompts (Python, C, JavaScript, SQL): text no study
+    here was tuned on, to check a policy away from its calibration prompts."""
+    return _packaged("code.jsonl", "code prompts")
+
+
+# Names ``--prompts`` takes besides a path.
+PACKAGED_PROMPTS = {"builtin": builtin_prompts, "code": code_prompts}
+
+
+def _packaged(name: str, label: str) -> list[Prompt]:
+    text = files("layerskip").joinpath(f"prompts/{name}").read_text(encoding="utf-8")
+    return _from_spec_bench_rows([json.loads(line) for line in text.splitlines() if line.strip()], label)
 
 
 def _check_utf8(path: Path) -> None:
@@ -131,19 +145,19 @@ def load_prompts(
     seed: int = 0,
     categories: Sequence[str] = (),
 ) -> list[Prompt]:
-    """Prompts from ``builtin`` or a path; ``categories`` keeps only those (e.g. to tune on some
+    """Prompts from ``builtin``, ``code`` or a path; ``categories`` keeps only those (e.g. to tune on some
     and report the others), ``per_category`` takes that many from each category (a seeded random
     sample), then ``n`` caps the total, spread over categories."""
     if per_category is not None and per_category <= 0:
         raise LayerskipError(f"--per-category must be > 0 (got {per_category})")
     if n is not None and n <= 0:
         raise LayerskipError(f"the number of prompts must be > 0 (got {n})")
-    if source == "builtin":
-        prompts = builtin_prompts()
+    if source in PACKAGED_PROMPTS:
+        prompts = PACKAGED_PROMPTS[source]()
     else:
         path = Path(source).expanduser()
         if not path.is_file():
-            raise LayerskipError(f"prompts file {path} not found; pass an existing path or 'builtin'")
+            raise LayerskipError(f"prompts file {path} not found; pass an existing path, 'builtin' or 'code'")
         if path.stat().st_size == 0:
             raise LayerskipError(f"prompts file {path} is empty")
         if path.suffix.lower() != ".parquet":

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import shlex
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -35,7 +38,7 @@ from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import engine_verify_head
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
-from layerskip.hf.models import load_model, resolve_device
+from layerskip.hf.models import cache_dir, load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import this_machine
 from layerskip.measure.latency import (
@@ -90,12 +93,43 @@ def verify_curve(model: torch.nn.Module, context: list[int], repeats: int) -> di
     }
 
 
+def compile_measurement(model: torch.nn.Module, context: list[int], precision: str, repeats: int) -> dict[str, object]:
+    """The whole lean draft step (nothing bypassed, a 4096-row head) eager and through torch.compile:
+    compile time with an empty inductor cache, then again from the on-disk cache (in-memory caches
+    reset), and the median step of each. Artefacts go to <layerskip cache>/inductor."""
+    import torch._dynamo
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    rows = list(range(4096))
+    eager = DraftModel(model, precision)
+    result: dict[str, object] = {"precision": precision, "cache_dir": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
+    with tempfile.TemporaryDirectory() as cold:
+        for label, directory in (("cold", cold), ("cached", cold)):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+            torch._dynamo.reset()
+            compiled = DraftModel(model, precision, compile=True)
+            start = time.perf_counter()
+            draft_step_seconds(compiled, context, (), (), rows, repeats=1)  # compiles on its first step
+            result[f"compile_and_first_steps_s_{label}"] = time.perf_counter() - start
+        result["compiled_step_ms"] = 1000 * draft_step_seconds(compiled, context, (), (), rows, repeats)
+    result["eager_step_ms"] = 1000 * draft_step_seconds(eager, context, (), (), rows, repeats)
+    result["pays"] = result["compiled_step_ms"] < 0.95 * result["eager_step_ms"]
+    torch._dynamo.reset()
+    return result
+
+
 def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--policy", action="append", default=[], help="also time this policy's draft (repeatable)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default="results/draft_cost")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the lean int4 draft step through torch.compile: compile time (cold, then from the "
+        "on-disk cache) and the step against the eager one",
+    )
     args = parser.parse_args(argv)
     extra = load_policies(args.policy, resolve_device(args.device))
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -142,7 +176,11 @@ def _main(argv: list[str] | None) -> int:
         if cpu:
             row.update(draft_step_breakdown(*args_, repeats=args.repeats))
         rows.append(row)
+    compiled = (
+        compile_measurement(model, context, "int4" if cpu else "bfloat16", args.repeats) if args.compile else None
+    )
     result = {
+        "compiled_lean_step": compiled,
         "command": shlex.join(["python", "scripts/draft_cost.py", *(sys.argv[1:] if argv is None else argv)]),
         "model": loaded.name,
         "dtype": args.dtype,
@@ -196,6 +234,12 @@ def _main(argv: list[str] | None) -> int:
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {result['machine']}"
     )
     print(table)
+    if compiled is not None:
+        print(
+            f"lean int4 step through torch.compile: {compiled['compiled_step_ms']:.1f} ms against "
+            f"{compiled['eager_step_ms']:.1f} ms eager; compile {compiled['compile_and_first_steps_s_cold']:.0f} s "
+            f"cold, {compiled['compile_and_first_steps_s_cached']:.0f} s from its cache"
+        )
     return 0
 
 

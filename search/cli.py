@@ -170,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument("--preset", choices=PRESETS, help=_preset_help())
     parser.add_argument(
-        "--prompts", default="builtin", help="'builtin', a Spec-Bench-style JSONL, or a json/csv/parquet file"
+        "--prompts",
+        default="builtin",
+        help="'builtin', 'code' (12 code prompts), a Spec-Bench-style JSONL, or a json/csv/parquet file",
     )
     parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
     parser.add_argument("--n-prompts", type=int, default=6, help="calibration prompts (spread over categories)")

@@ -77,3 +77,18 @@ def test_an_exit_draft_keeps_the_hf_forward() -> None:
     model = tiny_model("llama")
     adapter = ExitAdapter.fresh(model, ExitSpec(layer=1, kind="linear"))
     assert DraftModel(model, exit=adapter).step_kind.startswith("hf (an exit adapter")
+
+
+def test_compiled_lean_step_matches_the_eager_one() -> None:
+    """``compile=True`` runs the same lean step through torch.compile (one graph per skip set); it
+    must give the eager step's hidden states and leave the cache where the eager step leaves it.
+    The "eager" backend captures the same whole graph (fullgraph, dynamic cache length) without
+    inductor's code generation, which would add half a minute to the suite."""
+    model = tiny_model("llama")
+    compiled, eager = DraftModel(model, compile="eager"), DraftModel(model)
+    assert compiled.compile and not eager.compile
+    prompt = random_prompt(length=10)
+    skip = ((1,), (2,))
+    got = _draft_hidden(model, compiled, skip, prompt, 3)
+    want = _draft_hidden(model, eager, skip, prompt, 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

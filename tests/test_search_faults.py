@@ -22,6 +22,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 from search_fixtures import search_in_process
 
+from layerskip.data import load_prompts
 from layerskip.drafts.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from search import journal as journal_module
@@ -405,3 +406,11 @@ def test_running_trials_of_dead_local_workers_are_failed(tmp_path: Path) -> None
     state = {t.number: t.state for t in study.trials}
     assert state[trials["dead"]] == TrialState.FAIL
     assert all(state[trials[label]] == TrialState.RUNNING for label in ("alive", "elsewhere", "none"))
+
+
+def test_packaged_prompt_sets_load_by_name() -> None:
+    """``--prompts builtin`` and ``--prompts code``: the project's own sets, no path needed."""
+    builtin, code = load_prompts("builtin"), load_prompts("code")
+    assert len(builtin) == 18 and len({p.category for p in builtin}) == 6
+    assert len(code) == 12 and {p.category for p in code} == {"code"}
+    assert len({p.id for p in code}) == 12 and all(p.text.strip() for p in code)

@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="layerskip-bench", description=__doc__)
     add_model_arguments(parser)
     parser.add_argument(
-        "--prompts", default="builtin", help="'builtin', a Spec-Bench JSONL, or a json/csv/parquet file"
+        "--prompts",
+        default="builtin",
+        help="'builtin', 'code' (12 code prompts), a Spec-Bench JSONL, or a json/csv/parquet file",
     )
     parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
     parser.add_argument("--per-category", type=int, help="prompts per category")

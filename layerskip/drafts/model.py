@@ -25,7 +25,16 @@ from layerskip.drafts.precision import FusedProjections, check_precision, traine
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import positions
-from layerskip.hf.lean import LeanPlan, Matmul, lean_hidden, lean_plan, projection_groups
+from layerskip.hf.lean import (
+    LeanPlan,
+    Matmul,
+    advance_cache,
+    lean_hidden,
+    lean_plan,
+    lean_step_function,
+    projection_groups,
+    step_inputs,
+)
 
 SUBLAYER_KINDS = ("attention", "mlp")
 # The lean step's product names, per sublayer kind, in the order of ``projection_groups``.
@@ -39,7 +48,10 @@ class DraftModel:
     it keeps; on-the-fly selection may keep any): ``{(layer, "attention" | "mlp"), ...}``, None = all.
     ``exit`` is a trained exit adapter applied to its layer's output in every draft forward
     (the layers after it are bypassed by the skip sets the caller passes). ``lean=False`` keeps
-    every forward on HF's modules (for comparisons).
+    every forward on HF's modules (for comparisons). ``compile=True`` runs the lean step through
+    ``torch.compile`` (one graph per skip set; on the project's CPUs it saved about a tenth of a
+    draft step for a minute of compiling, so nothing turns it on by default: scripts/draft_cost.py
+    --compile measures it).
     """
 
     def __init__(
@@ -49,6 +61,7 @@ class DraftModel:
         keep: Iterable[tuple[int, str]] | None = None,
         exit: ExitAdapter | None = None,
         lean: bool = True,
+        compile: bool | str = False,
     ) -> None:
         self.model = model
         self.exit = exit
@@ -92,6 +105,11 @@ class DraftModel:
         self.lean: LeanPlan | None = plan if lean else None
         self.lean_reason = reason if lean else "turned off"
         self._lean_products: dict[tuple[int, str], Matmul] = {}
+        # True means inductor; a string names another torch.compile backend (the tests use "eager",
+        # which captures the same graph without minutes of code generation).
+        self.compile = bool(compile) and self.lean is not None
+        self._compile_backend = compile if isinstance(compile, str) else "inductor"
+        self._compiled: dict[tuple[tuple[int, ...], tuple[int, ...]], object] = {}
         self._skip: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self._patched = False  # inside ``active`` with the model patched
 
@@ -188,11 +206,26 @@ class DraftModel:
         """The decoder stack's final hidden states ``[1, q, hidden]`` (call inside ``active``)."""
         if self.lean is not None and cache is not None and input_ids.shape[1] == 1:
             attention, mlp = self._skip
+            if self.compile:
+                return self._compiled_step(input_ids, start, cache).view(1, 1, -1)
             hidden = lean_hidden(self.lean, self._product, input_ids, start, cache, attention, mlp, self.dtype)
             return hidden.view(1, 1, -1)
         where = positions(start, input_ids.shape[1], input_ids.device)
         with self._patches():
             return adapters.stack_hidden(self.model, input_ids, cache, where)
+
+    def _compiled_step(self, token: torch.Tensor, position: int, cache: RollbackCache) -> torch.Tensor:
+        attention, mlp = self._skip
+        step = self._compiled.get(self._skip)
+        if step is None:
+            function = lean_step_function(self.lean, self._product, attention, mlp, self.dtype)
+            step = self._compiled[self._skip] = torch.compile(
+                function, backend=self._compile_backend, dynamic=True, fullgraph=True
+            )
+        rotations, keys, values = step_inputs(self.lean, position, cache, attention, self.dtype)
+        hidden = step(token, position, rotations, keys, values)
+        advance_cache(cache, position, attention, len(self.lean.attention))
+        return hidden
 
     def _product(self, layer: int, name: str) -> Matmul:
         """The lean step's product ``name`` of ``layer``: a fused low-precision copy, or the model's own weights."""

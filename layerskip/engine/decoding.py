@@ -180,7 +180,8 @@ class Decoder:
         head = "verify head: certified bf16" if self.head.certified else "verify head: model's own"
         if self.draft_model is None:
             return [head]
-        return [f"draft step: {self.draft_model.step_kind}", "draft compiled: no", head]
+        compiled = "yes" if self.draft_model.compile else "no"
+        return [f"draft step: {self.draft_model.step_kind}", f"draft compiled: {compiled}", head]
 
     def cache_windows(self) -> list[int | None]:
         """Per cache layer, its sliding window (a layer exit adapter adds one of its own)."""

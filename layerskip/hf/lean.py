@@ -306,3 +306,83 @@ def _attention(
     if attn.post_norm is not None:
         out = _rms(out, attn.post_norm)
     return out
+
+
+def lean_step_function(
+    plan: LeanPlan,
+    matmuls: Callable[[int, str], Matmul],
+    skip_attention: Sequence[int],
+    skip_mlp: Sequence[int],
+    compute_dtype: torch.dtype,
+) -> Callable[..., torch.Tensor]:
+    """The lean step for one skip set as a pure function, for graph capture (``torch.compile``):
+    ``(token [1, 1], position, rotations {layer type: (cos, sin)}, key buffers, value buffers) ->
+    hidden [H]``. It writes each kept layer's K/V into its buffer at ``position``; the caller
+    moves the cache's lengths (``advance_cache``). Everything else it reads is fixed when built."""
+    skipped_attention, skipped_mlp = set(skip_attention), set(skip_mlp)
+    model_dtype = plan.final_norm[0].dtype
+    # Plain Python constants per layer: graph capture keeps them out of its symbolic shapes.
+    shapes = [(int(a.q_heads), int(a.kv_heads), int(a.head_dim), bool(a.q_heads != a.kv_heads)) for a in plan.attention]
+
+    def step(
+        token: torch.Tensor,
+        position: int,
+        rotations: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
+        h = plan.embed(token).reshape(plan.hidden_size)
+        for i, (attn, mlp) in enumerate(zip(plan.attention, plan.mlp)):
+            if i not in skipped_attention:
+                q_heads, kv_heads, d, grouped = shapes[i]
+                cos, sin = rotations[attn.rotary_key]
+                x = _rms(h, attn.norm).to(compute_dtype).unsqueeze(0)
+                qkv = matmuls(i, "qkv")(x)[0]
+                qk = qkv[: (q_heads + kv_heads) * d].view(q_heads + kv_heads, d)
+                value = qkv[(q_heads + kv_heads) * d :].view(kv_heads, d)
+                if attn.qk_norm is not None:
+                    qk = _rms(qk, attn.qk_norm).to(compute_dtype)
+                qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+                keys[i][0, :, position] = qk[q_heads:]
+                values[i][0, :, position] = value
+                start = 0 if attn.window is None else max(0, position + 1 - attn.window)
+                k, v = keys[i][:, :, start : position + 1], values[i][:, :, start : position + 1]
+                query = qk[:q_heads].view(1, q_heads, 1, d).to(k.dtype)
+                out = F.scaled_dot_product_attention(query, k, v, scale=attn.scaling, enable_gqa=grouped)
+                out = matmuls(i, "o")(out.view(1, q_heads * d).to(compute_dtype))[0]
+                if attn.post_norm is not None:
+                    out = _rms(out, attn.post_norm)
+                h = h + out.to(model_dtype)
+            if i not in skipped_mlp:
+                x = _rms(h, mlp.norm).to(compute_dtype).unsqueeze(0)
+                gate, up = matmuls(i, "gate_up")(x).chunk(2, dim=-1)
+                out = matmuls(i, "down")(mlp.activation(gate) * up)[0]
+                if mlp.post_norm is not None:
+                    out = _rms(out, mlp.post_norm)
+                h = h + out.to(model_dtype)
+        return _rms(h, plan.final_norm).to(model_dtype)
+
+    return step
+
+
+def step_inputs(
+    plan: LeanPlan, position: int, cache: RollbackCache, skip_attention: Sequence[int], compute_dtype: torch.dtype
+) -> tuple[dict[str | None, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor], list[torch.Tensor]]:
+    """The rotations and K/V buffers ``lean_step_function``'s step reads at ``position`` (buffers
+    grown first where they are full)."""
+    rotary = plan.rotary(compute_dtype)
+    rotations = {a.rotary_key: rotary.at(position, a.rotary_key) for a in plan.attention}
+    for index, layer in enumerate(cache.layers[: len(plan.attention)]):
+        if index not in skip_attention and position + 1 > layer._key_buffer.shape[-2]:
+            layer._allocate(layer._key_buffer, layer._value_buffer, 2 * (position + 1))
+    keys = [layer._key_buffer for layer in cache.layers[: len(plan.attention)]]
+    values = [layer._value_buffer for layer in cache.layers[: len(plan.attention)]]
+    return rotations, keys, values
+
+
+def advance_cache(cache: RollbackCache, position: int, skip_attention: Sequence[int], layers: int) -> None:
+    """After a step function wrote K/V at ``position``: every kept layer now holds ``position + 1``."""
+    for index, layer in enumerate(cache.layers[:layers]):
+        if index not in skip_attention:
+            layer.length = layer.written = position + 1
+            layer._refresh_views()
