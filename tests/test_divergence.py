@@ -113,14 +113,50 @@ def test_an_injected_defect_is_classed_defect(
     tokens = _defective_run(model, policy, prompt, defect)
     assert tokens != reference, "the defect must change the output, or this test proves nothing"
     with DivergenceCheck(model) as check:
-        found = check.classify(prompt, tokens, reference)
+        # With a rerun the defect verdict is checked again against the run's own forward schedule:
+        # replayed as a correct computation, it must not explain the defect away either.
+        rerun = {"method": lambda: _defective_run(model, policy, prompt, defect)}
+        found = check.classify_many(prompt, reference, {"method": tokens}, rerun)["method"]
     assert found is not None and found.position == first_divergence(tokens, reference)
+    assert any(name.startswith("the method's own forwards") for name in found.gaps), found.gaps
     assert (found.reference_token, found.method_token) == (reference[found.position], tokens[found.position])
     assert found.verdict == DEFECT, found
     assert found.fp32_gap > found.error_bound > 0, found  # fp32 sides with the reference, beyond rounding
     assert found.witness is None  # no correct bf16 computation of that position picks the defect's token
     assert found.reference_replayed and found.dtype == "bfloat16"
     assert found.to_dict()["class"] == DEFECT
+
+
+def test_a_recorded_schedule_replays_the_computation_that_chose_the_token() -> None:
+    """HF prompt lookup's forwards, recorded, replayed over a fresh cache: at each position the
+    replay's logits are the ones HF's own run chose from, to the bit (its irregular verify blocks
+    included). Llama: no sliding window, whose HF cache keeps fewer keys than ours and so rounds
+    attention differently."""
+    from layerskip.hf import adapters
+
+    model = tiny_model("llama").to(torch.bfloat16)
+
+    prompt = [*PROMPTS[0], *PROMPTS[0][:6]]  # a repeat, so lookup proposes candidates
+    ids = torch.tensor([prompt])
+    common = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, prompt_lookup_num_tokens=4)
+    with torch.inference_mode(), adapters.recorded_forwards(model) as calls:
+        out = model.generate(ids, output_logits=True, return_dict_in_generate=True, **common)
+    tokens, logits = out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
+    assert calls[0][0] == 0 and calls[0][1] >= len(prompt)  # the prefill (with lookup's first candidates)
+    assert all(start <= before + width for (before, width), (start, _) in zip(calls, calls[1:]))
+    assert any(width > 1 for _, width in calls[1:]), "lookup never verified a block: the test proves nothing"
+    with DivergenceCheck(model) as check, torch.inference_mode():
+        for position in range(1, NEW_TOKENS):
+            r, m = logits[position].topk(2).indices.tolist()
+
+            def gap(row: torch.Tensor, r: int = r, m: int = m) -> float:
+                return float(row[r].float() - row[m].float())
+
+            prefix = [*prompt, *tokens[:position]]
+            replayed = check._schedule_gaps(prompt, prefix, tokens, calls, gap)
+            linear = next(g for name, g in replayed.items() if name.endswith("F.linear head"))
+            assert linear == gap(logits[position]), (position, replayed, gap(logits[position]))
+        assert check._schedule_gaps(prompt, prefix, tokens, [(0, 2), (5, 1)], gap) == {}  # a gap in the history
 
 
 # -- rounding ------------------------------------------------------------------------------------------

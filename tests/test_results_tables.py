@@ -169,3 +169,18 @@ def test_default_name_and_one_line_errors(root: Path, capsys: pytest.CaptureFixt
     assert main(["--root", str(root)]) == 2
     assert "markers" in capsys.readouterr().err
     assert not (root / "docs").exists()  # nothing written by a refused run
+
+
+def test_identical_column_says_whether_every_divergence_was_rounding() -> None:
+    """bf16 runs diverge; the table says whether the divergence check explained each one."""
+    data = _bf16_copy()
+    assert summary_table([ResultFile("b", data)], "docs/results.md").splitlines()[2].endswith("| 1/2 |")  # not checked
+    for figures in data["methods"].values():
+        figures["overall"].update(n_rounding=0, n_defect=0, n_unclassified=0)
+    hybrid = data["methods"]["self-spec:smollm2-135m-fp32-hybrid"]["overall"]
+    hybrid.update(n_identical=1, n_rounding=1)
+    row = summary_table([ResultFile("b", data)], "docs/results.md").splitlines()[2]
+    assert row.endswith("| 1/2 (rest: rounding) |")
+    hybrid.update(n_rounding=0, n_defect=1)
+    row = summary_table([ResultFile("b", data)], "docs/results.md").splitlines()[2]
+    assert row.endswith("| 1/2 (1 not rounding) |")

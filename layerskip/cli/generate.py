@@ -161,7 +161,8 @@ def _main(argv: list[str] | None) -> int:
         divergence = None
         if report["identical"] is False:  # where, the two tokens, and rounding or defect (measure.divergence)
             with DivergenceCheck(model, tokenizer) as check:
-                divergence = check.classify(ids, tokens, base.tokens)
+                rerun = {"method": lambda: runners["ours"](ids, args.max_new_tokens)[0]}  # a defect is rechecked
+                divergence = check.classify_many(ids, base.tokens, {"method": tokens}, rerun)["method"]
         report["divergence"] = None if divergence is None else divergence.to_dict()
     if args.save_policy:
         assert policy is not None and decoder.selection is not None

@@ -106,6 +106,34 @@ def base_model(model: nn.Module) -> nn.Module:
     return _resolve(model, spec_for(model).base_model_path)
 
 
+@contextlib.contextmanager
+def recorded_forwards(model: nn.Module) -> Iterator[list[tuple[int, int]]]:
+    """Every forward of the decoder stack while inside, as ``(first position, rows)`` in call
+    order: HF ``generate`` (plain, prompt lookup) and our engine's prefill and verify blocks all
+    run through it. The list fills as the forwards run; the hook is removed on leaving."""
+    calls: list[tuple[int, int]] = []
+
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        where = kwargs.get("position_ids")
+        if where is None:
+            where = kwargs.get("cache_position")
+        if where is not None:
+            start = int(where.reshape(-1)[0])
+        else:  # no positions given: the stack continues its cache
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            start = int(cache.get_seq_length()) if cache is not None else 0
+        calls.append((start, int(ids.shape[1])))
+
+    handle = base_model(model).register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
 def lm_head(model: nn.Module) -> nn.Linear:
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):

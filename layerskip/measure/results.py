@@ -136,6 +136,14 @@ class ResultFile:
         overall = self.data["methods"][method]["overall"]
         return round(overall["identical_fraction"] * overall["n_prompts"])
 
+    def unexplained(self, method: str) -> int | None:
+        """Divergences the divergence check did not class ``rounding`` (``defect`` or unclassified;
+        None: a file from before the check)."""
+        overall = self.data["methods"][method]["overall"]
+        if "n_defect" not in overall:
+            return None
+        return int(overall["n_defect"]) + int(overall.get("n_unclassified") or 0)
+
 
 def policy_kind(policy: dict[str, Any]) -> str:
     """What a policy (as a result file records it) drafts with: a summary column of ``KINDS``."""
@@ -221,13 +229,18 @@ def summary_table(files: list[ResultFile], page: str | None) -> str:
     for f, cells in zip(files, best):
         shown = [method for _, method in cells.values()]
         worst = min((f.identical(m) for m in shown), default=f.n_prompts)
+        identical = f"{worst}/{f.n_prompts}"
+        unexplained = [f.unexplained(m) for m in shown]
+        if worst < f.n_prompts and None not in unexplained:  # say what the divergences were
+            total = sum(unexplained)  # type: ignore[arg-type]
+            identical += f" ({total} not rounding)" if total else " (rest: rounding)"
         row = [
             f.data["model"],
             f.data["dtype"],
             f.cpu() + (f" + {f.data['busy_processes']} busy" if f.data.get("busy_processes") else ""),
             f"{f.n_prompts} {f.prompt_source()} × {f.data['max_new_tokens']}",
             *(_linked(_speedup(cells[kind][0]), page, f.name) if kind in cells else "" for kind, _ in columns),
-            f"{worst}/{f.n_prompts}",
+            identical,
         ]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
