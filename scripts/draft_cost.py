@@ -38,7 +38,7 @@ from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import engine_verify_head
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
-from layerskip.hf.models import cache_dir, load_model, resolve_device
+from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import this_machine
 from layerskip.measure.latency import (
@@ -95,26 +95,33 @@ def verify_curve(model: torch.nn.Module, context: list[int], repeats: int) -> di
 
 def compile_measurement(model: torch.nn.Module, context: list[int], precision: str, repeats: int) -> dict[str, object]:
     """The whole lean draft step (nothing bypassed, a 4096-row head) eager and through torch.compile:
-    compile time with an empty inductor cache, then again from the on-disk cache (in-memory caches
-    reset), and the median step of each. Artefacts go to <layerskip cache>/inductor."""
+    compile time with an empty inductor cache (a fresh temporary directory), then again from that
+    on-disk cache (in-memory caches reset), and the median step of each. The caller's inductor
+    cache setting is restored afterwards."""
     import torch._dynamo
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     rows = list(range(4096))
     eager = DraftModel(model, precision)
-    result: dict[str, object] = {"precision": precision, "cache_dir": os.environ["TORCHINDUCTOR_CACHE_DIR"]}
-    with tempfile.TemporaryDirectory() as cold:
-        for label, directory in (("cold", cold), ("cached", cold)):
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
-            torch._dynamo.reset()
-            compiled = DraftModel(model, precision, compile=True)
-            start = time.perf_counter()
-            draft_step_seconds(compiled, context, (), (), rows, repeats=1)  # compiles on its first step
-            result[f"compile_and_first_steps_s_{label}"] = time.perf_counter() - start
-        result["compiled_step_ms"] = 1000 * draft_step_seconds(compiled, context, (), (), rows, repeats)
+    result: dict[str, object] = {"precision": precision, "inductor_cache": "a fresh temporary directory"}
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        with tempfile.TemporaryDirectory() as cold:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cold
+            for label in ("cold", "cached"):
+                torch._dynamo.reset()
+                compiled = DraftModel(model, precision, compile=True)
+                start = time.perf_counter()
+                draft_step_seconds(compiled, context, (), (), rows, repeats=1)  # compiles on its first step
+                result[f"compile_and_first_steps_s_{label}"] = time.perf_counter() - start
+            result["compiled_step_ms"] = 1000 * draft_step_seconds(compiled, context, (), (), rows, repeats)
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+        torch._dynamo.reset()
     result["eager_step_ms"] = 1000 * draft_step_seconds(eager, context, (), (), rows, repeats)
     result["pays"] = result["compiled_step_ms"] < 0.95 * result["eager_step_ms"]
-    torch._dynamo.reset()
     return result
 
 

@@ -260,13 +260,65 @@ def lean_hidden(
             out = _attention(attn, matmuls, i, h, cos, sin, position, cache, compute_dtype)
             h = h + out.to(model_dtype)
         if i not in skip_mlp:
-            x = _rms(h, mlp.norm).to(compute_dtype).unsqueeze(0)  # [1, H]
-            gate, up = matmuls(i, "gate_up")(x).chunk(2, dim=-1)
-            out = matmuls(i, "down")(mlp.activation(gate) * up)[0]  # [H]
-            if mlp.post_norm is not None:
-                out = _rms(out, mlp.post_norm)
-            h = h + out.to(model_dtype)
+            h = h + _mlp(mlp, matmuls, i, h, compute_dtype).to(model_dtype)
     return _rms(h, plan.final_norm).to(model_dtype)
+
+
+def _mlp(
+    mlp: _MLP, matmuls: Callable[[int, str], Matmul], index: int, h: torch.Tensor, compute_dtype: torch.dtype
+) -> torch.Tensor:
+    """One MLP sublayer's output ``[H]`` for the residual stream ``h [H]``."""
+    x = _rms(h, mlp.norm).to(compute_dtype).unsqueeze(0)  # [1, H]
+    gate, up = matmuls(index, "gate_up")(x).chunk(2, dim=-1)
+    out = matmuls(index, "down")(mlp.activation(gate) * up)[0]  # [H]
+    if mlp.post_norm is not None:
+        out = _rms(out, mlp.post_norm)
+    return out
+
+
+def _rotated_qkv(
+    attn: _Attention,
+    matmuls: Callable[[int, str], Matmul],
+    index: int,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys ``[q_heads + kv_heads, d]``, normed and rotated, and values ``[kv_heads, d]``."""
+    q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
+    x = _rms(h, attn.norm).to(compute_dtype).unsqueeze(0)  # [1, H]
+    qkv = matmuls(index, "qkv")(x)[0]  # [(q_heads + 2 kv_heads) d]
+    qk = qkv[: (q_heads + kv_heads) * d].view(q_heads + kv_heads, d)  # queries and keys rotate together
+    value = qkv[(q_heads + kv_heads) * d :].view(kv_heads, d)
+    if attn.qk_norm is not None:
+        qk = _rms(qk, attn.qk_norm).to(compute_dtype)
+    return torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin), value
+
+
+def _attend(
+    attn: _Attention,
+    matmuls: Callable[[int, str], Matmul],
+    index: int,
+    qk: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: int,
+    compute_dtype: torch.dtype,
+    grouped: bool,
+) -> torch.Tensor:
+    """The sublayer's output ``[H]``: the query in ``qk`` over ``keys``/``values`` ``[1, kv_heads,
+    position + 1, d]`` (cut to the layer's window), then the output projection. ``grouped``: fewer
+    K/V heads than query heads, a plain bool (graph capture makes the head counts symbolic)."""
+    q_heads, d = attn.q_heads, attn.head_dim
+    start = 0 if attn.window is None else max(0, position + 1 - attn.window)
+    keys, values = keys[:, :, start:], values[:, :, start:]
+    query = qk[:q_heads].view(1, q_heads, 1, d).to(keys.dtype)
+    out = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling, enable_gqa=grouped)
+    out = matmuls(index, "o")(out.view(1, q_heads * d).to(compute_dtype))[0]  # [H]
+    if attn.post_norm is not None:
+        out = _rms(out, attn.post_norm)
+    return out
 
 
 def _attention(
@@ -281,13 +333,7 @@ def _attention(
     compute_dtype: torch.dtype,
 ) -> torch.Tensor:
     q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
-    x = _rms(h, attn.norm).to(compute_dtype).unsqueeze(0)  # [1, H]
-    qkv = matmuls(index, "qkv")(x)[0]  # [(q_heads + 2 kv_heads) d]
-    qk = qkv[: (q_heads + kv_heads) * d].view(q_heads + kv_heads, d)  # queries and keys rotate together
-    value = qkv[(q_heads + kv_heads) * d :].view(kv_heads, d)
-    if attn.qk_norm is not None:
-        qk = _rms(qk, attn.qk_norm).to(compute_dtype)
-    qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+    qk, value = _rotated_qkv(attn, matmuls, index, h, cos, sin, compute_dtype)
     layer = cache.layers[index]
     if not layer.is_initialized or position + 1 > layer._key_buffer.shape[-2] or layer.length != position:
         # First write, a buffer to grow, or a layer not at this position: the cache's own update.
@@ -298,14 +344,7 @@ def _attention(
         layer.length = layer.written = position + 1
         keys = layer.keys = layer._key_buffer[:, :, : position + 1]
         values = layer.values = layer._value_buffer[:, :, : position + 1]
-    if attn.window is not None and position + 1 > attn.window:
-        keys, values = keys[:, :, position + 1 - attn.window :], values[:, :, position + 1 - attn.window :]
-    query = qk[:q_heads].view(1, q_heads, 1, d).to(keys.dtype)
-    out = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling, enable_gqa=q_heads != kv_heads)
-    out = matmuls(index, "o")(out.view(1, q_heads * d).to(compute_dtype))[0]  # [H]
-    if attn.post_norm is not None:
-        out = _rms(out, attn.post_norm)
-    return out
+    return _attend(attn, matmuls, index, qk, keys, values, position, compute_dtype, q_heads != kv_heads)
 
 
 def lean_step_function(
@@ -321,8 +360,7 @@ def lean_step_function(
     moves the cache's lengths (``advance_cache``). Everything else it reads is fixed when built."""
     skipped_attention, skipped_mlp = set(skip_attention), set(skip_mlp)
     model_dtype = plan.final_norm[0].dtype
-    # Plain Python constants per layer: graph capture keeps them out of its symbolic shapes.
-    shapes = [(int(a.q_heads), int(a.kv_heads), int(a.head_dim), bool(a.q_heads != a.kv_heads)) for a in plan.attention]
+    grouped = [a.q_heads != a.kv_heads for a in plan.attention]  # Python bools, fixed before capture
 
     def step(
         token: torch.Tensor,
@@ -334,32 +372,15 @@ def lean_step_function(
         h = plan.embed(token).reshape(plan.hidden_size)
         for i, (attn, mlp) in enumerate(zip(plan.attention, plan.mlp)):
             if i not in skipped_attention:
-                q_heads, kv_heads, d, grouped = shapes[i]
                 cos, sin = rotations[attn.rotary_key]
-                x = _rms(h, attn.norm).to(compute_dtype).unsqueeze(0)
-                qkv = matmuls(i, "qkv")(x)[0]
-                qk = qkv[: (q_heads + kv_heads) * d].view(q_heads + kv_heads, d)
-                value = qkv[(q_heads + kv_heads) * d :].view(kv_heads, d)
-                if attn.qk_norm is not None:
-                    qk = _rms(qk, attn.qk_norm).to(compute_dtype)
-                qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
-                keys[i][0, :, position] = qk[q_heads:]
+                qk, value = _rotated_qkv(attn, matmuls, i, h, cos, sin, compute_dtype)
+                keys[i][0, :, position] = qk[attn.q_heads :]
                 values[i][0, :, position] = value
-                start = 0 if attn.window is None else max(0, position + 1 - attn.window)
-                k, v = keys[i][:, :, start : position + 1], values[i][:, :, start : position + 1]
-                query = qk[:q_heads].view(1, q_heads, 1, d).to(k.dtype)
-                out = F.scaled_dot_product_attention(query, k, v, scale=attn.scaling, enable_gqa=grouped)
-                out = matmuls(i, "o")(out.view(1, q_heads * d).to(compute_dtype))[0]
-                if attn.post_norm is not None:
-                    out = _rms(out, attn.post_norm)
+                seen_keys, seen_values = keys[i][:, :, : position + 1], values[i][:, :, : position + 1]
+                out = _attend(attn, matmuls, i, qk, seen_keys, seen_values, position, compute_dtype, grouped[i])
                 h = h + out.to(model_dtype)
             if i not in skipped_mlp:
-                x = _rms(h, mlp.norm).to(compute_dtype).unsqueeze(0)
-                gate, up = matmuls(i, "gate_up")(x).chunk(2, dim=-1)
-                out = matmuls(i, "down")(mlp.activation(gate) * up)[0]
-                if mlp.post_norm is not None:
-                    out = _rms(out, mlp.post_norm)
-                h = h + out.to(model_dtype)
+                h = h + _mlp(mlp, matmuls, i, h, compute_dtype).to(model_dtype)
         return _rms(h, plan.final_norm).to(model_dtype)
 
     return step

@@ -369,14 +369,25 @@ class DivergenceCheck:
             )[0]
             if start <= target < start + width:
                 row = target - start
-                name = f"the method's own forwards ({index + 1}: row {row} of {width} at {start})"
-                found = {f"{name}, W@hT head": gap(adapters.logits_from_hidden(self.model, hidden)[row])}
-                linear = adapters.lm_head(self.model)(hidden)  # over the whole block, as HF's verify runs it
-                cap = adapters.final_logit_softcap(self.model)
-                if cap:
-                    linear = torch.tanh(linear / cap) * cap
-                found[f"{name}, F.linear head"] = gap(linear[row])
+                found = self._head_gaps(
+                    f"the method's own forwards ({index + 1}: row {row} of {width} at {start})", hidden, row, gap
+                )
         return found
+
+    def _head_gaps(
+        self, name: str, hidden: torch.Tensor, row: int, gap: Callable[[torch.Tensor], float]
+    ) -> dict[str, float]:
+        """The gap at ``row`` of a block's hidden states ``[q, H]`` through both head products in use,
+        each over the whole block as a verify computes it: our engine's ``W @ hT`` and HF's ``F.linear``."""
+        model = self.model
+        theirs = adapters.lm_head(model)(hidden)
+        cap = adapters.final_logit_softcap(model)
+        if cap:
+            theirs = torch.tanh(theirs / cap) * cap
+        return {
+            f"{name}, W@hT head": gap(adapters.logits_from_hidden(model, hidden)[row]),
+            f"{name}, F.linear head": gap(theirs[row]),
+        }
 
     def _method_shape_gaps(
         self, prompt: list[int], prefix: list[int], after: list[int], gap: Callable[[torch.Tensor], float]
@@ -388,14 +399,7 @@ class DivergenceCheck:
         gaps: dict[str, float] = {}
 
         def heads(name: str, hidden: torch.Tensor, row: int) -> None:
-            # hidden [q, H]: every head product over the whole block, as the method's verify computes it.
-            ours = adapters.logits_from_hidden(model, hidden)[row]
-            theirs = adapters.lm_head(model)(hidden)
-            cap = adapters.final_logit_softcap(model)
-            if cap:
-                theirs = torch.tanh(theirs / cap) * cap
-            gaps[f"{name}, W@hT head"] = gap(ours)
-            gaps[f"{name}, F.linear head"] = gap(theirs[row])
+            gaps.update(self._head_gaps(name, hidden, row, gap))
 
         ids = torch.tensor([prefix], device=self.device)
         whole = adapters.stack_hidden(model, ids, None, positions(0, len(prefix), self.device))[0]  # [n, H]
