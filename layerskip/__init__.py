@@ -3,7 +3,7 @@
 The public names, re-exported from the packages that hold them (see the README's Layout).
 """
 
-from layerskip.drafts.builder import DraftRun, PreparedDraft, build_drafter, prepare_draft
+from layerskip.drafts.builder import DraftModels, DraftRun, PreparedDraft, build_drafter, prepare_draft
 from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
 from layerskip.drafts.policy import DraftSettings, ExitSettings, OnTheFlySettings, SkipPolicy
 from layerskip.engine.decoding import (
@@ -23,6 +23,7 @@ from layerskip.stats import GenerationResult, GenerationStats
 __all__ = [
     "DecodeSettings",
     "Decoder",
+    "DraftModels",
     "DraftRun",
     "DraftSettings",
     "ExitAdapter",

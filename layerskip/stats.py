@@ -46,6 +46,13 @@ class GenerationStats:
     # fp32 head had to give (a row too flat for the certified bf16 head).
     paths: dict[str, int] = field(default_factory=dict)
     head_fallback_rows: int = 0
+    # Tokens drafted per step (0: a step that drafted nothing; the prefill is not a step).
+    draft_histogram: dict[int, int] = field(default_factory=dict)
+    # Skip-drafted steps by the draft head's size (its ranked rows; 0 = the full head).
+    head_rows: dict[int, int] = field(default_factory=dict)
+    # auto: how its costs were measured (seconds, whether from the cache, the machine). One
+    # decoder's calibration: combining generations keeps the first one's.
+    calibration: dict[str, Any] = field(default_factory=dict)
 
     @property
     def mean_accepted(self) -> float:
@@ -66,6 +73,9 @@ class GenerationStats:
         self.accepted += accepted
         self.accept_histogram[accepted] = self.accept_histogram.get(accepted, 0) + 1
 
+    def record_draft(self, drafted: int) -> None:
+        self.draft_histogram[drafted] = self.draft_histogram.get(drafted, 0) + 1
+
     def record_block(self, length: int) -> None:
         self.block_histogram[length] = self.block_histogram.get(length, 0) + 1
 
@@ -76,7 +86,9 @@ class GenerationStats:
         for item in items:
             for f in fields(cls):
                 mine, theirs = getattr(total, f.name), getattr(item, f.name)
-                if isinstance(mine, dict):
+                if f.name == "calibration":
+                    total.calibration = mine or dict(theirs)
+                elif isinstance(mine, dict):
                     for key, value in theirs.items():
                         mine[key] = mine.get(key, 0) + value
                 else:
@@ -97,7 +109,7 @@ class GenerationStats:
         """Back from ``to_dict`` (or its JSON, whose histogram keys are strings)."""
         known = {f.name: f for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
-        for name in ("accept_histogram", "block_histogram"):
+        for name in ("accept_histogram", "block_histogram", "draft_histogram", "head_rows"):
             values[name] = {int(k): v for k, v in values.get(name, {}).items()}
         return cls(**values)
 

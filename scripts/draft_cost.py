@@ -32,22 +32,16 @@ import torch
 
 from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import builtin_prompts
-from layerskip.drafts.builder import exit_adapter_for
-from layerskip.drafts.model import DraftModel
+from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine.decoding import engine_verify_head
+from layerskip.engine.latency import draft_step_seconds, verify_seconds
+from layerskip.engine.verify_head import engine_verify_head
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import this_machine
-from layerskip.measure.latency import (
-    copy_bandwidth,
-    draft_bytes_read,
-    draft_step_breakdown,
-    draft_step_seconds,
-    verify_seconds,
-)
+from layerskip.measure.latency import copy_bandwidth, draft_bytes_read, draft_step_breakdown
 
 BREAKDOWN = ("head_ms", "layer_projections_ms", "attention_kernels_ms", "other_ops_ms", "python_and_dispatch_ms")
 
@@ -101,7 +95,7 @@ def compile_measurement(model: torch.nn.Module, context: list[int], precision: s
     import torch._dynamo
 
     rows = list(range(4096))
-    eager = DraftModel(model, precision)
+    eager = DraftModels(model).get(precision)
     result: dict[str, object] = {"precision": precision, "inductor_cache": "a fresh temporary directory"}
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     try:
@@ -109,7 +103,7 @@ def compile_measurement(model: torch.nn.Module, context: list[int], precision: s
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cold
             for label in ("cold", "cached"):
                 torch._dynamo.reset()
-                compiled = DraftModel(model, precision, compile=True)
+                compiled = DraftModels(model).get(precision, compile=True)  # a fresh one: compiled anew
                 start = time.perf_counter()
                 draft_step_seconds(compiled, context, (), (), rows, repeats=1)  # compiles on its first step
                 result[f"compile_and_first_steps_s_{label}"] = time.perf_counter() - start
@@ -153,13 +147,10 @@ def _main(argv: list[str] | None) -> int:
     attn, mlp, total = adapters.sublayer_parameter_counts(model)
     head = adapters.lm_head(model).weight
     rows = []
-    draft_models: dict[str, DraftModel] = {}
+    draft_models = DraftModels(model)
     for name, policy in {**candidate_policies(adapters.num_layers(model), cpu), **extra}.items():
         precision = policy.draft.precision
-        key = f"{precision}:{policy.exit.sha256 if policy.exit else ''}"  # an exit draft carries its adapter
-        if key not in draft_models:
-            draft_models[key] = DraftModel(model, precision, exit=exit_adapter_for(policy, model))
-        draft_model = draft_models[key]
+        draft_model = draft_models.for_policy(policy, all_sublayers=True)
         head_rows = policy.head_rows(head.shape[0])
         args_ = (draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows)
         seconds = draft_step_seconds(*args_, repeats=args.repeats)

@@ -23,15 +23,15 @@ from pathlib import Path
 
 from layerskip.cli.common import add_model_arguments, float_list, int_list, run_cli
 from layerskip.data import builtin_prompts, load_prompts
-from layerskip.drafts.model import DraftModel
+from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.precision import PRECISIONS
+from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.errors import LayerskipError
 from layerskip.fileio import write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
 from layerskip.measure.agreement import build_references, early_exit_frontier
-from layerskip.measure.latency import draft_step_seconds, verify_seconds
 
 
 def projected_speedup(acceptance: float, draft_cost: float, verify_cost: float, k: int) -> float:
@@ -68,7 +68,7 @@ def _main(argv: list[str] | None) -> int:
         raise LayerskipError(f"--depths must lie in 1..{layers - 1} for this {layers}-layer model")
     cpu = next(model.parameters()).device.type == "cpu"
     precision = args.precision or ("int4" if cpu else "model")
-    draft_model = DraftModel(model, precision)
+    draft_model = DraftModels(model).get(precision)
 
     ids = [encode_prompt(loaded.tokenizer, p.text, loaded.instruct) for p in prompts]
     references = build_references(model, ids, args.reference_tokens, progress=True)

@@ -19,34 +19,26 @@ repeated plain-step timings spread widely (a busy machine) is warned about and n
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from layerskip.engine.decoding import engine_verify_head
+from layerskip.engine.latency import PLAIN_REPEATS, VERIFY_PATH, VERIFY_REPEATS, Latency
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference
-from layerskip.measure.latency import verify_timings
 
 FORMAT = 1
 CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"
-PLAIN_REPEATS = 15  # plain-step timings: their spread tells whether the machine was busy
-VERIFY_REPEATS = 7
-BUSY_SPREAD = 0.25  # interquartile range / median of the plain-step timings above this: busy
 
 Log = Callable[[str], None]
 
@@ -61,98 +53,12 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or cache_dir() / "search")
 
 
-def weights_sample_digest(model: nn.Module) -> str:
-    """A hash of up to 256 evenly spaced values of every tensor: tells apart two checkpoints with
-    the same shapes (a fine-tune, another random init) without hashing every weight."""
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            flat = tensor.detach().reshape(-1)
-            step = max(1, flat.numel() // 256)
-            sample = flat[::step][:256].to(device="cpu", dtype=torch.float32).contiguous()
-            digest.update(name.encode())
-            digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 def _cpu_name() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
-
-
-def timing_spread(timings: Sequence[float]) -> float:
-    """Interquartile range over median of repeated timings (0 for fewer than 4)."""
-    if len(timings) < 4:
-        return 0.0
-    q1, median, q3 = statistics.quantiles(timings, n=4, method="inclusive")
-    return (q3 - q1) / median if median > 0 else 0.0
-
-
-def busy_warning(timings: Sequence[float], threshold: float | None = None) -> str | None:
-    """A one-line warning when repeated plain-step timings spread too widely, else None."""
-    threshold = BUSY_SPREAD if threshold is None else threshold
-    spread = timing_spread(timings)
-    if spread <= threshold:
-        return None
-    return (
-        f"warning: the machine looks busy: repeated plain-step timings spread {spread:.0%} (interquartile "
-        f"range / median, over {threshold:.0%} counts as busy), so the measured draft and verify costs may be "
-        "off; this calibration is not cached"
-    )
-
-
-# How verify blocks are timed; a cached calibration timed another way is measured again.
-VERIFY_PATH = "engine greedy verify (certified head on CPU)"
-
-
-@dataclass
-class Latency:
-    """Measured seconds of one full forward of 1 (plain step) and of each verify block length."""
-
-    plain_step_seconds: float
-    verify_seconds: dict[int, float]
-    plain_timings: list[float] = field(default_factory=list)
-    warning: str | None = None
-    measured_at: str = ""
-    cached_from: str | None = None
-
-    @property
-    def spread(self) -> float:
-        return timing_spread(self.plain_timings)
-
-    def describe(self) -> dict[str, Any]:
-        """What a study records about how its costs were measured."""
-        info: dict[str, Any] = {
-            "plain_step_ms": 1000 * self.plain_step_seconds,
-            "plain_step_spread": round(self.spread, 4),
-            "measured_at": self.measured_at,
-            "busy": self.warning is not None,
-        }
-        if self.warning is not None:
-            info["warning"] = self.warning
-        if self.cached_from is not None:
-            info["cached_from"] = self.cached_from
-        return info
-
-
-def measure_latency(model: nn.Module, context: Sequence[int], blocks: Sequence[int], progress: bool) -> Latency:
-    """Plain-step timings (median and spread; a step as HF ``generate`` takes it: the full logits)
-    and the median of every verify block length as the engine's greedy verify runs it (1 included:
-    with the certified head a one-token verify can cost less than a plain step)."""
-    bar = tqdm(total=2 + len(blocks), desc="latency calibration", disable=not progress)
-    plain = verify_timings(model, context, 1, PLAIN_REPEATS)
-    bar.update()
-    greedy = engine_verify_head(model)
-    verify: dict[int, float] = {}
-    for block in [1, *blocks]:
-        verify[block] = statistics.median(verify_timings(model, context, block, VERIFY_REPEATS, greedy))
-        bar.update()
-    bar.close()
-    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    return Latency(statistics.median(plain), verify, plain, busy_warning(plain), now)
 
 
 @contextlib.contextmanager
@@ -192,7 +98,7 @@ class CalibrationCache:
             "format": FORMAT,
             "architecture": adapters.architecture_of(model),
             "fingerprint": adapters.weights_fingerprint(model),
-            "weights_sample": weights_sample_digest(model),
+            "weights_sample": adapters.weights_sample_digest(model),
             "device": str(parameter.device),
             "dtype": str(parameter.dtype),
             "torch": torch.__version__,

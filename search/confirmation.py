@@ -75,7 +75,7 @@ def confirm_window(
     eos = calibration.eos_token_ids
     runners: dict[str, Runner] = {BASELINE: lambda ids, n: (hf_generate(model, ids, n, eos), None)}
     for number, policy in policies.items():
-        decoder = Decoder(model, policy)  # prepared once: its draft copy is built before the window
+        decoder = Decoder.for_policy(model, policy)  # prepared once: its draft copy is built before the window
 
         def run(ids: list[int], n: int, decoder: Decoder = decoder) -> tuple[list[int], GenerationStats | None]:
             return decoder.decode(ids, DecodeSettings(max_new_tokens=n, eos_token_ids=eos))

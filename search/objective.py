@@ -20,14 +20,13 @@ from typing import Any
 import optuna
 from torch import nn
 
-from layerskip.drafts.builder import draft_model_for
-from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import ExitSettings, SkipPolicy
+from layerskip.drafts.builder import DraftModels
+from layerskip.drafts.costs import block_cost
+from layerskip.drafts.policy import SkipPolicy
+from layerskip.engine.latency import draft_step_seconds, measure_latency
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference, TeacherForcedDraft, build_references, simulate_greedy
-from layerskip.measure.latency import block_cost, draft_step_seconds
-from search.calibration_cache import CalibrationCache, measure_latency, phase
+from search.calibration_cache import CalibrationCache, phase
 from search.draft_timing import DraftTimings, draft_key
 from search.space import POLICY_ATTR, SearchSpace, policy_attr, with_vocabulary
 
@@ -138,25 +137,18 @@ class CheapObjective:
         self.mode = mode
         self.ranking = tuple(ranking)
         self.latency_repeats = latency_repeats
-        # One per (precision, exit adapter file), every sublayer kept: an adapter is loaded once per
-        # study process, keyed by its content hash, never trained by a trial.
-        self.draft_models: dict[tuple[str, str], DraftModel] = {}
+        # One draft forward per (precision, exit adapter), every sublayer kept: an adapter is loaded
+        # and checked once per study process, never trained by a trial.
+        self.draft_models = DraftModels(model)
         # One timing per distinct draft in the study (search.draft_timing): noise cannot price it twice.
         self.draft_timings = DraftTimings()
-
-    def draft_model(self, precision: str, exit: ExitSettings | None = None) -> DraftModel:
-        key = (precision, exit.sha256 if exit is not None else "")
-        if key not in self.draft_models:
-            adapter = None if exit is None else ExitAdapter.load(exit.adapter, self.model, exit.sha256)
-            self.draft_models[key] = draft_model_for(self.model, precision, exit=adapter)
-        return self.draft_models[key]
 
     def score(self, policy: SkipPolicy, trial: optuna.Trial | None = None) -> CheapScore:
         cal = self.calibration
         k = policy.draft.max_draft_tokens
         draft_cost = draft = 0.0
         timed_by = None
-        draft_model = self.draft_model(policy.draft.precision, policy.exit)
+        draft_model = self.draft_models.for_policy(policy, all_sublayers=True)
         head_rows = policy.head_rows(adapters.lm_head(self.model).weight.shape[0])
         attention, mlp = policy.skip_attention, policy.skip_mlp
         if policy.draft.use_skip_draft:

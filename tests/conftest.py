@@ -12,6 +12,7 @@ import pytest  # noqa: E402
 
 SMOLLM2 = "smollm2-135m"
 SEARCH_CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"  # search.calibration_cache.CACHE_ENV, without importing torch here
+AUTO_CACHE_ENV = "LAYERSKIP_CALIBRATION_CACHE"  # layerskip.engine.calibration.CACHE_ENV
 
 
 @pytest.fixture(scope="session")
@@ -42,15 +43,17 @@ def smollm2():
 
 @pytest.fixture(scope="session", autouse=True)
 def _search_cache(tmp_path_factory):
-    """Searches run by tests cache their references and latency in a directory of this session,
-    never in the user's cache (subprocesses inherit the variable)."""
-    previous = os.environ.get(SEARCH_CACHE_ENV)
+    """Searches and ``auto`` run by tests cache their references and latency in directories of this
+    session, never in the user's cache (subprocesses inherit the variables)."""
+    previous = {name: os.environ.get(name) for name in (SEARCH_CACHE_ENV, AUTO_CACHE_ENV)}
     os.environ[SEARCH_CACHE_ENV] = str(tmp_path_factory.mktemp("search-cache"))
+    os.environ[AUTO_CACHE_ENV] = str(tmp_path_factory.mktemp("calibration-cache"))
     yield
-    if previous is None:
-        os.environ.pop(SEARCH_CACHE_ENV, None)
-    else:
-        os.environ[SEARCH_CACHE_ENV] = previous
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

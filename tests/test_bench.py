@@ -279,7 +279,7 @@ def test_bf16_bench_classes_every_method_hf_pld_included(monkeypatch: pytest.Mon
     """In bf16 each method's figures count identical / rounding / defect, HF's prompt lookup
     included; a method with a real defect (a draft accepted past the first mismatch) is counted
     a defect, the same policy run correctly is not."""
-    from layerskip.engine import decoding
+    from layerskip.engine import verifiers
     from layerskip.sampling import accept_greedy
 
     model = tiny_model("mistral").to(torch.bfloat16)  # sliding window 4; the prompts of test_divergence
@@ -298,7 +298,7 @@ def test_bf16_bench_classes_every_method_hf_pld_included(monkeypatch: pytest.Mon
 
     def defective(ids: list[int], max_new: int):
         with monkeypatch.context() as patch:
-            patch.setattr(decoding, "accept_greedy", one_past)
+            patch.setattr(verifiers, "accept_greedy", one_past)
             return sloppy(ids, max_new)
 
     methods.append(Method("sloppy", defective, policy))

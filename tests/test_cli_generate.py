@@ -164,7 +164,7 @@ def test_compare_names_the_divergence_and_its_class(
 ) -> None:
     """--compare on a bf16 run whose verify keeps one draft past the first mismatch (an injected
     defect): the line and the JSON give the position, both tokens and the class, checked in fp32."""
-    from layerskip.engine import decoding
+    from layerskip.engine import verifiers
     from layerskip.sampling import accept_greedy
 
     def one_past(drafted: list[int], targets: list[int]) -> tuple[int, int]:
@@ -179,7 +179,7 @@ def test_compare_names_the_divergence_and_its_class(
     args = ["--model", str(tmp_path / "tiny-mistral"), "--dtype", "bfloat16", "--policy", policy, "--compare"]
     args += ["--prompt", "w5 w9 hello w3 w3 world", "--max-new-tokens", "16"]
     assert json.loads(generate_in_process(capsys, *args, "--json").stdout)["divergence"] is None  # correct: identical
-    monkeypatch.setattr(decoding, "accept_greedy", one_past)
+    monkeypatch.setattr(verifiers, "accept_greedy", one_past)
     result = generate_in_process(capsys, *args)
     assert result.returncode == 0, result.stderr
     assert "identical: False (first divergence at new token 1: ours 'w45' (id 47), HF " in result.stderr

@@ -82,7 +82,7 @@ def test_prepared_decoder_is_reused() -> None:
     assert len(decoders) == 2
     for depth in range(1, 4):  # a sweep over new policies keeps at most MAX_DECODERS drafts
         _ours(model, _ids(), policy=SkipPolicy.early_exit(4, depth), max_new_tokens=2)
-    assert len(decoders) == MAX_DECODERS and list(decoders.values())[-1].policy == SkipPolicy.early_exit(4, 3)
+    assert len(decoders) == MAX_DECODERS and list(decoders.values())[-1].draft.policy == SkipPolicy.early_exit(4, 3)
 
 
 # -- generate's arguments -----------------------------------------------------------------------------

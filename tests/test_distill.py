@@ -180,7 +180,7 @@ def test_cli_trains_writes_policies_and_resumes(tmp_path: Path) -> None:
     assert policy.tuned_machine == this_machine("cpu")  # its precision and measured cost are this machine's
 
     model = load_model(str(model_dir)).model
-    tokens, _ = Decoder(model, policy).decode([2, 3, 4, 5], DecodeSettings(max_new_tokens=8))
+    tokens, _ = Decoder.for_policy(model, policy).decode([2, 3, 4, 5], DecodeSettings(max_new_tokens=8))
     assert len(tokens) == 8
     # Re-running the same command reuses the teacher's data and every finished checkpoint.
     again = run_script("train_exit.py", *args)

@@ -18,7 +18,7 @@ from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine import decoding
+from layerskip.engine import verifiers
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf.cache import RollbackCache
 from layerskip.integration.baselines import hf_generate
@@ -42,7 +42,7 @@ def model() -> torch.nn.Module:
 
 
 def _decode(model: torch.nn.Module, policy: SkipPolicy | None, prompt: list[int]) -> list[int]:
-    return Decoder(model, policy, threads=1).decode(prompt, DecodeSettings(NEW_TOKENS))[0]
+    return Decoder.for_policy(model, policy, threads=1).decode(prompt, DecodeSettings(NEW_TOKENS))[0]
 
 
 # -- the defects ---------------------------------------------------------------------------------------
@@ -80,11 +80,11 @@ def _read_the_draft_logits(patch: pytest.MonkeyPatch) -> None:
         return accept_greedy(drafted, mixed)
 
     patch.setattr(DraftModel, "logits", recording)
-    patch.setattr(decoding, "accept_greedy", verify)
+    patch.setattr(verifiers, "accept_greedy", verify)
 
 
 INJECT = {
-    "accepted past the mismatch": lambda patch: patch.setattr(decoding, "accept_greedy", _one_past_the_mismatch),
+    "accepted past the mismatch": lambda patch: patch.setattr(verifiers, "accept_greedy", _one_past_the_mismatch),
     "cache rolled back one short": lambda patch: patch.setattr(RollbackCache, "rollback", _rollback_one_short),
     "verify reads the draft's logits": _read_the_draft_logits,
 }

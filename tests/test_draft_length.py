@@ -72,13 +72,13 @@ def test_looks_past_a_dear_block_length_to_a_cheaper_longer_one() -> None:
     one_ahead = 0.2 + verify[3] - verify[2]  # what the next token alone costs
     assert rule.acceptance(0.95) * rule.pooled_acceptance < 1.5 * one_ahead
     padded = _rule(0.2, {5: 1.0}, cap=4, pad_to=5)  # padding: every block of 2..5 costs a 5-row verify
-    assert padded._verify(2) == padded._verify(4) == 1.0
+    assert padded.verify_price(2) == padded.verify_price(4) == 1.0
 
 
 def test_unmeasured_block_lengths_cost_as_the_nearest_measured_one() -> None:
     rule = _rule(0.1, {3: 1.0, 6: 2.0})
-    assert rule._verify(2) == 1.0 and rule._verify(5) == 2.0 and rule._verify(9) == 2.0
-    assert rule._verify(4) == 1.0  # nearer to 3
+    assert rule.verify_price(2) == 1.0 and rule.verify_price(5) == 2.0 and rule.verify_price(9) == 2.0
+    assert rule.verify_price(4) == 1.0  # nearer to 3
     rule.observe_verify(200, 50.0)  # a prompt's prefill says nothing about draft blocks
     assert 200 not in rule.verify_cost
     rule.observe_verify(6, 1.0)

@@ -103,7 +103,7 @@ def test_exit_draft_with_on_the_fly_selection(tmp_path: Path) -> None:
         exit_policy(model, tmp_path, "linear", layer=2), on_the_fly=SkipPolicy.adaptive_selection().on_the_fly
     )
     reference, logits = hf_greedy(model, prompt, NEW_TOKENS)
-    tokens, _ = Decoder(model, policy).decode(prompt, DecodeSettings(NEW_TOKENS))
+    tokens, _ = Decoder.for_policy(model, policy).decode(prompt, DecodeSettings(NEW_TOKENS))
     assert_same_tokens(tokens, reference, ref_logits=logits)
 
 
@@ -112,7 +112,7 @@ def test_exit_draft_sampling_follows_the_model(tmp_path: Path) -> None:
     model = tiny_model("llama", vocab_size=E2E_VOCAB, embed_scale=16.0, out_scale=8.0)
     prompt = random_prompt(E2E_VOCAB, 6)
     policy = exit_policy(model, tmp_path, "layer", reuse_kv=True, layer=0, max_draft_tokens=1)
-    decoder = Decoder(model, policy)
+    decoder = Decoder.for_policy(model, policy)
     p1, p2, _ = _exact_laws(model, prompt)
     first, second = torch.zeros(E2E_VOCAB), torch.zeros(E2E_VOCAB)
     accepted = 0
@@ -140,7 +140,7 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     again = SkipPolicy.load(tmp_path / "sub" / "policy.json")
     assert again.exit.adapter == f"../{policy.exit_adapter_path().name}"
     assert again.exit_adapter_path().resolve() == policy.exit_adapter_path().resolve()
-    Decoder(model, again)  # finds and checks the file
+    Decoder.for_policy(model, again)  # finds and checks the file
 
 
 def test_wrong_model_and_changed_file_fail_in_one_line(tmp_path: Path) -> None:
@@ -152,7 +152,7 @@ def test_wrong_model_and_changed_file_fail_in_one_line(tmp_path: Path) -> None:
     path = policy.exit_adapter_path()
     path.write_bytes(path.read_bytes()[:-4] + b"\0\0\0\0")
     with pytest.raises(LayerskipError, match="has changed") as caught:
-        Decoder(model, policy)
+        Decoder.for_policy(model, policy)
     assert "\n" not in str(caught.value)
     path.write_bytes(b"not a safetensors file")
     with pytest.raises(LayerskipError, match="not a readable"):
@@ -180,7 +180,7 @@ def test_exit_draft_in_int4_is_lossless(kind: str, tmp_path: Path) -> None:
     model = _model("qwen2")
     prompt = random_prompt()
     policy = exit_policy(model, tmp_path, kind, precision="int4", draft_vocab_size=64)
-    decoder = Decoder(model, policy)
+    decoder = Decoder.for_policy(model, policy)
     assert decoder.draft_model is not None
     assert {p.precision for _, p in decoder.draft_model.projections[(-1, "exit")]} == {"int8"}
     assert {p.precision for _, p in decoder.draft_model.projections[(0, "mlp")]} == {"int4"}

@@ -50,7 +50,7 @@ def test_greedy_matches_hf_while_the_skip_set_changes(arch: str) -> None:
     model = _model(arch)
     ref, logits = hf_greedy(model, random_prompt(), NEW_TOKENS)
     hooks = _hooks(model)
-    decoder = Decoder(model, restless())
+    decoder = Decoder.for_policy(model, restless())
     lengths: list[tuple[list[int], int]] = []
 
     def observe(cache: RollbackCache, committed: int) -> None:
@@ -71,7 +71,7 @@ def test_hybrid_and_precision_copies(arch: str) -> None:
     model = _model(arch)
     ref, logits = hf_greedy(model, random_prompt(), NEW_TOKENS)
     draft = DraftSettings(max_draft_tokens=4, lookup_max_ngram=2, lookup_min_ngram=1, precision="bfloat16")
-    tokens, stats = Decoder(model, restless(draft)).decode(random_prompt(), DecodeSettings(NEW_TOKENS))
+    tokens, stats = Decoder.for_policy(model, restless(draft)).decode(random_prompt(), DecodeSettings(NEW_TOKENS))
     assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} on-the-fly hybrid")
     assert stats.skip_sets
 
@@ -79,7 +79,7 @@ def test_hybrid_and_precision_copies(arch: str) -> None:
 def test_selection_starts_from_a_saved_policy_and_keeps_learning_across_calls() -> None:
     model = _model("llama")
     start = SkipPolicy(skip_mlp=(1, 2), draft=DRAFT, on_the_fly=OnTheFlySettings(refresh_every=2))
-    decoder = Decoder(model, start)
+    decoder = Decoder.for_policy(model, start)
     assert (decoder.selection.attention, decoder.selection.mlp) == ((), (1, 2))
     assert decoder.selection.count == 2
     decoder.decode(random_prompt(), DecodeSettings(20))
@@ -165,7 +165,7 @@ def test_policy_file_round_trip_and_bad_settings(tmp_path) -> None:
         draft=DraftSettings(lookup_max_ngram=2, use_skip_draft=False), on_the_fly=OnTheFlySettings()
     )
     with pytest.raises(LayerskipError, match="skip draft"):
-        Decoder(_model("llama"), lookup_only)
+        Decoder.for_policy(_model("llama"), lookup_only)
 
 
 def test_sampling_follows_the_model_while_selecting() -> None:
@@ -185,7 +185,7 @@ def test_sampling_follows_the_model_while_selecting() -> None:
     changes = accepted = 0
     for seed in range(E2E_SEEDS):
         settings = DecodeSettings(max_new_tokens=3, sampling=Sampling(), seed=seed)
-        tokens, stats = Decoder(model, policy).decode(prompt, settings)
+        tokens, stats = Decoder.for_policy(model, policy).decode(prompt, settings)
         first[tokens[0]] += 1
         second[tokens[1]] += 1
         changes += stats.skip_changes
@@ -219,7 +219,7 @@ def test_recorded_contributions_are_what_each_sublayer_adds(arch: str) -> None:
 def test_the_set_it_ends_on_is_saved_as_a_fixed_lossless_policy(tmp_path) -> None:
     model = _model("llama")
     start = restless()
-    decoder = Decoder(model, start)
+    decoder = Decoder.for_policy(model, start)
     decoder.decode(random_prompt(), DecodeSettings(30))
     state = decoder.selection
     fixed = converged_policy(start, state)
@@ -232,7 +232,7 @@ def test_the_set_it_ends_on_is_saved_as_a_fixed_lossless_policy(tmp_path) -> Non
     reloaded = SkipPolicy.load(fixed.save(tmp_path / "fixed.json"))
     assert reloaded == fixed
     ref, logits = hf_greedy(model, random_prompt(seed=3), NEW_TOKENS)
-    tokens, _ = Decoder(model, reloaded).decode(random_prompt(seed=3), DecodeSettings(NEW_TOKENS))
+    tokens, _ = Decoder.for_policy(model, reloaded).decode(random_prompt(seed=3), DecodeSettings(NEW_TOKENS))
     assert_same_tokens(tokens, ref, ref_logits=logits, label="fixed from on-the-fly")
 
 
@@ -243,7 +243,7 @@ def test_the_default_draft_is_cheap_on_the_cpu() -> None:
     assert (gpu.precision, gpu.draft_vocab_size) == ("model", 0)
     model = _model("llama")
     ref, logits = hf_greedy(model, random_prompt(seed=5), NEW_TOKENS)
-    tokens, _ = Decoder(model, SkipPolicy.adaptive_selection(refresh_every=1)).decode(
+    tokens, _ = Decoder.for_policy(model, SkipPolicy.adaptive_selection(refresh_every=1)).decode(
         random_prompt(seed=5), DecodeSettings(NEW_TOKENS)
     )
     assert_same_tokens(tokens, ref, ref_logits=logits, label="default on-the-fly draft")

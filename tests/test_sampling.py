@@ -8,17 +8,20 @@ acceptance rule fails the same bound (the test can fail).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
 from tiny_models import random_prompt, tiny_model
 
+from layerskip.drafts.auto import AutoDrafter
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine import decoding
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine import verifiers
+from layerskip.engine.decoding import Decoder, DecodeSettings, decode_autoregressive, decode_speculative
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling, sample, verify_sampled
+from layerskip.stats import GenerationStats
 
 V = 8
 DRAWS = 20_000
@@ -234,7 +237,7 @@ def test_end_to_end_sampling_follows_the_model() -> None:
 
 
 def test_end_to_end_with_always_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(decoding, "verify_sampled", always_accept)
+    monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
     p1, p2, q2 = _exact_laws(_e2e_model(), random_prompt(E2E_VOCAB, 6))
     _, second, _ = _e2e_laws(E2E_SEEDS)
     assert tv(second, p2) > E2E_TV_BOUND
@@ -275,3 +278,41 @@ def test_sampled_decode_with_a_truncated_draft_head() -> None:
     assert len(tokens) == 20 and stats.drafted > 0
     again, _ = decode_speculative(model, random_prompt(), policy, settings, vocab_rows=rows)
     assert again == tokens
+
+
+def _auto_laws(seeds: int, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
+    """Token 1 and 2 frequencies under ``auto``, over ``seeds`` sampled generations of one decoder.
+    Its choice is forced to rotate through lookup (unigram matches: one-hot q), the skip draft and
+    none, so that each kind of draft meets the verify whatever this machine's costs favour."""
+    kinds = iter(["lookup", "skip", "none"] * seeds)
+    monkeypatch.setattr(AutoDrafter, "_choose", lambda self, plan, rate: next(kinds) if plan else "skip")
+    model = _e2e_model()
+    auto = SkipPolicy.auto_choice()
+    policy = replace(auto, draft=replace(auto.draft, lookup_min_ngram=1))
+    decoder = Decoder.for_policy(model, policy)
+    first, second = torch.zeros(E2E_VOCAB), torch.zeros(E2E_VOCAB)
+    runs = []
+    for seed in range(seeds):
+        tokens, stats = decoder.decode(AUTO_PROMPT, DecodeSettings(max_new_tokens=3, sampling=Sampling(), seed=seed))
+        first[tokens[0]] += 1
+        second[tokens[1]] += 1
+        runs.append(stats)
+    return first / seeds, second / seeds, GenerationStats.combined(runs)
+
+
+AUTO_PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # most next tokens have an earlier unigram match
+
+
+def test_end_to_end_sampling_with_auto_follows_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    p1, p2, _ = _exact_laws(_e2e_model(), AUTO_PROMPT)
+    first, second, stats = _auto_laws(E2E_SEEDS, monkeypatch)
+    assert stats.lookup_steps > 0 and stats.head_rows and 0 < stats.accepted < stats.drafted
+    assert tv(first, p1) < E2E_TV_BOUND
+    assert tv(second, p2) < E2E_TV_BOUND
+
+
+def test_end_to_end_sampling_with_auto_and_always_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, p2, _ = _exact_laws(_e2e_model(), AUTO_PROMPT)
+    monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
+    _, second, _ = _auto_laws(E2E_SEEDS, monkeypatch)
+    assert tv(second, p2) > E2E_TV_BOUND

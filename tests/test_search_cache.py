@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from search_fixtures import load_study, ok, search_in_process
 
+import layerskip.engine.latency as engine_latency
 import search.calibration_cache as calibration_cache
 import search.objective as objective
 from layerskip.drafts.policy import SkipPolicy
@@ -21,7 +22,7 @@ from layerskip.drafts.policy import SkipPolicy
 def counted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, int]:
     """A private cache directory, a quiet machine, and counts of references built and latency measured."""
     monkeypatch.setenv(calibration_cache.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(calibration_cache, "BUSY_SPREAD", float("inf"))  # a busy test machine still caches
+    monkeypatch.setattr(engine_latency, "BUSY_SPREAD", float("inf"))  # a busy test machine still caches
     counts = {"references": 0, "latency": 0}
 
     def counting(name: str, function):
@@ -175,19 +176,19 @@ def test_cached_latency_is_said_in_help() -> None:
 def test_busy_machine_warning_from_timing_spread() -> None:
     steady = [1.00, 1.01, 0.99, 1.02, 1.00, 0.98, 1.01, 1.00]
     busy = [1.0, 2.1, 1.0, 1.9, 1.1, 2.4, 1.0, 2.0]
-    assert calibration_cache.busy_warning(steady) is None
-    warning = calibration_cache.busy_warning(busy)
+    assert engine_latency.busy_warning(steady) is None
+    warning = engine_latency.busy_warning(busy)
     assert warning is not None and "\n" not in warning and "machine looks busy" in warning
-    assert calibration_cache.timing_spread([1.0, 1.0]) == 0.0  # too few timings: no verdict
+    assert engine_latency.timing_spread([1.0, 1.0]) == 0.0  # too few timings: no verdict
 
 
 def test_a_busy_calibration_warns_is_recorded_and_not_cached(
     search, counted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(calibration_cache, "BUSY_SPREAD", 0.25)
+    monkeypatch.setattr(engine_latency, "BUSY_SPREAD", 0.25)
     fake = iter([0.001, 0.0021, 0.001, 0.0019, 0.0011, 0.0024, 0.001, 0.002] * 1000)
     monkeypatch.setattr(
-        calibration_cache, "verify_timings", lambda model, ctx, block, n, greedy=None: [next(fake) for _ in range(n)]
+        engine_latency, "verify_timings", lambda model, ctx, block, n, greedy=None: [next(fake) for _ in range(n)]
     )
     result = search()
     warnings = [line for line in result.stderr.splitlines() if "machine looks busy" in line]
@@ -199,7 +200,7 @@ def test_a_busy_calibration_warns_is_recorded_and_not_cached(
     policy = SkipPolicy.load(tmp_path / "p0.json")
     assert "machine looks busy" in policy.provenance["latency_warning"]
 
-    monkeypatch.setattr(calibration_cache, "verify_timings", lambda model, ctx, block, n, greedy=None: [0.001] * n)
+    monkeypatch.setattr(engine_latency, "verify_timings", lambda model, ctx, block, n, greedy=None: [0.001] * n)
     quiet = search()
     assert "machine looks busy" not in quiet.stderr and counted["latency"] == 2
     assert len(cache_files(tmp_path, "latency")) == 1

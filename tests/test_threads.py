@@ -90,8 +90,8 @@ def test_lossless_under_every_thread_setting(threads: int | str) -> None:
     policy = SkipPolicy(skip_attention=(0, 2), draft=DraftSettings(max_draft_tokens=4))
     settings = DecodeSettings(max_new_tokens=40)
     torch.set_num_threads(2)
-    plain, _ = Decoder(model, None, threads=1).decode(prompt, settings)
-    decoder = Decoder(model, policy, threads=threads)
+    plain, _ = Decoder.for_policy(model, None, threads=1).decode(prompt, settings)
+    decoder = Decoder.for_policy(model, policy, threads=threads)
     runs: dict[str, int] = {}
     for _ in range(2):
         tokens, stats = decoder.decode(prompt, settings)

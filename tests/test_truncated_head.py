@@ -22,7 +22,7 @@ from layerskip.drafts import base, skip
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.drafts.vocab import DraftVocabulary
-from layerskip.engine import decoding
+from layerskip.engine import verifiers
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling, sample, verify_sampled
@@ -311,13 +311,13 @@ def test_sampled_truncated_draft_proposes_from_the_rows_only(monkeypatch: pytest
     prompt, _, rows, policy = _e2e_setup()
     policy = SkipPolicy(**SKIP, draft=DraftSettings(max_draft_tokens=3, draft_vocab_size=len(rows)))
     seen: list[tuple[list[int], torch.Tensor]] = []
-    real = decoding.verify_sampled
+    real = verifiers.verify_sampled
 
     def spy(drafted: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None):
         seen.append((list(drafted), q))
         return real(drafted, p, q, generator)
 
-    monkeypatch.setattr(decoding, "verify_sampled", spy)
+    monkeypatch.setattr(verifiers, "verify_sampled", spy)
     settings = DecodeSettings(max_new_tokens=20, sampling=Sampling(temperature=1.3), seed=3)
     tokens, _ = decode_speculative(_e2e_model(), prompt, policy, settings, vocab_rows=rows)
     assert len(tokens) == 20
@@ -365,7 +365,7 @@ def test_end_to_end_sampling_with_a_truncated_head_follows_the_model() -> None:
 def test_end_to_end_with_always_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check catches a verify that keeps every draft: no token outside the rows ever comes out."""
     _fixed_rows(monkeypatch)
-    monkeypatch.setattr(decoding, "verify_sampled", always_accept)
+    monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
     model = _e2e_model()
     prompt, law, rows, policy = _e2e_setup()
     counts = torch.zeros(E2E_VOCAB)

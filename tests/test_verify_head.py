@@ -86,7 +86,7 @@ def test_greedy_decoding_is_identical_with_and_without_the_certified_head(arch: 
     policy = SkipPolicy(skip_attention=(1,), skip_mlp=(2,), draft=DraftSettings(max_draft_tokens=4))
     reference, logits = hf_greedy(model, prompt, 24)
     for certified in (True, False):
-        decoder = Decoder(model, policy, certified_head=certified)
+        decoder = Decoder.for_policy(model, policy, certified_head=certified)
         tokens, stats = decoder.decode(prompt, DecodeSettings(max_new_tokens=24))
         assert_same_tokens(tokens, reference, ref_logits=logits, label=f"{arch} certified_head={certified}")
         assert decoder.head.certified == certified

@@ -106,7 +106,7 @@ def _main(argv: list[str] | None) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     # checks the policy against the model, prepares its draft once
-    decoder = Decoder(model, policy, threads=args.threads)
+    decoder = Decoder.for_policy(model, policy, threads=args.threads)
     warn_if_tuned_elsewhere({args.policy: policy}, decoder.device, args)
     chat = loaded.instruct if args.chat is None else args.chat
     ids = encode_prompt(tokenizer, prompt, chat)

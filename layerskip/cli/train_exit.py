@@ -426,13 +426,14 @@ def exit_frontier(
     adapter and without it (the plain early exit at the same depth). Acceptance is the top-1
     agreement on the model's own continuations of held-out prompts (validation ones if none)."""
     from layerskip.data import builtin_prompts
-    from layerskip.drafts.builder import draft_model_for
+    from layerskip.drafts.builder import DraftModels
     from layerskip.hf.prompting import encode_prompt
     from layerskip.measure.frontier import measure_exit_cost, projected_speedup
 
     context = encode_prompt(tokenizer, builtin_prompts()[6].text, False)[:128]
-    with_adapter = draft_model_for(model, policy.draft.precision, exit=adapter)
-    without = draft_model_for(model, policy.draft.precision)
+    models = DraftModels(model)
+    with_adapter = models.get(policy.draft.precision, exit=adapter)
+    without = models.get(policy.draft.precision)
     cost = measure_exit_cost(with_adapter, policy, context, vocab_size)
     plain_cost = measure_exit_cost(without, replace(policy, exit=None), context, vocab_size)
 

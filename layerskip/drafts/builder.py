@@ -1,32 +1,40 @@
-"""The one way from a policy to a drafter: ``prepare_draft(model, policy)`` then ``.drafter(run)``.
+"""The one way from a policy to a draft: ``prepare_draft(model, policy)``, then ``.start(run)`` per generation.
 
-Preparing is the expensive part and happens once per model and policy: the policy is checked
-against the model, its exit adapter loaded and checked, the draft's low-precision copies of the
-projections it keeps built, the truncated head's starting rows resolved, and an on-the-fly
-selection state started. ``PreparedDraft.drafter(run)`` then assembles the cheap per-generation
-drafter (head buffer sized for the run, lookup, hybrid, exit or on-the-fly wrapper).
+Every ``DraftModel`` is built here, by ``DraftModels``: one model's draft forwards, built once per
+(precision, exit adapter, compile) and kept. Building one costs seconds and memory (quantising
+weights, like loading a model), so a process that drafts the same model many ways (a study's
+trials, a benchmark's policies, a script's table) shares them. Exit adapters are resolved
+against their policy's directory, loaded and checked against the policy's layer and kind there,
+once per file and hash.
 
-Everything that needs a draft model without a drafter (teacher-forced agreement in the search
-and the measures, exit training) asks ``draft_model_for`` here, so a ``DraftModel`` is built in
-this module only.
+``PreparedDraft`` owns a policy once it is loaded. Preparing is the expensive part and happens
+once per model and policy: the policy is checked against the model, its draft forward (with its
+exit adapter) taken from ``DraftModels``, the truncated head's starting
+rows resolved, and an on-the-fly selection state started. The decode loop then asks it, and
+nothing else, about drafting: which cache windows to keep (``cache_windows``), the drafter for
+one generation (``start``), and how to pad a verify block (``verify_block``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from layerskip.drafts.auto import AutoDrafter, AutoState
 from layerskip.drafts.base import Drafter, NoDrafter
+from layerskip.drafts.costs import DraftCosts
+from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import ExitDrafter
 from layerskip.drafts.hybrid import HybridDrafter
 from layerskip.drafts.lookup import LookupDrafter
 from layerskip.drafts.model import DraftModel
-from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
+from layerskip.drafts.policy import ExitSettings, SkipPolicy
 from layerskip.drafts.skip import SkipDrafter
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
@@ -43,63 +51,137 @@ class DraftRun:
     generator: torch.Generator | None = None
 
 
-def draft_model_for(
-    model: nn.Module,
-    precision: str = "model",
-    keep: Iterable[tuple[int, str]] | None = None,
-    exit: ExitAdapter | None = None,
-) -> DraftModel:
-    """The draft forward of ``model``: kept projections in ``precision`` (``keep``: which sublayers
-    get copies, None = all), with ``exit`` applied after its layer."""
-    return DraftModel(model, precision, keep, exit=exit)
+@dataclass(frozen=True)
+class DraftModelKey:
+    precision: str
+    exit: tuple[str, str]  # (resolved adapter path, sha256); ("", "") without an exit
+    compile: bool | str
+    lean: bool
 
 
-def exit_adapter_for(policy: SkipPolicy, model: nn.Module) -> ExitAdapter | None:
-    """The exit adapter ``policy`` drafts through, loaded and checked against the policy (None: no exit)."""
-    if policy.exit is None:
-        return None
-    adapter = ExitAdapter.load(policy.exit_adapter_path(), model, policy.exit.sha256)
-    if adapter.spec.layer != policy.exit.layer or adapter.spec.kind != policy.exit.kind:
-        raise LayerskipError(
-            f"exit adapter {policy.exit_adapter_path()} is a {adapter.spec.kind} exit after layer "
-            f"{adapter.spec.layer}, but the policy says {policy.exit.kind} after {policy.exit.layer}"
-        )
-    return adapter
-
-
-def kept_sublayers(policy: SkipPolicy, model: nn.Module) -> list[tuple[int, str]] | None:
+def kept_sublayers(policy: SkipPolicy, model: nn.Module) -> frozenset[tuple[int, str]] | None:
     """The sublayers a policy's draft may run (None: any, as on-the-fly selection may keep any)."""
     if policy.on_the_fly is not None:
         return None
-    return [
+    return frozenset(
         (i, kind)
         for i in range(adapters.num_layers(model))
         for kind, skipped in (("attention", policy.skip_attention), ("mlp", policy.skip_mlp))
         if i not in skipped
-    ]
+    )
+
+
+class DraftModels:
+    """Draft forwards of ``model`` by (precision, exit adapter, compile), each built on first use.
+
+    A draft model built for every sublayer serves any skip set; one built for a fixed policy's kept
+    sublayers (``keep``) serves only that policy's and is rebuilt for a wider request.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._built: dict[DraftModelKey, tuple[frozenset[tuple[int, str]] | None, DraftModel]] = {}
+        self._exits: dict[tuple[str, str], ExitAdapter] = {}
+
+    def get(
+        self,
+        precision: str = "model",
+        keep: Iterable[tuple[int, str]] | None = None,
+        exit: ExitAdapter | None = None,
+        compile: bool | str = False,
+        lean: bool = True,
+    ) -> DraftModel:
+        """The draft forward in ``precision`` with copies of at least ``keep`` (None: every sublayer)."""
+        wanted = None if keep is None else frozenset(keep)
+        exit_key = ("", "") if exit is None else (f"adapter object {id(exit)}", "")
+        return self._get(DraftModelKey(precision, exit_key, compile, lean), wanted, exit)
+
+    def for_policy(self, policy: SkipPolicy, all_sublayers: bool = False) -> DraftModel:
+        """The draft forward ``policy`` drafts with: its precision and exit adapter, copies of the
+        sublayers it keeps (``all_sublayers``: every one, to serve other skip sets too)."""
+        wanted = None if all_sublayers else kept_sublayers(policy, self.model)
+        exit_key = ("", "") if policy.exit is None else _exit_key(policy)
+        key = DraftModelKey(policy.draft.precision, exit_key, False, True)
+        return self._get(key, wanted, self.exit_adapter(policy))
+
+    def exit_adapter(self, policy: SkipPolicy) -> ExitAdapter | None:
+        """The exit adapter ``policy`` drafts through, loaded and checked (None: no exit)."""
+        if policy.exit is None:
+            return None
+        key = _exit_key(policy)
+        if key not in self._exits:
+            self._exits[key] = load_exit_adapter(policy.exit, Path(key[0]), self.model)
+        return self._exits[key]
+
+    def _get(
+        self, key: DraftModelKey, wanted: frozenset[tuple[int, str]] | None, exit: ExitAdapter | None
+    ) -> DraftModel:
+        built = self._built.get(key)
+        if built is not None:
+            covered, draft_model = built
+            if covered is None or (wanted is not None and wanted <= covered):
+                return draft_model
+            wanted = None if wanted is None else wanted | covered
+        draft_model = DraftModel(self.model, key.precision, wanted, exit=exit, lean=key.lean, compile=key.compile)
+        self._built[key] = (wanted, draft_model)
+        return draft_model
+
+
+def _exit_key(policy: SkipPolicy) -> tuple[str, str]:
+    assert policy.exit is not None
+    return str(policy.exit_adapter_path().resolve()), policy.exit.sha256
+
+
+def load_exit_adapter(settings: ExitSettings, path: Path, model: nn.Module) -> ExitAdapter:
+    """The adapter file at ``path`` for ``model``, checked against what the policy says of it."""
+    adapter = ExitAdapter.load(path, model, settings.sha256)
+    if adapter.spec.layer != settings.layer or adapter.spec.kind != settings.kind:
+        raise LayerskipError(
+            f"exit adapter {path} is a {adapter.spec.kind} exit after layer {adapter.spec.layer}, "
+            f"but the policy says {settings.kind} after {settings.layer}"
+        )
+    return adapter
 
 
 class PreparedDraft:
     """A policy's draft, ready to serve any number of generations of ``model``.
 
     ``vocab_rows`` overrides the truncated draft head's starting rows (default: the policy's).
+    ``models`` shares draft forwards with other drafts of the same model (default: its own).
     What on-the-fly selection learns (``selection``) carries over between generations.
     """
 
-    def __init__(self, model: nn.Module, policy: SkipPolicy, vocab_rows: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: SkipPolicy,
+        vocab_rows: torch.Tensor | None = None,
+        models: DraftModels | None = None,
+        costs: DraftCosts | None = None,
+    ) -> None:
         policy.validate_for(model)
         self.model = model
         self.policy = policy
         self.vocab_size = adapters.lm_head(model).weight.shape[0]
-        self.exit = exit_adapter_for(policy, model)
+        self.models = models if models is not None else DraftModels(model)
+        self.exit = self.models.exit_adapter(policy)
         self.selection = SelectionState.start(policy, model) if policy.on_the_fly is not None else None
         self.draft_model: DraftModel | None = None
         if policy.draft.use_skip_draft:
-            self.draft_model = draft_model_for(model, policy.draft.precision, kept_sublayers(policy, model), self.exit)
+            self.draft_model = self.models.for_policy(policy)
         if vocab_rows is None:
             rows = policy.head_rows(self.vocab_size)
             vocab_rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
         self.vocab_rows = vocab_rows
+        self._max_positions = adapters.max_positions(model)
+        self.auto: AutoState | None = None
+        if policy.auto is not None:
+            if costs is None:
+                raise LayerskipError(
+                    "an auto policy is priced by a calibration of this machine; build it with "
+                    "Decoder.for_policy(model, policy), which measures (or reads) one"
+                )
+            self.auto = AutoState.start(costs, policy.draft)
 
     def cache_windows(self) -> list[int | None]:
         """Per cache layer, its sliding window: the model's layers, and a layer exit adapter's own."""
@@ -108,8 +190,43 @@ class PreparedDraft:
             windows.append(windows[self.exit.spec.layer])
         return windows
 
-    def drafter(self, run: DraftRun) -> Drafter:
+    def verify_block(self, positions: int, committed: int) -> int:
+        """How many positions to verify a block of ``positions`` as: padded with fillers to the
+        policy's ``min_verify_block`` where a drafted block is shorter (some CPUs run a few-row
+        matmul slower than a 4-row one), never past the model's position limit."""
+        pad_to = self.auto.costs.padded(positions) if self.auto is not None else self.policy.draft.min_verify_block
+        if positions < 2 or positions >= pad_to:
+            return positions
+        if self._max_positions is not None and committed + pad_to > self._max_positions:
+            return positions
+        return pad_to
+
+    def fixed_policy(self) -> SkipPolicy:
+        """The policy this draft runs now, fixed: on-the-fly's current skip sets, and ``auto``'s head
+        size and verify padding (to reuse as a file, or to start a study from: ``--warm-start``)."""
+        policy = self.policy
+        if self.selection is not None:
+            policy = converged_policy(policy, self.selection)
+        if self.auto is None:
+            return policy
+        costs = self.auto.costs
+        rows = self.auto.head_rows if self.auto.head_rows >= 0 else self.auto.choose_head([])
+        pad = costs.padded(2) if costs.padded(2) > 2 else 0
+        draft = replace(policy.draft, draft_vocab_size=rows, min_verify_block=pad)
+        provenance = {**policy.provenance, "source": "auto", "calibration": costs.info}
+        return replace(policy, draft=draft, auto=None, provenance=provenance)
+
+    def paths(self) -> list[str]:
+        """How the draft step runs, for ``GenerationStats.paths``."""
+        if self.draft_model is None:
+            return []
+        compiled = "yes" if self.draft_model.compile else "no"
+        return [f"draft step: {self.draft_model.step_kind}", f"draft compiled: {compiled}"]
+
+    def start(self, run: DraftRun) -> Drafter:
         """The drafter for one generation (its head sized for the prompt and the tokens to come)."""
+        if self.auto is not None:
+            return self._auto_drafter(run)
         policy, settings = self.policy, self.policy.draft
         skip: Drafter | None = None
         if self.draft_model is not None:
@@ -124,15 +241,34 @@ class PreparedDraft:
             return skip
         return HybridDrafter(LookupDrafter(settings, self.vocab_size, run.sampling), skip)
 
+    def _auto_drafter(self, run: DraftRun) -> AutoDrafter:
+        """``auto``'s drafter; it builds its skip drafter once it has chosen the head size."""
+        assert self.auto is not None and self.draft_model is not None and self.selection is not None
+        draft_model, selection, settings = self.draft_model, self.selection, self.policy.draft
+        ranking = self.policy.draft_vocabulary or range(self.vocab_size)
+
+        def make_skip(rows: int, length: DraftLengthByCost) -> Drafter:
+            head_rows = None if rows == 0 else torch.tensor(ranking[:rows], dtype=torch.long)
+            head = draft_model.head(head_rows, growth=run.prompt_length + run.max_new_tokens)
+            skip = SkipDrafter(draft_model, (), (), settings, head, run.sampling, run.generator, length=length)
+            return OnTheFlyDrafter(skip, self.model, selection)
+
+        return AutoDrafter(self.auto, make_skip, self.vocab_size, run.sampling)
+
 
 def prepare_draft(
-    model: nn.Module, policy: SkipPolicy | None, vocab_rows: torch.Tensor | None = None
+    model: nn.Module,
+    policy: SkipPolicy | None,
+    vocab_rows: torch.Tensor | None = None,
+    models: DraftModels | None = None,
+    costs: DraftCosts | None = None,
 ) -> PreparedDraft | None:
-    """``policy``'s draft prepared for ``model`` (None for plain decoding: no policy)."""
-    return None if policy is None else PreparedDraft(model, policy, vocab_rows)
+    """``policy``'s draft prepared for ``model`` (None for plain decoding: no policy); an ``auto``
+    policy needs ``costs``, its calibration on this machine (``engine.calibration``)."""
+    return None if policy is None else PreparedDraft(model, policy, vocab_rows, models, costs)
 
 
 def build_drafter(model: nn.Module, policy: SkipPolicy | None, run: DraftRun = DraftRun()) -> Drafter:
     """A ready drafter for one generation; plain decoding's (drafts nothing) without a policy."""
     prepared = prepare_draft(model, policy)
-    return NoDrafter() if prepared is None else prepared.drafter(run)
+    return NoDrafter() if prepared is None else prepared.start(run)

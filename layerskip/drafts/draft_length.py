@@ -99,18 +99,18 @@ class DraftLengthByCost:
         for confidence in confidences:
             all_so_far *= self.acceptance(confidence)
         next_token = self.pooled_acceptance
-        now = self._verify(drafted + 1)
+        now = self.verify_price(drafted + 1)
         gain = 0.0
         chance = all_so_far
         for more in range(1, self.cap - drafted + 1):
             chance *= next_token
             gain += chance
-            cost = more * self.draft_cost + self._verify(drafted + 1 + more) - now
+            cost = more * self.draft_cost + self.verify_price(drafted + 1 + more) - now
             if gain - rate * cost > 0:
                 return True
         return False
 
-    def _verify(self, block: int) -> float:
+    def verify_price(self, block: int) -> float:
         """Measured cost of verifying ``block`` positions; an unmeasured length costs as the
         nearest measured one (the longer on a tie), so a longer block gets tried and measured."""
         block = max(block, self.pad_to)

@@ -171,6 +171,35 @@ class OnTheFlySettings:
 
 
 @dataclass(frozen=True)
+class AutoSettings:
+    """``auto``: the draft's kind, length, verify padding and head size chosen while generating,
+    from costs measured on the machine at hand (drafts/auto.py; the calibration is
+    engine/calibration.py, cached per model, dtype, device and machine).
+
+    The calibration times a truncated draft head of ``min_head_rows``, twice that, and so on up
+    to ``max_head_rows`` (each below the model's vocabulary), and the full head.
+    """
+
+    min_head_rows: int = 2048
+    max_head_rows: int = 32768
+
+    def validate(self) -> None:
+        if not 1 <= self.min_head_rows <= self.max_head_rows <= MAX_HEAD_ROWS:
+            raise LayerskipError(
+                f"auto needs 1 <= min_head_rows <= max_head_rows <= {MAX_HEAD_ROWS}; fix the policy file"
+            )
+
+    def head_sizes(self, vocab_size: int) -> tuple[int, ...]:
+        """The head sizes the calibration times (0: the full head)."""
+        sizes = []
+        rows = self.min_head_rows
+        while rows <= self.max_head_rows and rows < vocab_size:
+            sizes.append(rows)
+            rows *= 2
+        return (*sizes, 0)
+
+
+@dataclass(frozen=True)
 class ExitSettings:
     """A trained exit adapter (drafts/exit_adapter.py) applied after layer ``layer`` in every draft.
 
@@ -227,6 +256,9 @@ class SkipPolicy:
     # Set: the skip sets above are only the starting point; they change while generating.
     on_the_fly: OnTheFlySettings | None = None
     exit: ExitSettings | None = None
+    # Set: lookup or skip draft, lengths, padding and head size are chosen while generating
+    # (``auto``); the draft settings above are its caps and the skip set is chosen on the fly.
+    auto: AutoSettings | None = None
     # The directory a relative ``exit.adapter`` path is resolved against (the policy file's,
     # set on load; not saved).
     root: str = field(default="", compare=False, repr=False)
@@ -282,6 +314,24 @@ class SkipPolicy:
             draft = DraftSettings(max_draft_tokens=6, adaptive=True, **cheap)
         return cls(draft=draft, on_the_fly=OnTheFlySettings(**kwargs), provenance={"source": "on-the-fly"})
 
+    @classmethod
+    def auto_choice(cls, device: str | torch.device = "cpu") -> SkipPolicy:
+        """``--policy auto``: no study and no file. Prompt lookup (n-grams of 2-3, runs up to 16) or
+        the skip draft (up to 8 tokens, its length by cost, its skip set chosen on the fly from
+        nothing bypassed), whichever is expected to give more tokens per second at each step,
+        with the verify padding and the draft head's size chosen from a calibration of this
+        machine. On a CPU the draft runs from an int4 copy; elsewhere from the model's weights."""
+        precision = "int4" if torch.device(device).type == "cpu" else "model"
+        draft = DraftSettings(
+            max_draft_tokens=8,
+            length_by_cost=True,
+            lookup_max_ngram=3,
+            lookup_min_ngram=2,
+            lookup_max_tokens=16,
+            precision=precision,
+        )
+        return cls(draft=draft, on_the_fly=OnTheFlySettings(), auto=AutoSettings(), provenance={"source": "auto"})
+
     # -- checks -------------------------------------------------------------------------
     def ablations(self) -> dict[str, SkipPolicy]:
         """The same policy with each drafting ingredient it uses turned off, by a short label.
@@ -329,6 +379,13 @@ class SkipPolicy:
             self.on_the_fly.validate()
             if not self.draft.use_skip_draft:
                 raise LayerskipError("on-the-fly selection needs a skip draft; set draft.use_skip_draft to true")
+        if self.auto is not None:
+            self.auto.validate()
+            if self.on_the_fly is None or self.exit is not None or not self.draft.lookup_max_ngram:
+                raise LayerskipError(
+                    "auto chooses between prompt lookup and an on-the-fly skip draft without an exit adapter; "
+                    "give it on_the_fly settings and lookup_max_ngram > 0, and no exit"
+                )
         count = adapters.num_layers(model)
         arch = adapters.architecture_of(model)
         ident = self.model
@@ -431,6 +488,11 @@ class SkipPolicy:
 
     def describe(self) -> str:
         d = self.draft
+        if self.auto is not None:
+            return (
+                f"auto: prompt lookup (runs up to {d.lookup_max_tokens}) or an {d.precision} skip draft "
+                f"(up to {d.max_draft_tokens} tokens, skip set chosen on the fly), chosen each step by measured cost"
+            )
         if d.use_skip_draft and self.exit is not None:
             deep = set(range(self.exit.layer + 1, self.model.num_layers or self.exit.layer + 1))
             reuse = ", K/V reused" if self.exit.reuse_kv else ""
@@ -478,6 +540,7 @@ class SkipPolicy:
             "draft_vocabulary": list(self.draft_vocabulary),
             **({"on_the_fly": asdict(self.on_the_fly)} if self.on_the_fly is not None else {}),
             **({"exit": asdict(self.exit)} if self.exit is not None else {}),
+            **({"auto": asdict(self.auto)} if self.auto is not None else {}),
         }
 
     @classmethod
@@ -501,6 +564,8 @@ class SkipPolicy:
             on_the_fly = None if selection is None else _dataclass_from(OnTheFlySettings, selection)
             exit_data = data.get("exit")
             exit_settings = None if exit_data is None else _dataclass_from(ExitSettings, exit_data)
+            auto_data = data.get("auto")
+            auto = None if auto_data is None else _dataclass_from(AutoSettings, auto_data)
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp, *vocabulary]):
                 raise TypeError("skip lists and draft_vocabulary must hold integers")
             negative = [i for i in vocabulary if i < 0]
@@ -516,6 +581,7 @@ class SkipPolicy:
                 draft_vocabulary=tuple(vocabulary),
                 on_the_fly=on_the_fly,
                 exit=exit_settings,
+                auto=auto,
             )
         except (TypeError, ValueError) as exc:
             raise LayerskipError(
@@ -528,6 +594,8 @@ class SkipPolicy:
                 policy.on_the_fly.validate()
             if policy.exit is not None:
                 policy.exit.validate()
+            if policy.auto is not None:
+                policy.auto.validate()
         except LayerskipError as exc:
             raise LayerskipError(f"{source}: {exc}") from None
         return policy

@@ -70,6 +70,7 @@ class SkipDrafter(BaseDrafter):
         head: DraftHead,
         sampling: Sampling | None,
         generator: torch.Generator | None,
+        length: DraftLengthByCost | None = None,
     ) -> None:
         self.draft_model = draft_model
         self.attention = attention
@@ -79,9 +80,9 @@ class SkipDrafter(BaseDrafter):
         self.sampling = sampling
         self.generator = generator
         self.stop = AdaptiveStop(settings.initial_threshold, settings.target_acceptance) if settings.adaptive else None
-        self.length = (
-            DraftLengthByCost(settings.max_draft_tokens, settings.min_verify_block) if settings.length_by_cost else None
-        )
+        if length is None and settings.length_by_cost:
+            length = DraftLengthByCost(settings.max_draft_tokens, settings.min_verify_block)
+        self.length = length  # ``auto`` passes one priced by its calibration
         self.clock = DeviceClock(draft_model.device)
         self._last_verify_seconds = 0.0
         self._known = 0  # how much of the history the head has been given

@@ -1,18 +1,9 @@
-"""The decode loop, batch size 1: self-speculative with a drafter, plain with none; greedy or sampling.
+"""The decode loop, batch size 1: self-speculative with a prepared draft, plain with none; greedy or sampling.
 
-One step (the cache holds every token but ``pending``, the last one chosen):
-
-    draft:   the drafter proposes d1..dk (a skip draft feeds pending, d1, .. through the
-             bypassed model, writing K/V only in layers it does not bypass; lookup reads the
-             history; plain decoding proposes nothing)
-    rollback every layer to ``committed`` (= tokens in the cache before drafting)
-    verify:  full model over [pending, d1..dk] -> logits [k+1, V]
-    accept:  the longest prefix d1..dn the full model agrees with, plus its own token at n
-    rollback every layer to committed + 1 + n; the new pending is the full model's token
-
-Greedy output is the full model's argmax chain; sampling uses rejection sampling, so the
-output distribution is the full model's. Plain decoding is the same loop with a drafter that
-proposes nothing (blocks of one token).
+The loop keeps the bookkeeping (output, stop conditions, stats); each step is one call of
+``engine.step.Stepper.step`` (propose, verify, accept, roll back). Greedy output is the full
+model's argmax chain; sampling uses rejection sampling, so the output distribution is the full
+model's. Plain decoding is the same loop with a drafter that proposes nothing (blocks of one token).
 """
 
 from __future__ import annotations
@@ -23,26 +14,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerskip.drafts.base import Draft, Drafter, DraftRequest, NoDrafter
-from layerskip.drafts.builder import DraftRun, PreparedDraft, prepare_draft
+from layerskip.drafts.base import Drafter, NoDrafter
+from layerskip.drafts.builder import DraftModels, DraftRun, PreparedDraft, prepare_draft
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import SelectionState
 from layerskip.drafts.policy import SkipPolicy
+from layerskip.engine.calibration import calibrate
+from layerskip.engine.step import StepOutcome, Stepper
 from layerskip.engine.threads import ThreadTuner
-from layerskip.engine.verify_head import VerifyHead, shared_verify_head
+from layerskip.engine.verifiers import LogitsHook, verifier_for
+from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_hidden
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from layerskip.sampling import Sampling, accept_greedy, verify_greedy, verify_sampled
+from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
 
 TokenCallback = Callable[[list[int]], None]
 CacheObserver = Callable[[RollbackCache, int], None]
-# (context, logits [k+1, V]) -> processed logits [k+1, V]; row i follows context[: len(context) - k + i].
-# Applied to the verify's logits only: the draft proposes from its own, so the output stays exact.
-LogitsHook = Callable[[list[int], torch.Tensor], torch.Tensor]
 # history (prompt + tokens so far) -> stop after the last one; checked after every accepted token.
 StopCheck = Callable[[list[int]], bool]
 
@@ -128,44 +118,51 @@ def _as_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return ids
 
 
-def engine_verify_head(model: nn.Module, certified: bool | None = None) -> VerifyHead:
-    """The verify head the engine uses for ``model``: by default certified on the CPU (where the
-    fp32 head is a large part of every step), the model's own head elsewhere."""
-    if certified is None:
-        certified = next(model.parameters()).device.type == "cpu"
-    return shared_verify_head(model, certified)
-
-
 class Decoder:
-    """Decodes with ``model``: self-speculatively with ``policy``, plainly without one.
+    """Decodes with ``model``: self-speculatively with a prepared draft, plainly without one.
 
-    Built once per model and policy: ``drafts.prepare_draft`` checks the policy against the
-    model and prepares the draft (a low-precision copy of the projections it keeps, if the
-    policy asks for one); the decoder then serves any number of ``decode`` calls. ``vocab_rows``
-    overrides the truncated draft head's starting rows (default: the policy's). A policy with
-    ``on_the_fly`` settings gets its skip sets re-chosen while generating; what that learns
-    (``selection``) carries over between calls. ``threads`` (CPU only): "auto" picks the
-    draft's and the verify's thread counts by their measured time (see ``engine.threads``;
-    robust when the machine is busy), an int fixes both; the caller's thread count is restored
-    after each call.
+    ``draft`` (``drafts.prepare_draft(model, policy)``, or ``Decoder.for_policy``) is the only
+    thing the loop asks about drafting; it serves any number of ``decode`` calls, and what it
+    learns while generating (on-the-fly selection) carries over between them. ``threads`` (CPU
+    only): "auto" picks the draft's and the verify's thread counts by their measured time (see
+    ``engine.threads``; robust when the machine is busy), an int fixes both; the caller's thread
+    count is restored after each call.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        policy: SkipPolicy | None = None,
-        vocab_rows: torch.Tensor | None = None,
+        draft: PreparedDraft | None = None,
         threads: int | str = "auto",
         certified_head: bool | None = None,
     ):
         self.model = model
-        self.policy = policy
+        self.draft = draft
         self.device = next(model.parameters()).device
         self.threads = ThreadTuner(threads, self.device)
-        self.draft: PreparedDraft | None = prepare_draft(model, policy, vocab_rows)
         # Greedy verifies take their argmax from a bf16 head certified against fp32 (engine/
         # verify_head.py): by default on the CPU, where the fp32 head is a large part of a step.
         self.head: VerifyHead = engine_verify_head(model, certified_head)
+
+    @classmethod
+    def for_policy(
+        cls,
+        model: nn.Module,
+        policy: SkipPolicy | None,
+        vocab_rows: torch.Tensor | None = None,
+        threads: int | str = "auto",
+        certified_head: bool | None = None,
+        models: DraftModels | None = None,
+        progress: bool = False,
+    ) -> Decoder:
+        """A decoder with ``policy``'s draft prepared for ``model`` (plain decoding without one).
+        An ``auto`` policy is priced by a calibration of this machine, measured here or read
+        from the cache (``engine.calibration``)."""
+        costs = None
+        if policy is not None and policy.auto is not None:
+            models = models if models is not None else DraftModels(model)
+            costs = calibrate(model, policy, models, progress=progress)
+        return cls(model, prepare_draft(model, policy, vocab_rows, models, costs), threads, certified_head)
 
     @property
     def draft_model(self) -> DraftModel | None:
@@ -178,10 +175,7 @@ class Decoder:
     def paths(self) -> list[str]:
         """How this decoder's phases run (``GenerationStats.paths``)."""
         head = "verify head: certified bf16" if self.head.certified else "verify head: model's own"
-        if self.draft_model is None:
-            return [head]
-        compiled = "yes" if self.draft_model.compile else "no"
-        return [f"draft step: {self.draft_model.step_kind}", f"draft compiled: {compiled}", head]
+        return [*(self.draft.paths() if self.draft is not None else []), head]
 
     def cache_windows(self) -> list[int | None]:
         """Per cache layer, its sliding window (a layer exit adapter adds one of its own)."""
@@ -190,7 +184,7 @@ class Decoder:
     def _drafter(self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None) -> Drafter:
         if self.draft is None:
             return NoDrafter()
-        return self.draft.drafter(DraftRun(prompt_length, settings.max_new_tokens, settings.sampling, generator))
+        return self.draft.start(DraftRun(prompt_length, settings.max_new_tokens, settings.sampling, generator))
 
     @torch.inference_mode()
     def decode(
@@ -208,101 +202,63 @@ class Decoder:
         """Generate up to ``settings.max_new_tokens`` after ``input_ids``. Returns (new tokens, stats).
 
         ``cache_observer(cache, committed)`` is called after every step (tests check lengths);
-        ``drafter`` replaces the policy's (on-the-fly selection passes its own). ``logits_hook``
-        processes the full model's logits before a token is chosen (HF logits processors);
-        ``stop_check`` ends the generation after a token (HF stopping criteria).
+        ``drafter`` replaces the prepared draft's. ``logits_hook`` processes the full model's
+        logits before a token is chosen (HF logits processors); ``stop_check`` ends the
+        generation after a token (HF stopping criteria).
         """
         with self.threads.session():  # the caller's thread count comes back afterwards
             clock = DeviceClock(self.device)
             start = clock.now()  # everything this call does is timed, set-up included
             settings.validate()
             prompt = _as_ids(input_ids)
-            stats = GenerationStats()
             output = _Output(prompt, settings, tokenizer, on_tokens, stop_check)
             generator = _generator(settings.seed, self.device)
-            cache = RollbackCache(self.cache_windows())
-            fallbacks_before = self.head.stats.fallbacks
             drafter = drafter or self._drafter(len(prompt), settings, generator)
-            sampling = settings.sampling
-            pad_to = self.policy.draft.min_verify_block if self.policy is not None else 0
-            limit = adapters.max_positions(self.model)
-
-            committed = 0  # tokens in the cache; the history's last token is pending
-            block_ids = prompt  # the prefill is the first verify, with nothing drafted
-            draft = None
-            while True:
-                t0 = clock.now()
-                block = torch.tensor([block_ids], device=self.device)  # [1, prompt] or [1, k+1 (+ fillers)]
-                drafted = draft.tokens if draft is not None else []
-                keep = 1 if draft is None else len(block_ids)
-                with (
-                    self.threads.phase("verify") as run,
-                    drafter.watch_verify(len(block_ids)),
-                    drafter.around_verify(cache, committed, block),
-                ):
-                    run.units = 0 if draft is None else 1  # the prefill teaches nothing about a step
-                    hidden = full_hidden(self.model, block, cache, committed, keep)[: len(drafted) + 1]  # [k+1, H]
-                    if sampling is None and logits_hook is None:
-                        # Greedy needs only each row's argmax: the certified head gives it.
-                        accepted, next_token = accept_greedy(drafted, self.head.argmax(hidden))
-                    else:
-                        logits = self.head.logits(hidden)  # [k+1, V]
-                if logits_hook is not None:
-                    logits = logits_hook([*output.history, *drafted], logits)
-                if sampling is None and logits_hook is not None:
-                    accepted, next_token = verify_greedy(drafted, logits)
-                elif sampling is not None:
-                    q = draft.q if draft is not None else None
-                    accepted, next_token = verify_sampled(drafted, sampling.probs(logits), q, generator)
-                committed += (len(prompt) if draft is None else 1) + accepted
-                cache.rollback(committed)
-                t1 = clock.now()
-                kept = output.emit([*drafted[:accepted], next_token])
-                accepted = min(accepted, kept)  # drafts past an EOS or the budget were not used
-                if draft is None:
-                    stats.prefill_seconds = t1 - start
-                    stats.record_step(0, 0)
-                else:
-                    stats.verify_seconds += t1 - t0
-                    stats.record_step(len(drafted), accepted)
-                    stats.record_block(len(block_ids))
-                    if draft.from_lookup and drafted:
-                        stats.lookup_steps += 1
-                    drafter.update(draft, accepted)
+            verifier = verifier_for(self.head, settings.sampling, generator, logits_hook)
+            stepper = Stepper(
+                self.model, RollbackCache(self.cache_windows()), drafter, verifier, self.draft, self.threads, clock,
+                self.device,
+            )  # fmt: skip
+            fallbacks_before = self.head.stats.fallbacks
+            stats = GenerationStats()
+            first = stepper.prefill(prompt)
+            committed = len(prompt)
+            stats.prefill_seconds = clock.now() - start
+            stats.record_step(0, 0)
+            output.emit([first.next_token])
+            if cache_observer is not None:
+                cache_observer(stepper.cache, committed)
+            while not output.done:
+                outcome = stepper.step(output.history, committed, budget=output.remaining - 1)
+                committed += 1 + outcome.verdict.accepted
+                self._record(stats, drafter, outcome, kept=output.emit(outcome.tokens))
                 if cache_observer is not None:
-                    cache_observer(cache, committed)
-                if output.done:
-                    break
-
-                # The verify always adds one token of its own, so draft at most remaining - 1.
-                t2 = clock.now()
-                budget = output.remaining - 1
-                request = DraftRequest(output.history, cache, budget, self.device)
-                if budget > 0:
-                    with self.threads.phase("draft") as run:
-                        draft = drafter.propose(request)
-                        # forwards run ~ tokens proposed (a draft that stopped at once still ran one);
-                        # a lookup or an empty plain draft ran none and teaches nothing
-                        run.units = max(1, len(draft.tokens)) if draft.source == "skip" else 0
-                else:
-                    draft = Draft([])
-                if draft.source != "none":  # plain decoding drafts nothing: its loop time is "other"
-                    stats.draft_seconds += clock.now() - t2
-                cache.rollback(committed)
-                block_ids = [output.history[-1], *draft.tokens]
-                if draft.tokens and len(block_ids) < pad_to and (limit is None or committed + pad_to <= limit):
-                    # Filler positions after the draft: causal attention keeps them out of every
-                    # earlier position's logits, their logits are dropped, their K/V rolled back.
-                    block_ids += [block_ids[-1]] * (pad_to - len(block_ids))
-
+                    cache_observer(stepper.cache, committed)
             drafter.report(stats)
-            stats.thread_runs = dict(self.threads.used)
-            for path in self.paths():
-                stats.paths[path] = 1
-            stats.head_fallback_rows = self.head.stats.fallbacks - fallbacks_before
+            self._finish(stats, fallbacks_before)
             stats.total_seconds = clock.now() - start
             stats.new_tokens = len(output.generated)
             return output.generated, stats
+
+    @staticmethod
+    def _record(stats: GenerationStats, drafter: Drafter, outcome: StepOutcome, kept: int) -> None:
+        """One step's figures; the drafter learns how many of its tokens were used."""
+        draft = outcome.draft
+        accepted = min(outcome.verdict.accepted, kept)  # drafts past an EOS or the budget were not used
+        stats.draft_seconds += outcome.draft_seconds
+        stats.verify_seconds += outcome.verify_seconds
+        stats.record_step(len(draft.tokens), accepted)
+        stats.record_draft(len(draft.tokens))
+        stats.record_block(outcome.block)
+        if draft.from_lookup and draft.tokens:
+            stats.lookup_steps += 1
+        drafter.update(draft, accepted)
+
+    def _finish(self, stats: GenerationStats, fallbacks_before: int) -> None:
+        stats.thread_runs = dict(self.threads.used)
+        for path in self.paths():
+            stats.paths[path] = 1
+        stats.head_fallback_rows = self.head.stats.fallbacks - fallbacks_before
 
 
 def decode(
@@ -321,7 +277,7 @@ def decode(
     Prepares the draft on every call; to decode many prompts with one policy, build a
     ``Decoder`` once and call its ``decode``.
     """
-    return Decoder(model, policy, vocab_rows).decode(
+    return Decoder.for_policy(model, policy, vocab_rows).decode(
         input_ids, settings, tokenizer=tokenizer, on_tokens=on_tokens, cache_observer=cache_observer
     )
 
@@ -379,7 +335,7 @@ def generate(
     """Generate from text: self-speculatively with ``policy``, plainly without one.
 
     Greedy unless ``sampling`` is given. ``stream`` receives token ids as they are accepted.
-    Pass a prepared ``decoder`` (``Decoder(model, policy)``) to reuse its draft across calls.
+    Pass a ``decoder`` (``Decoder.for_policy(model, policy)``) to reuse its prepared draft across calls.
     """
     ids = encode_prompt(tokenizer, prompt, chat)
     settings = DecodeSettings(
@@ -389,7 +345,7 @@ def generate(
         eos_token_ids=eos_token_ids(model, tokenizer),
         stop_strings=tuple(stop_strings),
     )
-    decoder = decoder or Decoder(model, policy)
+    decoder = decoder or Decoder.for_policy(model, policy)
     tokens, stats = decoder.decode(ids, settings, tokenizer=tokenizer, on_tokens=stream)
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     return GenerationResult(tokens=tokens, text=text, prompt_tokens=len(ids), stats=stats)

@@ -139,3 +139,11 @@ def shared_verify_head(model: nn.Module, certified: bool) -> VerifyHead:
             del heads[stale]
         heads[key] = VerifyHead(model, certified)
     return heads[key]
+
+
+def engine_verify_head(model: nn.Module, certified: bool | None = None) -> VerifyHead:
+    """The verify head the engine uses for ``model``: by default certified on the CPU (where the
+    fp32 head is a large part of every step), the model's own head elsewhere."""
+    if certified is None:
+        certified = next(model.parameters()).device.type == "cpu"
+    return shared_verify_head(model, certified)

@@ -232,6 +232,20 @@ def weights_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def weights_sample_digest(model: nn.Module) -> str:
+    """A hash of up to 256 evenly spaced values of every tensor: tells apart two checkpoints with
+    the same shapes (a fine-tune, another random init) without hashing every weight."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            step = max(1, flat.numel() // 256)
+            sample = flat[::step][:256].to(device="cpu", dtype=torch.float32).contiguous()
+            digest.update(name.encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def _zero_attention(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, None]:
     # The residual stream passes unchanged; no K/V is computed or written to the cache.
     return torch.zeros_like(hidden_states), None

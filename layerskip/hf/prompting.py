@@ -32,3 +32,12 @@ def eos_token_ids(model: nn.Module, tokenizer: object) -> tuple[int, ...]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
+
+
+def first_token_id(model: nn.Module) -> int:
+    """A token to start the model's own text from: its beginning-of-sequence id (1 without one)."""
+    config = model.config.get_text_config(decoder=True)
+    bos = getattr(config, "bos_token_id", None)
+    if isinstance(bos, list):  # some configs list several
+        bos = bos[0] if bos else None
+    return bos if isinstance(bos, int) else 1

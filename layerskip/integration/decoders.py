@@ -63,7 +63,7 @@ def decoder_for(model: nn.Module, spec: PolicySpec | None) -> Decoder:
         model.__dict__[CACHE_ATTRIBUTE] = decoders  # bypasses nn.Module.__setattr__: a plain dict
     decoder = decoders.pop(key, None)
     if decoder is None:
-        decoder = Decoder(model, _resolve(spec, model))
+        decoder = Decoder.for_policy(model, _resolve(spec, model))
         while len(decoders) >= MAX_DECODERS:
             decoders.pop(next(iter(decoders)))  # the least recently used
     decoders[key] = decoder  # re-inserted: dict order is recency

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.engine.decoding import DecodeSettings, LogitsHook, StopCheck
+from layerskip.engine.decoding import DecodeSettings, StopCheck
+from layerskip.engine.verifiers import LogitsHook
 from layerskip.errors import LayerskipError
 from layerskip.sampling import Sampling
 

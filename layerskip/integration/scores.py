@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from layerskip.engine.decoding import LogitsHook
+from layerskip.engine.verifiers import LogitsHook
 from layerskip.integration.generate_args import apply_by_row
 
 

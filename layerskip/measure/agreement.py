@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from layerskip.drafts.builder import draft_model_for
+from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.lookup import LookupRunLength, match_lookup
 from layerskip.drafts.model import DraftModel
@@ -133,7 +133,7 @@ def single_sublayer_agreement(
     model: nn.Module, references: Sequence[Reference], progress: bool = False
 ) -> dict[str, list[float]]:
     """Agreement with exactly one sublayer bypassed: {"attention": [per layer], "mlp": [per layer]}."""
-    draft_model = draft_model_for(model)
+    draft_model = DraftModels(model).get()
     count = adapters.num_layers(model)
     result: dict[str, list[float]] = {"attention": [], "mlp": []}
     bar = tqdm(total=2 * count, desc="single-sublayer agreement", disable=not progress)

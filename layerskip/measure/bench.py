@@ -129,7 +129,7 @@ def build_methods(
     several), so the plug-in's overhead against ``self-spec`` is measured. Each policy's draft is
     prepared here, once (like loading a model), not inside the timed calls.
 
-    ``threads``: our decoders' CPU thread setting ("auto" or a count, ``Decoder(threads=...)``);
+    ``threads``: our decoders' CPU thread setting ("auto" or a count, ``Decoder.for_policy(threads=...)``);
     each further entry adds every method again under that setting, named ``NAME@tN`` /
     ``NAME@auto`` (HF methods only for counts: they have no "auto"), so thread settings are
     compared in one interleaved run. The baseline stays at the process's own thread count."""
@@ -190,7 +190,7 @@ def _methods_for(
     HF's own methods (None: the process's count)."""
 
     def ours(policy: SkipPolicy | None) -> tuple[Runner, float | None]:
-        decoder = Decoder(model, policy, threads=threads)
+        decoder = Decoder.for_policy(model, policy, threads=threads)
 
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
             return decoder.decode(ids, DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos_token_ids))

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import SkipPolicy
-from layerskip.engine.decoding import engine_verify_head
-from layerskip.measure.latency import draft_step_seconds, verify_seconds
+from layerskip.engine.latency import draft_step_seconds, verify_seconds
+from layerskip.engine.verify_head import engine_verify_head
 
 
 @dataclass(frozen=True)

@@ -1,143 +1,16 @@
-"""Measured latency of one draft step and of one verify, on the model's own device.
-
-CUDA: CUDA events around each call; CPU: perf_counter. Warm-up first, median of repeats.
-The cache is prefilled with a real context so attention cost is realistic.
+"""Where a draft step's time goes and what bounds it: the profiler breakdown, copy bandwidth and
+the bytes a step must read. The timings themselves come from the latency model (engine.latency).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import nn
 
-from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.exit_draft import capturing_layer_output, fill_adapter_cache
 from layerskip.drafts.model import DraftModel
-from layerskip.engine.verify_head import VerifyHead
+from layerskip.engine.latency import median_seconds, prefilled_cache
 from layerskip.hf import adapters
-from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_hidden, full_logits
-
-
-def _time_once(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000.0
-    begin = time.perf_counter()
-    fn()
-    return time.perf_counter() - begin
-
-
-def timings(fn: Callable[[], object], device: torch.device, repeats: int = 7, warmup: int = 2) -> list[float]:
-    """Seconds of each of ``repeats`` calls, after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        _time_once(fn, device)
-    return [_time_once(fn, device) for _ in range(repeats)]
-
-
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 7, warmup: int = 2) -> float:
-    return statistics.median(timings(fn, device, repeats, warmup))
-
-
-def _prefilled_cache(
-    model: nn.Module, context: Sequence[int], exit: ExitAdapter | None = None
-) -> tuple[RollbackCache, torch.device]:
-    """A cache holding ``context``; with a layer exit adapter, its own cache layer too."""
-    device = next(model.parameters()).device
-    windows = adapters.sliding_windows(model)
-    if exit is not None and exit.uses_cache:
-        windows.append(windows[exit.spec.layer])
-    cache = RollbackCache(windows)
-    block = torch.tensor([list(context)], device=device)
-    if exit is None or not exit.uses_cache:
-        full_logits(model, block, cache, 0, keep=1)
-        return cache, device
-    captured: list[torch.Tensor] = []
-    with capturing_layer_output(model, exit.spec.layer, captured):
-        full_logits(model, block, cache, 0, keep=1)
-    fill_adapter_cache(model, exit, block, captured[-1], cache, 0)
-    return cache, device
-
-
-@torch.inference_mode()
-def draft_step_seconds(
-    draft_model: DraftModel,
-    context: Sequence[int],
-    attention: Sequence[int] = (),
-    mlp: Sequence[int] = (),
-    head_rows: Sequence[int] | None = None,
-    repeats: int = 7,
-) -> float:
-    """Median seconds of one draft token (bypassed stack in the draft's precision + its head) after ``context``."""
-    cache, device = _prefilled_cache(draft_model.model, context, draft_model.exit)
-    length = len(context)
-    token = torch.tensor([[context[-1]]], device=device)
-    rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
-    head = draft_model.head(rows)
-
-    def step() -> None:
-        with draft_model.active(attention, mlp):
-            draft_model.logits(token, cache, length, head)
-        cache.rollback(length)
-
-    return median_seconds(step, device, repeats)
-
-
-@torch.inference_mode()
-def verify_timings(
-    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
-) -> list[float]:
-    """Seconds of each of ``repeats`` full forwards over ``block`` tokens after ``context``.
-
-    Without ``greedy`` every row's full logits are computed (block=1: a plain step, as HF
-    ``generate`` takes it); with it, the greedy verify as the engine runs it (its argmax).
-    """
-    cache, device = _prefilled_cache(model, context)
-    length = len(context)
-    tokens = torch.tensor([[context[-1]] * block], device=device)
-
-    def step() -> None:
-        if greedy is None:
-            full_logits(model, tokens, cache, length, keep=block)
-        else:
-            greedy.argmax(full_hidden(model, tokens, cache, length, keep=block))
-        cache.rollback(length)
-
-    return timings(step, device, repeats)
-
-
-def verify_seconds(
-    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
-) -> float:
-    """Median seconds of one full forward over ``block`` tokens after ``context`` (see ``verify_timings``)."""
-    return statistics.median(verify_timings(model, context, block, repeats, greedy))
-
-
-def block_cost(seconds: dict[int, float], block: int) -> float:
-    """Seconds of a forward over ``block`` tokens, linearly interpolated between measured sizes
-    (past either end, the nearest segment's slope continues)."""
-    if block in seconds:
-        return seconds[block]
-    sizes = sorted(seconds)
-    if len(sizes) == 1:
-        return seconds[sizes[0]] * block / sizes[0]
-    if block < sizes[0]:
-        lower, upper = sizes[0], sizes[1]
-    elif block > sizes[-1]:
-        lower, upper = sizes[-2], sizes[-1]
-    else:
-        lower = max(s for s in sizes if s < block)
-        upper = min(s for s in sizes if s > block)
-    weight = (block - lower) / (upper - lower)
-    return seconds[lower] + weight * (seconds[upper] - seconds[lower])
-
 
 PROJECTION_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
@@ -157,7 +30,7 @@ def draft_step_breakdown(
     of the wall time (Python, module calls, op dispatch). Op times are torch.profiler self times."""
     from torch.profiler import ProfilerActivity, profile
 
-    cache, device = _prefilled_cache(draft_model.model, context, draft_model.exit)
+    cache, device = prefilled_cache(draft_model.model, context, draft_model.exit)
     length = len(context)
     token = torch.tensor([[context[-1]]], device=device)
     rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)

@@ -22,10 +22,11 @@ from typing import Any
 
 from torch import nn
 
+from layerskip.drafts.costs import block_cost
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.engine.latency import verify_seconds
 from layerskip.hf import adapters
-from layerskip.measure.latency import block_cost, verify_seconds
 from layerskip.measure.timing import Runner, TimedRun, run_interleaved, throughput
 from layerskip.stats import GenerationStats
 
@@ -111,7 +112,7 @@ def profile_configs(
     progress: bool = True,
 ) -> list[ConfigProfile]:
     """Generate with every configuration on every prompt (interleaved, ``measure.timing``); None = plain."""
-    decoders = {name: Decoder(model, policy) for name, policy in configs.items()}
+    decoders = {name: Decoder.for_policy(model, policy) for name, policy in configs.items()}
 
     def runner(decoder: Decoder) -> Runner:
         return lambda ids, max_new: decoder.decode(

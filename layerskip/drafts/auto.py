@@ -1,0 +1,323 @@
+"""``auto``: every drafting choice made while generating, priced by costs measured on this machine.
+
+No study and no policy file. At load the engine measures what the choices cost here
+(``engine.calibration``: a plain step, the verify curve, an int4 draft step per head size);
+then, at every step, the drafter proposes whatever is expected to give the most tokens per
+second:
+
+* prompt lookup, when the context repeats its last n-gram, cut to the run length whose expected
+  tokens per second is highest (per-position acceptance learned as the text grows);
+* otherwise the int4 skip draft, its length decided token by token by cost
+  (``DraftLengthByCost``), its skip set re-chosen on the fly (``onthefly``), its head size chosen
+  from the calibrated draft cost of each size and how often each size would have held the
+  model's next token;
+* nothing, when neither is expected to beat a plain step (tried again now and then).
+
+With per-token acceptance ``a``, ``g`` tokens drafted at ``c`` seconds each and a verify of
+``v(g + 1)``, a step yields ``(1 - a^(g+1)) / (1 - a)`` tokens on average and costs
+``g * c + v(g + 1)``; lookup's ``c`` is the time its match takes. Every estimator is a running
+figure with a short memory, carried from one generation to the next by ``AutoState``.
+
+Only the draft changes: the verify is the full model, so greedy output is exact and rejection
+sampling keeps the model's distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from layerskip.drafts.base import BaseDrafter, Draft, Drafter, DraftRequest
+from layerskip.drafts.costs import DraftCosts, expected_tokens
+from layerskip.drafts.draft_length import CONFIDENCE_BINS, WARM_UP_STEPS, DraftLengthByCost
+from layerskip.drafts.lookup import LookupMatch, LookupRunLength, match_lookup
+from layerskip.drafts.policy import DraftSettings
+from layerskip.hf.cache import RollbackCache
+from layerskip.sampling import Sampling
+from layerskip.stats import GenerationStats
+
+CARRY_OVER = 0.5  # weight of earlier generations' counts when a new one starts (a short memory)
+EXPLORE_EVERY = 16  # steps without a skip draft after which one is tried anyway (its estimates age)
+PROMPT_PRIOR_WEIGHT = 32.0  # pseudo-observations a prompt's coverage counts for, before any text
+COVERAGE_DECAY = 0.995  # per token: coverage follows the text being generated
+
+
+@dataclass
+class HeadCoverage:
+    """How often each candidate head size would have scored the model's next token.
+
+    A truncated head scores the ``h`` highest-ranked rows plus every token of the prompt and of
+    the text so far; a token outside them cannot be drafted. For each size this keeps a decayed
+    count of the tokens the model produced that such a head held (``h`` 0 is the full head).
+    """
+
+    sizes: tuple[int, ...]
+    covered: dict[int, float] = field(default_factory=dict)
+    seen: float = 0.0
+
+    def share(self, size: int) -> float:
+        if size == 0:
+            return 1.0
+        return (self.covered.get(size, 0.0) + 1.0) / (self.seen + 2.0)
+
+    def observe(self, token: int, earlier: set[int], rank: Sequence[int] | None = None) -> None:
+        """One token the model produced after the tokens in ``earlier``."""
+        self.seen = COVERAGE_DECAY * self.seen + 1.0
+        for size in self.sizes:
+            held = size == 0 or token in earlier or _ranked_below(token, size, rank)
+            self.covered[size] = COVERAGE_DECAY * self.covered.get(size, 0.0) + held
+
+    def seed(self, prompt: Sequence[int], rank: Sequence[int] | None = None) -> None:
+        """Before any generated text: the prompt's own tokens as a prior, weighed lightly."""
+        if self.seen > 0 or len(prompt) < 2:
+            return
+        earlier: set[int] = set()
+        held = dict.fromkeys(self.sizes, 0)
+        for token in prompt:
+            for size in self.sizes:
+                held[size] += size == 0 or token in earlier or _ranked_below(token, size, rank)
+            earlier.add(token)
+        weight = min(PROMPT_PRIOR_WEIGHT, len(prompt)) / len(prompt)
+        self.seen = weight * len(prompt)
+        self.covered = {size: weight * count for size, count in held.items()}
+
+
+def _ranked_below(token: int, size: int, rank: Sequence[int] | None) -> bool:
+    """Whether a head of ``size`` ranked rows holds ``token`` (no ranking: the lowest token ids,
+    which BPE vocabularies give their most frequent merges)."""
+    if rank is None:
+        return token < size
+    return token in rank[:size]
+
+
+@dataclass
+class AutoState:
+    """What ``auto`` knows about one model on this machine: the calibrated costs, and the running
+    estimators carried between generations (skip and lookup acceptance, head coverage)."""
+
+    costs: DraftCosts
+    settings: DraftSettings  # caps: max_draft_tokens, lookup n-gram range and lookup_max_tokens
+    coverage: HeadCoverage
+    confidence_reached: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
+    confidence_right: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
+    lookup_reached: dict[tuple[int, int], float] = field(default_factory=dict)
+    lookup_right: dict[tuple[int, int], float] = field(default_factory=dict)
+    steps: int = 0  # skip-drafted steps, their tokens and seconds: the rate the length rule beats
+    step_tokens: float = 0.0
+    step_cost: float = 0.0
+    head_rows: int = -1  # the head size in use (0 = full); -1 before the first choice
+    measured_at_rows: int = -1  # the head size the acceptance counts were gathered with
+
+    @classmethod
+    def start(cls, costs: DraftCosts, settings: DraftSettings) -> AutoState:
+        return cls(costs, settings, HeadCoverage(tuple(sorted(costs.draft_step))))
+
+    # --- choices ---------------------------------------------------------------------------
+
+    def choose_head(self, prompt: Sequence[int]) -> int:
+        """The head size expected to give the most tokens per second: each size's calibrated draft
+        step against the acceptance its coverage allows."""
+        self.coverage.seed(prompt)
+        base = self.full_head_acceptance()
+        best, best_rate = self.head_rows, -1.0
+        for size in self.coverage.sizes:
+            acceptance = base * self.coverage.share(size)
+            rate = best_skip_rate(acceptance, self.costs.draft_step[size], self.costs, self.settings.max_draft_tokens)
+            if rate > best_rate:
+                best, best_rate = size, rate
+        self.head_rows = best
+        return best
+
+    def full_head_acceptance(self) -> float:
+        """Per-token acceptance of skip drafts as a full head would see it: the measured one over
+        the coverage of the head it was measured with (a prior of 0.7 before any)."""
+        right, reached = sum(self.confidence_right), sum(self.confidence_reached)
+        measured = (right + 0.7 * 4) / (reached + 4)
+        held = self.coverage.share(self.measured_at_rows) if self.measured_at_rows >= 0 else 1.0
+        return min(0.98, measured / max(held, 1e-3))
+
+    # --- carrying estimators between generations -------------------------------------------
+
+    def length_rule(self, draft_seconds: float) -> DraftLengthByCost:
+        """A draft-length rule priced by the calibration, its acceptance bins from earlier generations."""
+        cap = self.settings.max_draft_tokens
+        blocks = range(2, max(cap, self.settings.lookup_max_tokens) + 2)
+        rule = DraftLengthByCost(
+            cap, 0, draft_cost=draft_seconds, verify_cost={b: self.costs.verify_seconds(b) for b in blocks}
+        )
+        rule.reached = [round(CARRY_OVER * n) for n in self.confidence_reached]
+        rule.right = [min(round(CARRY_OVER * r), n) for r, n in zip(self.confidence_right, rule.reached)]
+        if self.step_cost > 0:  # the rate reached so far: no warm-up at the cap after the first generation
+            rule.steps = max(WARM_UP_STEPS, round(CARRY_OVER * self.steps))
+            rule.step_tokens, rule.step_cost = self.step_tokens, self.step_cost
+        return rule
+
+    def run_length(self) -> LookupRunLength:
+        rule = LookupRunLength(confidence=1e-9)  # > 0: it scores every match; auto cuts by cost itself
+        rule.reached = {k: round(CARRY_OVER * v) for k, v in self.lookup_reached.items()}
+        rule.right = {k: min(round(CARRY_OVER * v), rule.reached[k]) for k, v in self.lookup_right.items()}
+        return rule
+
+    def keep(self, length: DraftLengthByCost | None, run_length: LookupRunLength) -> None:
+        """A generation's counts become the next one's prior."""
+        if length is not None:
+            self.confidence_reached = [float(n) for n in length.reached]
+            self.confidence_right = [float(n) for n in length.right]
+            self.measured_at_rows = self.head_rows
+            if length.step_cost > 0:
+                self.steps = length.steps
+                self.step_tokens, self.step_cost = CARRY_OVER * length.step_tokens, CARRY_OVER * length.step_cost
+        self.lookup_reached = {k: float(v) for k, v in run_length.reached.items()}
+        self.lookup_right = {k: float(v) for k, v in run_length.right.items()}
+
+
+def best_skip_rate(acceptance: float, draft_seconds: float, costs: DraftCosts, cap: int) -> float:
+    """Expected tokens per second of the best skip-draft length up to ``cap``."""
+    return max(
+        expected_tokens(acceptance, g) / (g * draft_seconds + costs.verify_seconds(g + 1)) for g in range(1, cap + 1)
+    )
+
+
+@dataclass
+class LookupPlan:
+    tokens: list[int]
+    rate: float  # expected tokens per second
+
+
+class AutoDrafter(BaseDrafter):
+    """One generation's drafter under ``auto``: lookup, the skip draft or nothing, step by step.
+
+    ``make_skip(head_rows, length)`` builds the skip drafter once the head size is chosen (at the
+    first proposal, when the prompt is known).
+    """
+
+    def __init__(
+        self,
+        state: AutoState,
+        make_skip: Any,
+        vocab_size: int,
+        sampling: Sampling | None,
+    ) -> None:
+        self.state = state
+        self.make_skip = make_skip
+        self.vocab_size = vocab_size
+        self.sampling = sampling
+        self.skip: Drafter | None = None
+        self.length: DraftLengthByCost | None = None
+        self.run_length = state.run_length()
+        self.lookup_seconds = 1e-4  # running time of one lookup match (a Python scan of the history)
+        self.since_skip = 0
+        self._earlier: set[int] = set()
+        self._known = 0  # history tokens already counted for coverage
+        self.kinds: dict[str, int] = {}
+
+    # --- the choice ----------------------------------------------------------------------------
+
+    def propose(self, request: DraftRequest) -> Draft:
+        history = request.history
+        if self.skip is None:
+            rows = self.state.choose_head(history)
+            self.length = self.state.length_rule(self.state.costs.draft_step[rows])
+            self.skip = self.make_skip(rows, self.length)
+        self._observe(history)
+        plan = self._lookup(request)
+        kind = self._choose(plan, self._skip_rate(request.max_tokens))
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        self.since_skip = 0 if kind == "skip" else self.since_skip + 1
+        if kind == "lookup":
+            assert plan is not None
+            return self._lookup_draft(plan, request)
+        if kind == "none":
+            return Draft([], source="none")
+        return self.skip.propose(request)
+
+    def _choose(self, plan: LookupPlan | None, skip_rate: float) -> str:
+        """ "lookup", "skip" or "none": the highest expected tokens per second (a skip draft now
+        and then whatever the estimates say, so that they follow the text)."""
+        if self.since_skip >= EXPLORE_EVERY:
+            return "skip"
+        if plan is not None and plan.rate >= skip_rate:
+            return "lookup"
+        plain_rate = 1.0 / self.state.costs.verify_seconds(1)
+        return "skip" if skip_rate >= plain_rate else "none"
+
+    def _skip_rate(self, budget: int) -> float:
+        assert self.length is not None
+        cap = max(1, min(budget, self.state.settings.max_draft_tokens))
+        acceptance = self.length.pooled_acceptance
+        draft_seconds = self.length.draft_cost or self.state.costs.draft_step[self.state.head_rows]
+        rate = 0.0
+        for g in range(1, cap + 1):
+            rate = max(rate, expected_tokens(acceptance, g) / (g * draft_seconds + self.length.verify_price(g + 1)))
+        return rate
+
+    def _lookup(self, request: DraftRequest) -> LookupPlan | None:
+        s = self.state.settings
+        start = time.perf_counter()
+        cap = min(s.lookup_max_tokens, request.max_tokens)
+        match = match_lookup(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap)
+        self.run_length.track(match, len(request.history))
+        self.lookup_seconds = 0.7 * self.lookup_seconds + 0.3 * (time.perf_counter() - start)
+        return self._best_run(match) if match.tokens else None
+
+    def _best_run(self, match: LookupMatch) -> LookupPlan:
+        """The run length of ``match`` with the highest expected tokens per second."""
+        assert self.length is not None
+        best = LookupPlan([], 0.0)
+        tokens, chance = 1.0, 1.0
+        for i in range(len(match.tokens)):
+            key = (match.ngram, i)
+            reached = self.run_length.reached.get(key, 0)
+            chance *= (self.run_length.right.get(key, 0) + 1) / (reached + 2)
+            tokens += chance
+            rate = tokens / (self.lookup_seconds + self.length.verify_price(i + 2))
+            if rate > best.rate:
+                best = LookupPlan(match.tokens[: i + 1], rate)
+        return best
+
+    def _lookup_draft(self, plan: LookupPlan, request: DraftRequest) -> Draft:
+        q = None
+        if self.sampling is not None:  # a deterministic proposal: q is one-hot on each token
+            q = torch.zeros(len(plan.tokens), self.vocab_size, device=request.device)
+            q[torch.arange(len(plan.tokens)), torch.tensor(plan.tokens)] = 1.0
+        return Draft(tokens=plan.tokens, q=q, source="lookup")
+
+    def _observe(self, history: list[int]) -> None:
+        """Score earlier lookup matches and head sizes against the tokens produced since."""
+        self.run_length.observe(history)
+        if not self._known:
+            self._earlier.update(history)
+            self._known = len(history)
+            return
+        for token in history[self._known :]:
+            self.state.coverage.observe(token, self._earlier)
+            self._earlier.add(token)
+        self._known = len(history)
+
+    # --- the rest of the drafter interface: the skip drafter's ----------------------------------
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        if self.skip is not None:
+            self.skip.update(draft, accepted)
+
+    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
+        return self.skip.watch_verify(block) if self.skip is not None else contextlib.nullcontext()
+
+    def around_verify(
+        self, cache: RollbackCache, start: int, block: torch.Tensor
+    ) -> contextlib.AbstractContextManager[object]:
+        return self.skip.around_verify(cache, start, block) if self.skip is not None else contextlib.nullcontext()
+
+    def report(self, stats: GenerationStats) -> None:
+        if self.skip is not None:
+            self.skip.report(stats)
+        self.state.keep(self.length, self.run_length)
+        skip_steps = self.kinds.get("skip", 0)
+        if skip_steps:
+            stats.head_rows[self.state.head_rows] = stats.head_rows.get(self.state.head_rows, 0) + skip_steps
+        stats.calibration = dict(self.state.costs.info)

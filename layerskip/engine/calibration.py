@@ -1,0 +1,160 @@
+"""``auto``'s calibration: what each drafting choice costs on the machine at hand, cached.
+
+Measured with the latency model the search uses (``engine.latency``): a plain step and the
+engine's greedy verify per block length (the verify curve t(n)), and one draft step (nothing
+bypassed, the draft's precision) per candidate head size. It is cached as JSON under
+``$LAYERSKIP_CALIBRATION_CACHE`` (default: ``auto/`` in the model cache, ``~/.cache/layerskip``),
+keyed by the model (shape fingerprint and a sample of its weight values), dtype, device, the
+machine record (CPU model and kernel flags, or the GPU's name), torch threads and the torch and
+transformers versions: a calibration made on another machine, dtype or model is never used. A
+calibration whose plain-step timings spread widely (a busy machine) is used by this process
+only, never cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from layerskip.drafts.builder import DraftModels
+from layerskip.drafts.costs import DraftCosts
+from layerskip.drafts.policy import SkipPolicy
+from layerskip.engine.latency import draft_step_seconds, measure_latency
+from layerskip.fileio import write_json_atomic
+from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import full_logits
+from layerskip.hf.models import cache_dir
+from layerskip.hf.prompting import first_token_id
+from layerskip.machine import this_machine
+
+FORMAT = 1
+VERIFY_BLOCKS = (2, 3, 4, 5, 6, 8, 12, 17)  # 17: a lookup run of 16 and the pending token
+PLAIN_REPEATS = 9
+VERIFY_REPEATS = 5
+DRAFT_REPEATS = 7
+CONTEXT_TOKENS = 96  # attention over a realistic context, as after a short prompt
+
+Log = Callable[[str], None]
+
+
+CACHE_ENV = "LAYERSKIP_CALIBRATION_CACHE"
+
+
+def calibration_root() -> Path:
+    """Where calibrations are cached: ``$LAYERSKIP_CALIBRATION_CACHE``, else ``auto/`` in the model cache."""
+    return Path(os.environ.get(CACHE_ENV) or cache_dir() / "auto")
+
+
+def calibration_key(model: nn.Module, policy: SkipPolicy) -> dict[str, Any]:
+    """Everything a calibration depends on; a cached one is used only when all of it is equal."""
+    parameter = next(model.parameters())
+    assert policy.auto is not None
+    vocab = adapters.lm_head(model).weight.shape[0]
+    return {
+        "format": FORMAT,
+        "architecture": adapters.architecture_of(model),
+        "fingerprint": adapters.weights_fingerprint(model),
+        "weights_sample": adapters.weights_sample_digest(model),
+        "dtype": str(parameter.dtype),
+        "device": str(parameter.device),
+        "machine": this_machine(parameter.device).to_dict(),
+        "host": platform.node(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "precision": policy.draft.precision,
+        "head_sizes": list(policy.auto.head_sizes(vocab)),
+        "blocks": list(VERIFY_BLOCKS),
+    }
+
+
+def calibrate(
+    model: nn.Module,
+    policy: SkipPolicy,
+    models: DraftModels,
+    context: Sequence[int] | None = None,
+    root: str | os.PathLike[str] | None = None,
+    read: bool = True,
+    progress: bool = False,
+) -> DraftCosts:
+    """``policy``'s (an ``auto`` policy's) costs on this machine: from the cache when an entry
+    with the same key is there and ``read``, else measured (after ``context`` tokens, default a
+    text the model writes itself) and cached. ``DraftCosts.info`` says which, and how long it took."""
+    start = time.perf_counter()
+    key = calibration_key(model, policy)
+    path = Path(root if root is not None else calibration_root()) / f"costs-{_digest(key)}.json"
+    cached = _read(path, key) if read else None
+    if cached is not None:
+        cached.info.update(cached=True, seconds=round(time.perf_counter() - start, 3))
+        return cached
+    costs = _measure(model, policy, models, context, key, progress)
+    costs.info.update(cached=False, seconds=round(time.perf_counter() - start, 3))
+    if "warning" not in costs.info:
+        try:
+            write_json_atomic(path, {"key": key, "costs": costs.to_dict()})
+        except OSError as error:  # a read-only cache costs time at the next load, never this one
+            costs.info["not_cached"] = f"could not write {path}: {error.strerror}"
+    return costs
+
+
+def _measure(
+    model: nn.Module,
+    policy: SkipPolicy,
+    models: DraftModels,
+    context: Sequence[int] | None,
+    key: dict[str, Any],
+    progress: bool,
+) -> DraftCosts:
+    context = list(context) if context else own_text(model)
+    latency = measure_latency(model, context, VERIFY_BLOCKS, progress, PLAIN_REPEATS, VERIFY_REPEATS)
+    draft_model = models.for_policy(policy, all_sublayers=True)
+    draft: dict[int, float] = {}
+    for size in key["head_sizes"]:
+        rows = range(size) if size else None
+        draft[size] = draft_step_seconds(draft_model, context, (), (), rows, DRAFT_REPEATS)
+    info: dict[str, Any] = {"machine": key["machine"], "measured_at": latency.measured_at}
+    if latency.warning is not None:
+        info["warning"] = latency.warning
+    return DraftCosts(latency.plain_step_seconds, latency.verify_seconds, draft, info)
+
+
+@torch.inference_mode()
+def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
+    """A context of ``CONTEXT_TOKENS`` tokens when no prompt is given: the model's own greedy
+    continuation of its first token, repeated (its head's certified argmax then costs what it
+    costs on real text, unlike on random ids)."""
+    device = next(model.parameters()).device
+    cache = RollbackCache(adapters.sliding_windows(model))
+    ids = [first_token_id(model)]
+    for position in range(tokens):
+        block = torch.tensor([ids[-1:]] if position else [ids], device=device)
+        logits = full_logits(model, block, cache, len(ids) - block.shape[1], keep=1)
+        ids.append(int(logits[-1].argmax()))
+    return (ids * (CONTEXT_TOKENS // len(ids) + 1))[:CONTEXT_TOKENS]
+
+
+def _digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _read(path: Path, key: dict[str, Any]) -> DraftCosts | None:
+    """The cached costs at ``path`` if they were made for ``key``; None for anything else
+    (missing, damaged, or made for another model, dtype or machine)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
+            return None
+        return DraftCosts.from_dict(data["costs"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -1,0 +1,207 @@
+"""The latency model: measured seconds of a plain step, of a verify block and of a draft step.
+
+Everything that prices a draft times it here, on the model's own device and with the engine's
+own verify: the search's calibration, ``auto``'s calibration at load, the benchmark scripts.
+CUDA: CUDA events around each call; CPU: perf_counter. Warm-up first, median of repeats; the
+cache is prefilled with a real context so the attention cost is realistic.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from layerskip.drafts.exit_adapter import ExitAdapter
+from layerskip.drafts.exit_draft import capturing_layer_output, fill_adapter_cache
+from layerskip.drafts.model import DraftModel
+from layerskip.engine.verify_head import VerifyHead, engine_verify_head
+from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import full_hidden, full_logits
+
+PLAIN_REPEATS = 15  # plain-step timings: their spread tells whether the machine was busy
+VERIFY_REPEATS = 7
+BUSY_SPREAD = 0.25  # interquartile range / median of the plain-step timings above this: busy
+# How verify blocks are timed; a cached calibration timed another way is measured again.
+VERIFY_PATH = "engine greedy verify (certified head on CPU)"
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def timings(fn: Callable[[], object], device: torch.device, repeats: int = 7, warmup: int = 2) -> list[float]:
+    """Seconds of each of ``repeats`` calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        _time_once(fn, device)
+    return [_time_once(fn, device) for _ in range(repeats)]
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 7, warmup: int = 2) -> float:
+    return statistics.median(timings(fn, device, repeats, warmup))
+
+
+def prefilled_cache(
+    model: nn.Module, context: Sequence[int], exit: ExitAdapter | None = None
+) -> tuple[RollbackCache, torch.device]:
+    """A cache holding ``context``; with a layer exit adapter, its own cache layer too."""
+    device = next(model.parameters()).device
+    windows = adapters.sliding_windows(model)
+    if exit is not None and exit.uses_cache:
+        windows.append(windows[exit.spec.layer])
+    cache = RollbackCache(windows)
+    block = torch.tensor([list(context)], device=device)
+    if exit is None or not exit.uses_cache:
+        full_logits(model, block, cache, 0, keep=1)
+        return cache, device
+    captured: list[torch.Tensor] = []
+    with capturing_layer_output(model, exit.spec.layer, captured):
+        full_logits(model, block, cache, 0, keep=1)
+    fill_adapter_cache(model, exit, block, captured[-1], cache, 0)
+    return cache, device
+
+
+@torch.inference_mode()
+def draft_step_seconds(
+    draft_model: DraftModel,
+    context: Sequence[int],
+    attention: Sequence[int] = (),
+    mlp: Sequence[int] = (),
+    head_rows: Sequence[int] | None = None,
+    repeats: int = 7,
+) -> float:
+    """Median seconds of one draft token (bypassed stack in the draft's precision + its head) after ``context``."""
+    cache, device = prefilled_cache(draft_model.model, context, draft_model.exit)
+    length = len(context)
+    token = torch.tensor([[context[-1]]], device=device)
+    rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
+    head = draft_model.head(rows)
+
+    def step() -> None:
+        with draft_model.active(attention, mlp):
+            draft_model.logits(token, cache, length, head)
+        cache.rollback(length)
+
+    return median_seconds(step, device, repeats)
+
+
+@torch.inference_mode()
+def verify_timings(
+    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
+) -> list[float]:
+    """Seconds of each of ``repeats`` full forwards over ``block`` tokens after ``context``.
+
+    Without ``greedy`` every row's full logits are computed (block=1: a plain step, as HF
+    ``generate`` takes it); with it, the greedy verify as the engine runs it (its argmax).
+    """
+    cache, device = prefilled_cache(model, context)
+    length = len(context)
+    tokens = torch.tensor([[context[-1]] * block], device=device)
+
+    def step() -> None:
+        if greedy is None:
+            full_logits(model, tokens, cache, length, keep=block)
+        else:
+            greedy.argmax(full_hidden(model, tokens, cache, length, keep=block))
+        cache.rollback(length)
+
+    return timings(step, device, repeats)
+
+
+def verify_seconds(
+    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
+) -> float:
+    """Median seconds of one full forward over ``block`` tokens after ``context`` (see ``verify_timings``)."""
+    return statistics.median(verify_timings(model, context, block, repeats, greedy))
+
+
+def timing_spread(timings: Sequence[float]) -> float:
+    """Interquartile range over median of repeated timings (0 for fewer than 4)."""
+    if len(timings) < 4:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(timings, n=4, method="inclusive")
+    return (q3 - q1) / median if median > 0 else 0.0
+
+
+def busy_warning(timings: Sequence[float], threshold: float | None = None) -> str | None:
+    """A one-line warning when repeated plain-step timings spread too widely, else None."""
+    threshold = BUSY_SPREAD if threshold is None else threshold
+    spread = timing_spread(timings)
+    if spread <= threshold:
+        return None
+    return (
+        f"warning: the machine looks busy: repeated plain-step timings spread {spread:.0%} (interquartile "
+        f"range / median, over {threshold:.0%} counts as busy), so the measured draft and verify costs may be "
+        "off; this calibration is not cached"
+    )
+
+
+@dataclass
+class Latency:
+    """Measured seconds of one full forward of 1 (plain step) and of each verify block length."""
+
+    plain_step_seconds: float
+    verify_seconds: dict[int, float]
+    plain_timings: list[float] = field(default_factory=list)
+    warning: str | None = None
+    measured_at: str = ""
+    cached_from: str | None = None
+
+    @property
+    def spread(self) -> float:
+        return timing_spread(self.plain_timings)
+
+    def describe(self) -> dict[str, Any]:
+        """What a study records about how its costs were measured."""
+        info: dict[str, Any] = {
+            "plain_step_ms": 1000 * self.plain_step_seconds,
+            "plain_step_spread": round(self.spread, 4),
+            "measured_at": self.measured_at,
+            "busy": self.warning is not None,
+        }
+        if self.warning is not None:
+            info["warning"] = self.warning
+        if self.cached_from is not None:
+            info["cached_from"] = self.cached_from
+        return info
+
+
+def measure_latency(
+    model: nn.Module,
+    context: Sequence[int],
+    blocks: Sequence[int],
+    progress: bool,
+    plain_repeats: int = PLAIN_REPEATS,
+    verify_repeats: int = VERIFY_REPEATS,
+) -> Latency:
+    """Plain-step timings (median and spread; a step as HF ``generate`` takes it: the full logits)
+    and the median of every verify block length as the engine's greedy verify runs it (1 included:
+    with the certified head a one-token verify can cost less than a plain step)."""
+    bar = tqdm(total=2 + len(blocks), desc="latency calibration", disable=not progress)
+    plain = verify_timings(model, context, 1, plain_repeats)
+    bar.update()
+    greedy = engine_verify_head(model)
+    verify: dict[int, float] = {}
+    for block in [1, *blocks]:
+        verify[block] = statistics.median(verify_timings(model, context, block, verify_repeats, greedy))
+        bar.update()
+    bar.close()
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return Latency(statistics.median(plain), verify, plain, busy_warning(plain), now)

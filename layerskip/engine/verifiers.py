@@ -1,0 +1,91 @@
+"""How the full model's verify forward decides: one small type per way, one method each.
+
+A verifier gets the final hidden states of the verified block's real rows (``[k+1, H]``: the
+pending token and the k drafted ones) and the draft, and returns how many drafted tokens the full
+model keeps and the token it adds itself. The prefill is a verify with nothing drafted.
+
+* ``GreedyVerifier``: each row's argmax, from the certified head where the engine uses one.
+* ``SampledVerifier``: rejection sampling against the draft's proposal q (the output keeps the
+  model's distribution).
+* ``HookedVerifier``: the full logits processed first (HF logits processors), then greedy or sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from layerskip.drafts.base import Draft
+from layerskip.engine.verify_head import VerifyHead
+from layerskip.sampling import Sampling, accept_greedy, verify_greedy, verify_sampled
+
+# (context, logits [k+1, V]) -> processed logits [k+1, V]; row i follows context[: len(context) - k + i].
+# Applied to the verify's logits only: the draft proposes from its own, so the output stays exact.
+LogitsHook = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # drafted tokens the full model keeps
+    next_token: int  # the full model's own token after them
+
+
+class Verifier(Protocol):
+    def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
+        """``hidden [k+1, H]`` of the block after ``history`` (prompt and tokens so far) -> the verdict."""
+        ...
+
+
+class GreedyVerifier:
+    """Greedy needs each row's argmax only: the certified head gives it without the fp32 product."""
+
+    def __init__(self, head: VerifyHead) -> None:
+        self.head = head
+
+    def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
+        return Verdict(*accept_greedy(draft.tokens, self.head.argmax(hidden)))
+
+
+class SampledVerifier:
+    def __init__(self, head: VerifyHead, sampling: Sampling, generator: torch.Generator | None) -> None:
+        self.head = head
+        self.sampling = sampling
+        self.generator = generator
+
+    def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
+        return self._choose(self.head.logits(hidden), draft)
+
+    def _choose(self, logits: torch.Tensor, draft: Draft) -> Verdict:
+        probs = self.sampling.probs(logits)  # [k+1, V], the same transform the draft's q had
+        return Verdict(*verify_sampled(draft.tokens, probs, draft.q, self.generator))
+
+
+class HookedVerifier:
+    """The full model's logits through ``hook`` before choosing; ``sampled`` None chooses greedily."""
+
+    def __init__(self, head: VerifyHead, hook: LogitsHook, sampled: SampledVerifier | None) -> None:
+        self.head = head
+        self.hook = hook
+        self.sampled = sampled
+
+    def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
+        logits = self.hook([*history, *draft.tokens], self.head.logits(hidden))
+        if self.sampled is not None:
+            return self.sampled._choose(logits, draft)
+        return Verdict(*verify_greedy(draft.tokens, logits))
+
+
+def verifier_for(
+    head: VerifyHead,
+    sampling: Sampling | None,
+    generator: torch.Generator | None,
+    hook: LogitsHook | None = None,
+) -> Verifier:
+    """The verifier of one generation: greedy or sampled, behind a logits hook or not."""
+    sampled = None if sampling is None else SampledVerifier(head, sampling, generator)
+    if hook is not None:
+        return HookedVerifier(head, hook, sampled)
+    return sampled if sampled is not None else GreedyVerifier(head)

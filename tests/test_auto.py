@@ -1,0 +1,187 @@
+"""``auto``: calibrated at load (cached per model, dtype, device and machine), lossless while it
+mixes prompt lookup and skip drafts, and open about what it chose."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from compare import assert_same_tokens, hf_greedy
+from tiny_models import ARCHS, random_prompt, tiny_model
+
+from layerskip.drafts.auto import AutoDrafter, AutoState, HeadCoverage, best_skip_rate
+from layerskip.drafts.builder import DraftModels, prepare_draft
+from layerskip.drafts.costs import DraftCosts, expected_tokens
+from layerskip.drafts.policy import AutoSettings, SkipPolicy
+from layerskip.drafts.policy_spec import load_policy
+from layerskip.engine import calibration
+from layerskip.engine import latency as engine_latency
+from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.errors import LayerskipError
+from layerskip.machine import Machine
+from layerskip.sampling import Sampling
+from layerskip.stats import GenerationStats
+
+NEW_TOKENS = 48
+
+
+@functools.cache
+def _model(arch: str) -> torch.nn.Module:
+    return tiny_model(arch)
+
+
+def _repetitive_prompt(length: int = 24) -> list[int]:
+    """A prompt whose n-grams repeat, so that prompt lookup finds matches from the first step."""
+    base = random_prompt(seed=5)
+    return (base * (length // len(base) + 1))[:length]
+
+
+def test_auto_is_a_policy_name() -> None:
+    label, policy = load_policy("auto")
+    assert label == "auto" and policy.auto is not None and policy.on_the_fly is not None
+    assert policy.draft.lookup_max_ngram and policy.draft.length_by_cost and policy.draft.precision == "int4"
+    again = SkipPolicy.from_dict(policy.to_dict())
+    assert again.auto == policy.auto  # a file can hold it too
+
+
+def test_auto_needs_its_calibration() -> None:
+    with pytest.raises(LayerskipError, match="calibration"):
+        prepare_draft(_model("llama"), SkipPolicy.auto_choice())
+
+
+def test_head_sizes_stop_below_the_vocabulary() -> None:
+    assert AutoSettings(min_head_rows=1024, max_head_rows=8192).head_sizes(50_000) == (1024, 2048, 4096, 8192, 0)
+    assert AutoSettings().head_sizes(128) == (0,)
+
+
+def test_calibration_is_cached_and_keyed_by_machine_and_dtype(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_latency, "BUSY_SPREAD", float("inf"))  # a busy test machine still caches
+    model = _model("llama")
+    policy = SkipPolicy.auto_choice()
+    models = DraftModels(model)
+    first = calibration.calibrate(model, policy, models, root=tmp_path)
+    assert first.info["cached"] is False and first.info["seconds"] > 0
+    assert set(first.verify) >= {1, 2, 4, 8} and set(first.draft_step) == {0}
+    again = calibration.calibrate(model, policy, models, root=tmp_path)
+    assert again.info["cached"] is True and again.verify == first.verify and again.draft_step == first.draft_step
+
+    # Another CPU: the cached costs are not this machine's, so they are measured again.
+    other = Machine("cpu", "Other CPU", "Other CPU", ("avx2",), 2)
+    with monkeypatch.context() as patch:
+        patch.setattr(calibration, "this_machine", lambda device: other)
+        assert calibration.calibrate(model, policy, models, root=tmp_path).info["cached"] is False
+    assert calibration.calibrate(model, policy, models, root=tmp_path).info["cached"] is True
+
+    # Another dtype of the same weights: measured again.
+    half = tiny_model("llama").to(torch.bfloat16)
+    assert calibration.calibrate(half, policy, DraftModels(half), root=tmp_path).info["cached"] is False
+
+
+def test_a_busy_calibration_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_latency, "BUSY_SPREAD", -1.0)  # every spread counts as busy
+    model = _model("llama")
+    costs = calibration.calibrate(model, SkipPolicy.auto_choice(), DraftModels(model), root=tmp_path)
+    assert "machine looks busy" in costs.info["warning"] and not list(tmp_path.glob("costs-*.json"))
+
+
+def test_a_damaged_cache_entry_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_latency, "BUSY_SPREAD", float("inf"))
+    model = _model("llama")
+    policy = SkipPolicy.auto_choice()
+    calibration.calibrate(model, policy, DraftModels(model), root=tmp_path)
+    (entry,) = tmp_path.glob("costs-*.json")
+    entry.write_text('{"key": ', encoding="utf-8")
+    assert calibration.calibrate(model, policy, DraftModels(model), root=tmp_path).info["cached"] is False
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_greedy_is_lossless_with_lookup_and_skip_steps_mixed(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto's choice forced to rotate (lookup where it has a match, the skip draft, nothing), so
+    every kind of step follows every other whatever this machine's costs favour."""
+    kinds = iter(["lookup", "skip", "none", "skip"] * NEW_TOKENS * 3)
+    monkeypatch.setattr(AutoDrafter, "_choose", lambda self, plan, rate: next(kinds) if plan else "skip")
+    model = _model(arch)
+    prompt = _repetitive_prompt()
+    reference, logits = hf_greedy(model, prompt, NEW_TOKENS)
+    decoder = Decoder.for_policy(model, SkipPolicy.auto_choice())
+    runs = []
+    for _ in range(2):  # the second generation starts from what the first one learned
+        tokens, stats = decoder.decode(prompt, DecodeSettings(max_new_tokens=NEW_TOKENS))
+        assert_same_tokens(tokens, reference, ref_logits=logits, label=f"{arch} auto")
+        assert sum(stats.draft_histogram.values()) == stats.steps - 1
+        runs.append(stats)
+    total = GenerationStats.combined(runs)
+    assert total.lookup_steps > 0 and total.head_rows, f"{arch}: lookup {total.lookup_steps}, skip {total.head_rows}"
+    assert total.accepted > 0
+    assert total.calibration["cached"] in (True, False) and total.calibration["seconds"] >= 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_auto_greedy_is_lossless_as_it_chooses(arch: str) -> None:
+    model = _model(arch)
+    reference, logits = hf_greedy(model, random_prompt(), NEW_TOKENS)
+    tokens, _ = Decoder.for_policy(model, SkipPolicy.auto_choice()).decode(
+        random_prompt(), DecodeSettings(max_new_tokens=NEW_TOKENS)
+    )
+    assert_same_tokens(tokens, reference, ref_logits=logits, label=f"{arch} auto")
+
+
+def test_auto_sampling_returns_the_budget() -> None:
+    """Sampled: every token of the budget, drafts proposed. (A seed does not pin auto's output:
+    its choices follow measured time, and each choice draws differently from the same law.)"""
+    model = _model("gemma2")
+    decoder = Decoder.for_policy(model, SkipPolicy.auto_choice())
+    settings = DecodeSettings(max_new_tokens=30, sampling=Sampling(temperature=0.9, top_p=0.95), seed=11)
+    tokens, stats = decoder.decode(_repetitive_prompt(), settings)
+    assert len(tokens) == stats.new_tokens == 30 and stats.drafted > 0
+
+
+def _costs(draft: dict[int, float], verify: dict[int, float] | None = None) -> DraftCosts:
+    verify = verify or {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.12, 5: 1.2, 6: 1.25, 8: 1.4, 12: 1.7, 17: 2.0}
+    return DraftCosts(1.0, verify, draft)
+
+
+def test_padding_follows_the_verify_curve() -> None:
+    slow_small = _costs({0: 0.2}, {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.2, 8: 1.5})
+    assert [slow_small.padded(n) for n in (1, 2, 3, 4, 5, 8)] == [1, 4, 4, 4, 5, 8]
+    flat = _costs({0: 0.2})
+    assert [flat.padded(n) for n in (2, 3, 4)] == [2, 3, 4]
+
+
+def test_head_size_follows_cost_and_coverage() -> None:
+    """A cheap small head wins while it holds the text's tokens; once the text leaves it, a larger one does."""
+    costs = _costs({1024: 0.05, 4096: 0.06, 0: 0.5})
+    state = AutoState.start(costs, SkipPolicy.auto_choice().draft)
+    state.coverage = HeadCoverage((1024, 4096, 0), {1024: 99.0, 4096: 99.0, 0: 100.0}, 100.0)
+    assert state.choose_head([]) == 1024
+    state.coverage = HeadCoverage((1024, 4096, 0), {1024: 20.0, 4096: 97.0, 0: 100.0}, 100.0)
+    assert state.choose_head([]) == 4096
+
+
+def test_expected_tokens_and_rate() -> None:
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    costs = _costs({0: 0.1})
+    assert best_skip_rate(0.9, 0.1, costs, 8) > best_skip_rate(0.3, 0.1, costs, 8)
+
+
+def test_converged_policy_from_auto_is_a_fixed_policy() -> None:
+    model = _model("llama")
+    decoder = Decoder.for_policy(model, SkipPolicy.auto_choice())
+    decoder.decode(_repetitive_prompt(), DecodeSettings(max_new_tokens=16))
+    assert decoder.draft is not None
+    fixed = decoder.draft.fixed_policy()
+    assert fixed.auto is None and fixed.on_the_fly is None and fixed.draft.lookup_max_ngram
+    fixed.with_model(model).validate_for(model)
+    tokens, _ = Decoder.for_policy(model, fixed).decode(random_prompt(), DecodeSettings(max_new_tokens=16))
+    assert tokens == hf_greedy(model, random_prompt(), 16)[0]
+
+
+def test_policy_file_with_auto_block_loads(tmp_path: Path) -> None:
+    policy = dataclasses.replace(SkipPolicy.auto_choice(), auto=AutoSettings(min_head_rows=512))
+    path = tmp_path / "auto.json"
+    policy.save(path)
+    assert SkipPolicy.load(path).auto == AutoSettings(min_head_rows=512)
