@@ -186,15 +186,27 @@ def _conversion_lock(target: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def cache_write_error(exc: OSError) -> LayerskipError:
+    """The one line for a model cache that cannot be written (read-only, full, a file in the way)."""
+    where = f": {exc.filename}" if exc.filename else ""
+    return LayerskipError(
+        f"cannot write to the model cache {cache_dir()} ({exc.strerror or _first_line(exc)}{where}); "
+        f"set {CACHE_ENV} to a writable directory with free space"
+    )
+
+
 def _convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF once and keep a safetensors copy; returns the HF directory."""
     target = _gguf_cache_path(gguf)
-    if cache_is_whole(target):
+    if cache_is_whole(target):  # a read-only cache that holds the copy already is fine
         return target
-    with _conversion_lock(target):
-        if _usable_cache(target):  # converted while this process waited, or damaged: moved aside
-            return target
-        return _dequantise(gguf, target)
+    try:
+        with _conversion_lock(target):
+            if _usable_cache(target):  # converted while this process waited, or damaged: moved aside
+                return target
+            return _dequantise(gguf, target)
+    except OSError as exc:  # reading the GGUF fails as LayerskipError: what is left is the cache's writes
+        raise cache_write_error(exc) from None
 
 
 def _dequantise(gguf: Path, target: Path) -> Path:
@@ -208,7 +220,10 @@ def _dequantise(gguf: Path, target: Path) -> Path:
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # transformers raises many types for unreadable files
-        raise LayerskipError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from None
+        damage = _gguf_damage(gguf)
+        if damage is not None:
+            raise LayerskipError(f"GGUF file {gguf} {damage}; download or copy it again") from None
+        raise LayerskipError(f"cannot read GGUF file {gguf}: {_first_line(exc)}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -226,6 +241,26 @@ def _dequantise(gguf: Path, target: Path) -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _gguf_damage(gguf: Path) -> str | None:
+    """How ``gguf`` is damaged, if it is: not a GGUF at all, or a file the GGUF reader cannot map
+    (cut short, or a corrupt header). None for a whole file that failed for another reason.
+
+    Only asked after a load failed: the reader's own errors ("cannot reshape array of size ...")
+    say nothing to a user, and mapping a large file costs a second or two."""
+    from gguf import GGUFReader
+
+    try:
+        with gguf.open("rb") as handle:
+            if handle.read(4) != b"GGUF":
+                return "is not a GGUF file (it does not start with 'GGUF'), or its start is damaged"
+        GGUFReader(gguf)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or _first_line(exc)})"
+    except Exception:  # numpy's reshape and view errors, struct errors: the bytes are not what the header says
+        return f"is truncated or damaged (its {gguf.stat().st_size:,} bytes do not hold what its header describes)"
+    return None
 
 
 def is_hub_id(text: str) -> bool:
@@ -341,6 +376,8 @@ def load_model(
             gguf = entry.locate_gguf()
         except ImportError:
             raise LayerskipError(f"embedded model '{entry.name}' is not installed; run: {entry.install}") from None
+        except OSError as exc:  # Gemma's GGUF is assembled into the cache from its parts
+            raise cache_write_error(exc) from None
         source, name, instruct = str(_convert_gguf(gguf)), entry.name, entry.instruct
     elif path.is_file() and path.suffix == ".gguf":
         source, name, instruct = str(_convert_gguf(path)), path.stem, None
