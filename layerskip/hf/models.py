@@ -123,12 +123,10 @@ def _gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
-def cache_is_whole(directory: Path) -> bool:
-    """Whether a cached copy is complete: its config parses and model.safetensors is as long as
-    its own header says (a truncated copy, from a killed write or a disk fault, is not)."""
-    weights = directory / "model.safetensors"
+def safetensors_is_whole(weights: Path) -> bool:
+    """Whether a safetensors file is as long as its own header says (a truncated file, from a killed
+    write, an interrupted download or a disk fault, is not; nor is one whose header is garbage)."""
     try:
-        json.loads((directory / "config.json").read_text(encoding="utf-8"))
         with weights.open("rb") as handle:
             header_size = int.from_bytes(handle.read(8), "little")
             if header_size > weights.stat().st_size:  # garbage where the header's length should be
@@ -136,8 +134,17 @@ def cache_is_whole(directory: Path) -> bool:
             header = json.loads(handle.read(header_size))
         end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
         return weights.stat().st_size == 8 + header_size + end
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return False
+
+
+def cache_is_whole(directory: Path) -> bool:
+    """Whether a cached copy is complete: its config parses and model.safetensors is whole."""
+    try:
+        json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return safetensors_is_whole(directory / "model.safetensors")
 
 
 def _usable_cache(target: Path) -> bool:
@@ -278,9 +285,10 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _check_hub_model(repo_id: str) -> str:
+def _check_hub_model(repo_id: str) -> tuple[str, Path]:
     """Fetch (or find in the hub cache) ``repo_id``'s config.json, so that an id the hub client
-    cannot reach fails here in one line that says why; returns the hub cache directory used.
+    cannot reach fails here in one line that says why; returns the hub cache directory used and
+    the snapshot directory holding the model's files (where a damaged file is looked for).
 
     The cache and the offline switch are read now, as the hub client reads them, not when
     transformers was imported (it copies the cache path then)."""
@@ -289,10 +297,10 @@ def _check_hub_model(repo_id: str) -> str:
     cache = constants.HF_HUB_CACHE
     try:
         with _quiet_retries():
-            hf_hub_download(repo_id, "config.json", cache_dir=cache)
+            config = hf_hub_download(repo_id, "config.json", cache_dir=cache)
     except Exception as exc:  # the hub client raises many types: each is named below
         raise hub_error(repo_id, exc, cache, constants.HF_HUB_OFFLINE) from None
-    return cache
+    return cache, Path(config).parent
 
 
 @contextlib.contextmanager
@@ -350,6 +358,30 @@ def hub_error(repo_id: str, exc: BaseException, cache: str, offline: bool) -> La
     return LayerskipError(f"cannot fetch model '{repo_id}' from the hub ({_first_line(exc)}); {local}")
 
 
+def damaged_weights_error(files: Path, where: str, repo_id: str | None, exc: BaseException) -> LayerskipError:
+    """The one line for weights that could not be opened: which file is cut short or damaged
+    (safetensors' and torch's own errors name none), and how to get a whole one."""
+    damaged = _damaged_weight_files(files)
+    if repo_id is not None:
+        fix = f"download it again: hf download {repo_id} --force-download (or delete it from the hub cache)"
+    else:
+        fix = "copy or download it again, or save the model there again (save_pretrained)"
+    named = ", ".join(str(weights) for weights in damaged) or f"a weights file of model {where}"
+    detail = _first_line(exc).split(". ")[0][:160]  # torch's reader adds a paragraph of advice
+    return LayerskipError(f"{named} is truncated or damaged ({detail}); {fix}")
+
+
+def _damaged_weight_files(files: Path) -> list[Path]:
+    """Weights files in ``files`` that are cut short or garbage: safetensors shorter than their
+    header says, and pytorch_model*.bin files that are not whole zip archives (torch.save's format;
+    a truncated one has lost its closing directory)."""
+    import zipfile
+
+    damaged = [weights for weights in sorted(files.glob("*.safetensors")) if not safetensors_is_whole(weights)]
+    pickled = sorted(files.glob("pytorch_model*.bin"))
+    return damaged + [weights for weights in pickled if not zipfile.is_zipfile(weights)]
+
+
 def _looks_instruct(name: str, tokenizer: object) -> bool:
     lowered = name.lower()
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -364,6 +396,7 @@ def load_model(
 ) -> LoadedModel:
     """Load an embedded model by name, a local HF directory, a ``.gguf`` file, or a hub id
     (``org/name``, through the user's hub cache and network settings)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
@@ -384,20 +417,34 @@ def load_model(
     elif path.is_dir() and (path / "config.json").is_file():
         source, name, instruct = str(path), path.name, None
     elif is_hub_id(name_or_path) and not path.exists():
-        hub = {"cache_dir": _check_hub_model(name_or_path)}
+        cache, snapshot = _check_hub_model(name_or_path)
+        hub = {"cache_dir": cache}
         source, name, instruct = name_or_path, name_or_path, None
+        files = snapshot
     else:
         raise LayerskipError(
             f"unknown model '{name_or_path}': not an embedded name ({', '.join(EMBEDDED)}), "
             "a .gguf file, a directory with config.json, or a hub id (org/name)"
         )
     where = f"'{source}' from the hub cache ({hub['cache_dir']})" if hub else source
+    if not hub:
+        files = Path(source)  # the directory holding the model's files: where a damaged one is looked for
+
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=attn_implementation, **hub
         )
-        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
     except (OSError, ValueError) as exc:  # ValueError: a config.json without a known model_type
+        raise LayerskipError(f"cannot load model {where}: {_first_line(exc)}") from None
+    except SafetensorError as exc:  # it names no file: the damaged one is found below
+        raise damaged_weights_error(files, where, name_or_path if hub else None, exc) from None
+    except RuntimeError as exc:  # torch's reader of a cut-short pytorch_model.bin; anything else is a bug
+        if not _damaged_weight_files(files):
+            raise
+        raise damaged_weights_error(files, where, name_or_path if hub else None, exc) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+    except (OSError, ValueError) as exc:
         raise LayerskipError(f"cannot load model {where}: {_first_line(exc)}") from None
     model.eval().to(torch_device)
     adapters.spec_for(model)  # unsupported architecture -> one clear error, before any work
