@@ -238,6 +238,25 @@ def test_damaged_weights_are_named(
     assert "Traceback" not in line
 
 
+@pytest.mark.parametrize("kept", [(), ("tokenizer_config.json",)])
+def test_a_directory_without_its_tokenizer(
+    tiny_llama_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], kept: tuple[str, ...]
+) -> None:
+    """Weights copied without the tokenizer: the missing files are named, with the fix (transformers'
+    own message is cut off at "Couldn't instantiate the backend tokenizer from one of: ")."""
+    model = tmp_path / "tiny-llama"
+    shutil.copytree(tiny_llama_dir, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if name not in kept:
+            (model / name).unlink()
+    line = assert_bad_input(
+        generate_in_process(capsys, "--model", str(model), "--prompt", "hi"),
+        f"model directory {model} has no tokenizer (tokenizer.json",
+        "tokenizer.save_pretrained",
+    )
+    assert ("tokenizer_config.json" in line) == (not kept)
+
+
 def test_policy_json_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     not_policy = tmp_path / "config.json"
     not_policy.write_text(json.dumps({"model_type": "llama"}))

@@ -173,7 +173,7 @@ def test_generate_refuses_an_unknown_id_in_one_line(hub_cache: Path, capsys: pyt
     assert_bad_input(refused, "unknown model 'tiny-org/unknown'", "HF_HUB_OFFLINE=0", str(hub_cache))
 
 
-@pytest.mark.parametrize("damage", ["truncated-weights"])
+@pytest.mark.parametrize("damage", ["truncated-weights", "no-tokenizer"])
 def test_a_damaged_snapshot_in_the_hub_cache(
     checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:

@@ -382,6 +382,34 @@ def _damaged_weight_files(files: Path) -> list[Path]:
     return damaged + [weights for weights in pickled if not zipfile.is_zipfile(weights)]
 
 
+# Files that hold a tokenizer transformers can build: its own serialisation, or a slow
+# tokenizer's vocabulary (sentencepiece, BPE, WordPiece) it converts.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def tokenizer_error(files: Path, where: str, hub: bool, exc: BaseException) -> LayerskipError:
+    """The one line for a tokenizer that does not load. Its usual cause, a directory holding the
+    weights without the tokenizer files, gets named (transformers' own message for it is a list
+    cut off at its first line: "Couldn't instantiate the backend tokenizer from one of: ")."""
+    present = {name for name in (*TOKENIZER_FILES, "tokenizer_config.json") if (files / name).is_file()}
+    if present & set(TOKENIZER_FILES):
+        return LayerskipError(f"cannot load the tokenizer of model {where}: {_first_line(exc)}")
+    missing = "tokenizer.json" if "tokenizer_config.json" in present else "tokenizer.json and tokenizer_config.json"
+    if not hub:
+        return LayerskipError(
+            f"model directory {files} has no tokenizer ({missing} missing); copy them from where the model "
+            "came from, or save them there with tokenizer.save_pretrained(...)"
+        )
+    from huggingface_hub import constants
+
+    fix = (
+        "download them with the hub on (HF_HUB_OFFLINE=0), or pass a local directory that holds them"
+        if constants.HF_HUB_OFFLINE
+        else "the hub repository has none: pass a local directory that holds the model and its tokenizer"
+    )
+    return LayerskipError(f"model {where} has no tokenizer ({missing} missing from {files}); {fix}")
+
+
 def _looks_instruct(name: str, tokenizer: object) -> bool:
     lowered = name.lower()
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -445,7 +473,7 @@ def load_model(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **hub)
     except (OSError, ValueError) as exc:
-        raise LayerskipError(f"cannot load model {where}: {_first_line(exc)}") from None
+        raise tokenizer_error(files, where, bool(hub), exc) from None
     model.eval().to(torch_device)
     adapters.spec_for(model)  # unsupported architecture -> one clear error, before any work
     model.layerskip_name = name
