@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -210,6 +211,50 @@ def test_directory_without_a_model(tmp_path: Path, capsys: pytest.CaptureFixture
     assert str(tmp_path) in line
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # no weights: OSError
     assert_bad_input(generate_in_process(capsys, "--model", str(tmp_path), "--prompt", "hi"), str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "truncated-bin"])
+def test_damaged_weights_are_named(
+    tiny_llama_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """A copy or download cut short: one line naming the file and the way out, not safetensors'
+    (or torch's) traceback, which names no file."""
+    model = tmp_path / "tiny-llama"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = model / "model.safetensors"
+    if damage == "truncated-bin":  # the older format: torch.save's zip archive
+        from safetensors.torch import load_file
+
+        torch.save(load_file(weights), model / "pytorch_model.bin")
+        weights.unlink()
+        weights = model / "pytorch_model.bin"
+    whole = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 512 if damage == "garbage" else whole[: len(whole) // 2])
+    line = assert_bad_input(
+        generate_in_process(capsys, "--model", str(model), "--prompt", "hi"),
+        f"{weights} is truncated or damaged",
+        "save_pretrained",
+    )
+    assert "Traceback" not in line
+
+
+@pytest.mark.parametrize("kept", [(), ("tokenizer_config.json",)])
+def test_a_directory_without_its_tokenizer(
+    tiny_llama_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], kept: tuple[str, ...]
+) -> None:
+    """Weights copied without the tokenizer: the missing files are named, with the fix (transformers'
+    own message is cut off at "Couldn't instantiate the backend tokenizer from one of: ")."""
+    model = tmp_path / "tiny-llama"
+    shutil.copytree(tiny_llama_dir, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if name not in kept:
+            (model / name).unlink()
+    line = assert_bad_input(
+        generate_in_process(capsys, "--model", str(model), "--prompt", "hi"),
+        f"model directory {model} has no tokenizer (tokenizer.json",
+        "tokenizer.save_pretrained",
+    )
+    assert ("tokenizer_config.json" in line) == (not kept)
 
 
 def test_policy_json_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

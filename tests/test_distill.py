@@ -108,7 +108,7 @@ def test_a_damaged_checkpoint_is_warned_about_and_trained_again(tiny_data, tmp_p
     if damage == "truncated":
         checkpoint.write_bytes(checkpoint.read_bytes()[:1000])
     else:
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=True)
         torch.save({**state, "module": {"weight": torch.zeros(3)}, "best_state": None}, checkpoint)
     capsys.readouterr()
 
@@ -119,7 +119,52 @@ def test_a_damaged_checkpoint_is_warned_about_and_trained_again(tiny_data, tmp_p
     assert result.steps == full.steps  # trained again from the start, not resumed
     for name, value in whole.module.state_dict().items():
         torch.testing.assert_close(again.module.state_dict()[name], value, rtol=1e-5, atol=1e-6)
-    assert torch.load(checkpoint, weights_only=False)["finished"]  # replaced by a whole checkpoint
+    assert torch.load(checkpoint, weights_only=True)["finished"]  # replaced by a whole checkpoint
+
+
+class _Planted:
+    """Unpickling this creates ``marker``: a stand-in for the code a planted checkpoint would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_planted_pickle_under_out_never_runs(tmp_path: Path, capsys) -> None:
+    """Whoever can write into --out/checkpoints/ must not get code run by the next train-exit there:
+    the teacher cache and the adapter checkpoint are read as tensors only, a pickle of anything else
+    is refused with a warning, and the run goes on (collecting and training again)."""
+    from layerskip.cli.train_exit import main
+
+    model_dir = _tiny_checkpoint(tmp_path)
+    data = tmp_path / "text.jsonl"
+    rows = [{"category": "prose", "turns": [" ".join(f"w{(i * 5 + j) % 62}" for j in range(60))]} for i in range(8)]
+    data.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    out = tmp_path / "exits"
+    argv = [
+        "--model", str(model_dir), "--data", str(data), "--layers", "1", "--positions", "200", "--chunk-tokens",
+        "16", "--draft-vocab", "0", "--epochs", "1", "--continuations", "0", "--out", str(out), "--quiet",
+        "--precision", "model", "--no-cost",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    planted = sorted((out / "checkpoints").glob("*.pt"))
+    assert [p.name.split("-")[0] for p in planted] == ["exit", "teacher"]
+    markers = []
+    for path in planted:
+        markers.append(tmp_path / f"ran-{path.stem}")
+        torch.save({"data": _Planted(markers[-1]), "module": _Planted(markers[-1])}, path)
+    capsys.readouterr()
+
+    assert main(argv) == 0
+
+    assert not [m.name for m in markers if m.exists()], "a planted checkpoint's code ran"
+    err = capsys.readouterr().err
+    for path in planted:
+        assert f"{path} is unreadable (it holds Python objects, not only tensors; refused unread" in err, err
+    assert main(argv) == 0  # what the run wrote in their place is read back, tensors only
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_corpus_split_holds_out_whole_domains() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -170,6 +171,31 @@ def test_generate_refuses_an_unknown_id_in_one_line(hub_cache: Path, capsys: pyt
     """The same ``main`` and one-line error path as the script (in this process: no interpreter start-up)."""
     refused = generate_in_process(capsys, "--model", "tiny-org/unknown", "--prompt", "hi")
     assert_bad_input(refused, "unknown model 'tiny-org/unknown'", "HF_HUB_OFFLINE=0", str(hub_cache))
+
+
+@pytest.mark.parametrize("damage", ["truncated-weights", "no-tokenizer"])
+def test_a_damaged_snapshot_in_the_hub_cache(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """An interrupted download leaves a short blob; a repository without tokenizer files leaves none:
+    one line naming the file in the snapshot and how to get it whole."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    if damage == "truncated-weights":
+        weights = damaged / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-4096])
+    else:
+        (damaged / "tokenizer.json").unlink()
+        (damaged / "tokenizer_config.json").unlink()
+    snapshot = write_hub_cache(tmp_path / "hub", "tiny-org/damaged", damaged)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    result = generate_in_process(capsys, "--model", "tiny-org/damaged", "--prompt", "hi")
+    if damage == "truncated-weights":
+        expected = (f"{snapshot / 'model.safetensors'} is truncated or damaged", "hf download tiny-org/damaged")
+    else:
+        expected = (f"missing from {snapshot}", "tokenizer.json and tokenizer_config.json", "HF_HUB_OFFLINE=0")
+    assert_bad_input(result, *expected)
 
 
 def test_local_models_and_prompt_files_reach_for_no_network(

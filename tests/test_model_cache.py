@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from cli_helpers import assert_bad_input
 from safetensors.torch import save_file
+from search_fixtures import generate_in_process
 
 from layerskip.errors import LayerskipError
 from layerskip.hf import models
@@ -110,3 +116,93 @@ def test_concurrent_conversions_of_one_file_dequantise_it_once(tmp_path: Path, m
     second.join(60)
     assert len(calls) == 1 and len(results) == 2 and results[0] == results[1] == calls[0]
     assert models.cache_is_whole(calls[0])
+
+
+def _tiny_gguf(path: Path) -> Path:
+    """A small well-formed GGUF (two float tensors): cut short, it fails where a real one would,
+    in the GGUF reader's mapping of the tensor data."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 16), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(16, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kept", [0.5, 0.95])
+def test_a_truncated_gguf_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], kept: float
+) -> None:
+    """Not numpy's "cannot reshape array of size ...": the file is named as truncated, nothing is cached."""
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    whole = _tiny_gguf(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: int(len(whole) * kept)])
+    line = assert_bad_input(
+        generate_in_process(capsys, "--model", str(cut), "--prompt", "hi"),
+        f"GGUF file {cut} is truncated or damaged",
+        "download or copy it again",
+    )
+    assert "reshape" not in line and "dtype" not in line
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    assert models._gguf_damage(tmp_path / "whole.gguf") is None  # a whole file failing otherwise keeps its error
+
+
+@pytest.mark.parametrize("how", ["read-only", "read-only-with-models-dir", "file-in-the-way"])
+def test_a_cache_that_cannot_be_written_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    """A new GGUF needs its dequantised copy written to LAYERSKIP_CACHE. Tests run as root, whom
+    chmod does not stop, so a read-only file system is simulated where the conversion writes:
+    the cache's mkdir, or (its models/ present) the conversion lock's open."""
+    gguf = _tiny_gguf(tmp_path / "new.gguf")
+    cache = tmp_path / "cache"
+
+    def refuse(path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    if how == "file-in-the-way":
+        (tmp_path / "file").write_text("mine")
+        cache = tmp_path / "file" / "cache"
+    elif how == "read-only":
+        real_mkdir = os.mkdir
+
+        def mkdir(path: object, *args: object, **kwargs: object) -> None:
+            (refuse if Path(path).is_relative_to(cache) else real_mkdir)(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "mkdir", mkdir)
+    else:
+        (cache / "models").mkdir(parents=True)  # mkdir(exist_ok=True) passes: the lock file's open() fails
+        monkeypatch.setattr(models, "open", refuse, raising=False)  # the lock is the module's only open()
+    monkeypatch.setenv(models.CACHE_ENV, str(cache))
+    expected = "Not a directory" if how == "file-in-the-way" else "Read-only file system"
+    assert_bad_input(
+        generate_in_process(capsys, "--model", str(gguf), "--prompt", "hi"),
+        f"cannot write to the model cache {cache} ({expected}",
+        "set LAYERSKIP_CACHE to a writable directory",
+    )
+    if how == "file-in-the-way":
+        assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_an_embedded_gguf_assembled_into_a_read_only_cache_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Gemma-3's GGUF is assembled from its package's parts into the cache before it is converted."""
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+
+    def assemble() -> Path:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "cache" / "gguf"))
+
+    entry = models.EMBEDDED["gemma3-270m"]
+    monkeypatch.setitem(models.EMBEDDED, entry.name, dataclasses.replace(entry, locate_gguf=assemble))
+    assert_bad_input(
+        generate_in_process(capsys, "--model", entry.name, "--prompt", "hi"),
+        f"cannot write to the model cache {tmp_path / 'cache'} (Read-only file system",
+        "set LAYERSKIP_CACHE",
+    )

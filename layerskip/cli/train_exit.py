@@ -34,7 +34,16 @@ from layerskip.distill.corpus import (
     split_documents,
 )
 from layerskip.distill.teacher import TeacherData, cache_key, chunk_documents, collect, own_continuations
-from layerskip.distill.train import Student, TrainSettings, evaluate, rank_rows, state_size, train_adapter
+from layerskip.distill.train import (
+    Student,
+    TrainSettings,
+    evaluate,
+    load_state,
+    rank_rows,
+    state_size,
+    train_adapter,
+    unreadable_reason,
+)
 from layerskip.drafts.exit_adapter import KINDS, ExitAdapter, ExitSpec
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS, DraftSettings, ExitSettings, SkipPolicy
 from layerskip.drafts.precision import PRECISIONS
@@ -194,10 +203,13 @@ def teacher_data(
     cached = out / "checkpoints" / f"teacher-{key}.pt"
     if cached.is_file():
         try:
-            state = torch.load(cached, weights_only=False)
+            state = load_state(cached)
             return TeacherData.from_state(state["data"]), state["counts"], split.domains()["train"]
-        except Exception:  # a damaged cache: collect again
-            print(f"warning: {cached} is unreadable; collecting the teacher's data again", file=sys.stderr)
+        except Exception as exc:  # a damaged (or planted) cache: collect again, and overwrite it
+            print(
+                f"warning: {cached} is unreadable ({unreadable_reason(exc)}); collecting the teacher's data again",
+                file=sys.stderr,
+            )
     shares = {"train": 0.8, "validation": 0.1, "held_out": 0.1}
     wanted = {"train": args.continuations, "validation": args.continuations // 4, "held_out": args.continuations // 4}
     chunks: list[tuple[str, list[int]]] = []

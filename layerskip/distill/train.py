@@ -17,8 +17,10 @@ import contextlib
 import copy
 import math
 import os
+import pickle
 import random
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -173,6 +175,28 @@ def _save_checkpoint(path: Path, state: dict) -> None:
     write_bytes_atomic(path, buffer.getvalue())
 
 
+def load_state(path: str | os.PathLike[str]) -> dict:
+    """A checkpoint or teacher cache written by this package: tensors in dicts, lists and plain values.
+
+    Read with torch's weights-only unpickler: these files live in the user's --out folder, where
+    anyone who can write there could plant a pickle, and a full unpickle runs whatever code the
+    file names. A file holding anything else raises ``pickle.UnpicklingError`` unread."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes about foreign pickle protocols: the caller reports
+        state = torch.load(path, weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"expected a dict, found {type(state).__name__}")
+    return state
+
+
+def unreadable_reason(exc: Exception) -> str:
+    """Why ``load_state`` (or fitting what it read) failed, in a few words for a one-line warning."""
+    if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
+        return "it holds Python objects, not only tensors; refused unread, as loading it could run code"
+    detail = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]  # torch's first sentence
+    return f"{type(exc).__name__}: {detail}"
+
+
 COUNTERS = ("step", "finished", "best_loss", "best_state", "waited", "evaluations")
 
 
@@ -186,7 +210,7 @@ def _resume(
     trained again from the start, as a damaged teacher cache is collected again."""
     before = (copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict()), scheduler.state_dict())
     try:
-        state = torch.load(path, weights_only=False)
+        state = load_state(path)
         if state["best_state"] is not None:
             module.load_state_dict(state["best_state"])  # it is loaded at the end: it must fit too
         module.load_state_dict(state["module"])
@@ -199,9 +223,8 @@ def _resume(
         module.load_state_dict(before[0])
         optimizer.load_state_dict(before[1])
         scheduler.load_state_dict(before[2])
-        detail = (str(exc).strip().splitlines() or [""])[0].split(". ")[0][:160]  # torch's first sentence
         print(
-            f"warning: checkpoint {path} is unreadable ({type(exc).__name__}: {detail}); training this adapter "
+            f"warning: checkpoint {path} is unreadable ({unreadable_reason(exc)}); training this adapter "
             "again from the start",
             file=sys.stderr,
         )

@@ -123,12 +123,10 @@ def _gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{key}"
 
 
-def cache_is_whole(directory: Path) -> bool:
-    """Whether a cached copy is complete: its config parses and model.safetensors is as long as
-    its own header says (a truncated copy, from a killed write or a disk fault, is not)."""
-    weights = directory / "model.safetensors"
+def safetensors_is_whole(weights: Path) -> bool:
+    """Whether a safetensors file is as long as its own header says (a truncated file, from a killed
+    write, an interrupted download or a disk fault, is not; nor is one whose header is garbage)."""
     try:
-        json.loads((directory / "config.json").read_text(encoding="utf-8"))
         with weights.open("rb") as handle:
             header_size = int.from_bytes(handle.read(8), "little")
             if header_size > weights.stat().st_size:  # garbage where the header's length should be
@@ -136,8 +134,17 @@ def cache_is_whole(directory: Path) -> bool:
             header = json.loads(handle.read(header_size))
         end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
         return weights.stat().st_size == 8 + header_size + end
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return False
+
+
+def cache_is_whole(directory: Path) -> bool:
+    """Whether a cached copy is complete: its config parses and model.safetensors is whole."""
+    try:
+        json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return safetensors_is_whole(directory / "model.safetensors")
 
 
 def _usable_cache(target: Path) -> bool:
@@ -186,15 +193,27 @@ def _conversion_lock(target: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def cache_write_error(exc: OSError) -> LayerskipError:
+    """The one line for a model cache that cannot be written (read-only, full, a file in the way)."""
+    where = f": {exc.filename}" if exc.filename else ""
+    return LayerskipError(
+        f"cannot write to the model cache {cache_dir()} ({exc.strerror or _first_line(exc)}{where}); "
+        f"set {CACHE_ENV} to a writable directory with free space"
+    )
+
+
 def _convert_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF once and keep a safetensors copy; returns the HF directory."""
     target = _gguf_cache_path(gguf)
-    if cache_is_whole(target):
+    if cache_is_whole(target):  # a read-only cache that holds the copy already is fine
         return target
-    with _conversion_lock(target):
-        if _usable_cache(target):  # converted while this process waited, or damaged: moved aside
-            return target
-        return _dequantise(gguf, target)
+    try:
+        with _conversion_lock(target):
+            if _usable_cache(target):  # converted while this process waited, or damaged: moved aside
+                return target
+            return _dequantise(gguf, target)
+    except OSError as exc:  # reading the GGUF fails as LayerskipError: what is left is the cache's writes
+        raise cache_write_error(exc) from None
 
 
 def _dequantise(gguf: Path, target: Path) -> Path:
@@ -208,7 +227,10 @@ def _dequantise(gguf: Path, target: Path) -> Path:
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # transformers raises many types for unreadable files
-        raise LayerskipError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from None
+        damage = _gguf_damage(gguf)
+        if damage is not None:
+            raise LayerskipError(f"GGUF file {gguf} {damage}; download or copy it again") from None
+        raise LayerskipError(f"cannot read GGUF file {gguf}: {_first_line(exc)}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -228,6 +250,26 @@ def _dequantise(gguf: Path, target: Path) -> Path:
     return target
 
 
+def _gguf_damage(gguf: Path) -> str | None:
+    """How ``gguf`` is damaged, if it is: not a GGUF at all, or a file the GGUF reader cannot map
+    (cut short, or a corrupt header). None for a whole file that failed for another reason.
+
+    Only asked after a load failed: the reader's own errors ("cannot reshape array of size ...")
+    say nothing to a user, and mapping a large file costs a second or two."""
+    from gguf import GGUFReader
+
+    try:
+        with gguf.open("rb") as handle:
+            if handle.read(4) != b"GGUF":
+                return "is not a GGUF file (it does not start with 'GGUF'), or its start is damaged"
+        GGUFReader(gguf)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or _first_line(exc)})"
+    except Exception:  # numpy's reshape and view errors, struct errors: the bytes are not what the header says
+        return f"is truncated or damaged (its {gguf.stat().st_size:,} bytes do not hold what its header describes)"
+    return None
+
+
 def is_hub_id(text: str) -> bool:
     """Whether ``text`` is shaped like a hub model id (``org/name`` or ``name``)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -243,9 +285,10 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _check_hub_model(repo_id: str) -> str:
+def _check_hub_model(repo_id: str) -> tuple[str, Path]:
     """Fetch (or find in the hub cache) ``repo_id``'s config.json, so that an id the hub client
-    cannot reach fails here in one line that says why; returns the hub cache directory used.
+    cannot reach fails here in one line that says why; returns the hub cache directory used and
+    the snapshot directory holding the model's files (where a damaged file is looked for).
 
     The cache and the offline switch are read now, as the hub client reads them, not when
     transformers was imported (it copies the cache path then)."""
@@ -254,10 +297,10 @@ def _check_hub_model(repo_id: str) -> str:
     cache = constants.HF_HUB_CACHE
     try:
         with _quiet_retries():
-            hf_hub_download(repo_id, "config.json", cache_dir=cache)
+            config = hf_hub_download(repo_id, "config.json", cache_dir=cache)
     except Exception as exc:  # the hub client raises many types: each is named below
         raise hub_error(repo_id, exc, cache, constants.HF_HUB_OFFLINE) from None
-    return cache
+    return cache, Path(config).parent
 
 
 @contextlib.contextmanager
@@ -315,6 +358,58 @@ def hub_error(repo_id: str, exc: BaseException, cache: str, offline: bool) -> La
     return LayerskipError(f"cannot fetch model '{repo_id}' from the hub ({_first_line(exc)}); {local}")
 
 
+def damaged_weights_error(files: Path, where: str, repo_id: str | None, exc: BaseException) -> LayerskipError:
+    """The one line for weights that could not be opened: which file is cut short or damaged
+    (safetensors' and torch's own errors name none), and how to get a whole one."""
+    damaged = _damaged_weight_files(files)
+    if repo_id is not None:
+        fix = f"download it again: hf download {repo_id} --force-download (or delete it from the hub cache)"
+    else:
+        fix = "copy or download it again, or save the model there again (save_pretrained)"
+    named = ", ".join(str(weights) for weights in damaged) or f"a weights file of model {where}"
+    detail = _first_line(exc).split(". ")[0][:160]  # torch's reader adds a paragraph of advice
+    return LayerskipError(f"{named} is truncated or damaged ({detail}); {fix}")
+
+
+def _damaged_weight_files(files: Path) -> list[Path]:
+    """Weights files in ``files`` that are cut short or garbage: safetensors shorter than their
+    header says, and pytorch_model*.bin files that are not whole zip archives (torch.save's format;
+    a truncated one has lost its closing directory)."""
+    import zipfile
+
+    damaged = [weights for weights in sorted(files.glob("*.safetensors")) if not safetensors_is_whole(weights)]
+    pickled = sorted(files.glob("pytorch_model*.bin"))
+    return damaged + [weights for weights in pickled if not zipfile.is_zipfile(weights)]
+
+
+# Files that hold a tokenizer transformers can build: its own serialisation, or a slow
+# tokenizer's vocabulary (sentencepiece, BPE, WordPiece) it converts.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def tokenizer_error(files: Path, where: str, hub: bool, exc: BaseException) -> LayerskipError:
+    """The one line for a tokenizer that does not load. Its usual cause, a directory holding the
+    weights without the tokenizer files, gets named (transformers' own message for it is a list
+    cut off at its first line: "Couldn't instantiate the backend tokenizer from one of: ")."""
+    present = {name for name in (*TOKENIZER_FILES, "tokenizer_config.json") if (files / name).is_file()}
+    if present & set(TOKENIZER_FILES):
+        return LayerskipError(f"cannot load the tokenizer of model {where}: {_first_line(exc)}")
+    missing = "tokenizer.json" if "tokenizer_config.json" in present else "tokenizer.json and tokenizer_config.json"
+    if not hub:
+        return LayerskipError(
+            f"model directory {files} has no tokenizer ({missing} missing); copy them from where the model "
+            "came from, or save them there with tokenizer.save_pretrained(...)"
+        )
+    from huggingface_hub import constants
+
+    fix = (
+        "download them with the hub on (HF_HUB_OFFLINE=0), or pass a local directory that holds them"
+        if constants.HF_HUB_OFFLINE
+        else "the hub repository has none: pass a local directory that holds the model and its tokenizer"
+    )
+    return LayerskipError(f"model {where} has no tokenizer ({missing} missing from {files}); {fix}")
+
+
 def _looks_instruct(name: str, tokenizer: object) -> bool:
     lowered = name.lower()
     has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -329,6 +424,7 @@ def load_model(
 ) -> LoadedModel:
     """Load an embedded model by name, a local HF directory, a ``.gguf`` file, or a hub id
     (``org/name``, through the user's hub cache and network settings)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
@@ -341,27 +437,43 @@ def load_model(
             gguf = entry.locate_gguf()
         except ImportError:
             raise LayerskipError(f"embedded model '{entry.name}' is not installed; run: {entry.install}") from None
+        except OSError as exc:  # Gemma's GGUF is assembled into the cache from its parts
+            raise cache_write_error(exc) from None
         source, name, instruct = str(_convert_gguf(gguf)), entry.name, entry.instruct
     elif path.is_file() and path.suffix == ".gguf":
         source, name, instruct = str(_convert_gguf(path)), path.stem, None
     elif path.is_dir() and (path / "config.json").is_file():
         source, name, instruct = str(path), path.name, None
     elif is_hub_id(name_or_path) and not path.exists():
-        hub = {"cache_dir": _check_hub_model(name_or_path)}
+        cache, snapshot = _check_hub_model(name_or_path)
+        hub = {"cache_dir": cache}
         source, name, instruct = name_or_path, name_or_path, None
+        files = snapshot
     else:
         raise LayerskipError(
             f"unknown model '{name_or_path}': not an embedded name ({', '.join(EMBEDDED)}), "
             "a .gguf file, a directory with config.json, or a hub id (org/name)"
         )
     where = f"'{source}' from the hub cache ({hub['cache_dir']})" if hub else source
+    if not hub:
+        files = Path(source)  # the directory holding the model's files: where a damaged one is looked for
+
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=attn_implementation, **hub
         )
-        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
     except (OSError, ValueError) as exc:  # ValueError: a config.json without a known model_type
         raise LayerskipError(f"cannot load model {where}: {_first_line(exc)}") from None
+    except SafetensorError as exc:  # it names no file: the damaged one is found below
+        raise damaged_weights_error(files, where, name_or_path if hub else None, exc) from None
+    except RuntimeError as exc:  # torch's reader of a cut-short pytorch_model.bin; anything else is a bug
+        if not _damaged_weight_files(files):
+            raise
+        raise damaged_weights_error(files, where, name_or_path if hub else None, exc) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+    except (OSError, ValueError) as exc:
+        raise tokenizer_error(files, where, bool(hub), exc) from None
     model.eval().to(torch_device)
     adapters.spec_for(model)  # unsupported architecture -> one clear error, before any work
     model.layerskip_name = name
