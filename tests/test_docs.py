@@ -1,6 +1,8 @@
 """The documentation stays true to the repository: links resolve, every policy file is described
 and every policy path the docs, notebooks, scripts and tests use exists, the CLI reference is the
-parsers' own, the Python API page covers every public name, and the README stays a front page."""
+parsers' own, the Python API page covers every public name, the README stays a front page, the
+user docs speak of the product (not of how it was built), and no committed file holds a path of
+the machine that made it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "policies" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CONTRIBUTING = ROOT / "docs" / "contributing.md"
+DEV_PAGES = sorted((ROOT / "docs" / "dev").glob("*.md"))  # the development log: linked from CONTRIBUTING only
+USER_PAGES = [page for page in PAGES if page != CONTRIBUTING]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 POLICY_PATH = re.compile(r"(?:\.\./)?policies/[\w./-]+\.json")
 README_MAX_LINES = 250
@@ -36,7 +41,7 @@ def _without_code_blocks(text: str) -> str:
     return re.sub(r"```.*?```", "", text, flags=re.S)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + DEV_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_and_anchors_resolve(page: Path) -> None:
     broken = []
     for target in LINK.findall(_without_code_blocks(page.read_text())):
@@ -51,15 +56,76 @@ def test_relative_links_and_anchors_resolve(page: Path) -> None:
     assert not broken, f"{page.relative_to(ROOT)}: " + ", ".join(broken)
 
 
-def test_readme_is_a_front_page_and_keeps_the_layout() -> None:
+def test_readme_is_a_front_page() -> None:
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= README_MAX_LINES
+    assert "## Layout" not in text  # the layout is a contributor's concern: docs/contributing.md
+    assert "(docs/contributing.md)" in text
+
+
+def test_on_your_cpu_follows_the_results_table() -> None:
+    """A user on another CPU finds what to expect right after the table: the section comes next."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index("<!-- results-table:end -->") :].splitlines()[1:]
+    assert next(line for line in after if line.strip()) == "## On your CPU"
+    section = text[text.index("## On your CPU") :]
+    section = section[: section.index("\n## ", 1)]
+    for needed in ("lscpu", "--preset quick", "scripts/bench.py", "--prompts ../shared/data/spec_bench/question.jsonl"):
+        assert needed in section, needed
+    assert "https://github.com/hemingkx/Spec-Bench" in section and "Apache-2.0" in section
+
+
+def test_contributing_page_keeps_the_layout() -> None:
+    text = CONTRIBUTING.read_text()
     layout = text[text.index("## Layout") :]
     from test_layout import ORDER
 
-    for package in ORDER:  # the layout test's order is the README's
+    for package in ORDER:  # the layout test's order is the page's
         name = package.split(".")[-1]
         assert re.search(rf"\b{re.escape(name)}(/|\.py)", layout), f"{name} missing from the Layout"
+    for path in (
+        "layerskip/hf/adapters.py",
+        "hf/lean.py",
+        "tests/tiny_models.py",
+        "drafts/base.py",
+        "drafts/builder.py",
+    ):
+        assert path in text, path
+    assert "(dev/log.md)" in text
+
+
+# What the user docs must not say: how the project was built (issues, sessions, rounds) is the log's.
+PROCESS_WORDS = re.compile(r"issue \d+|#i\d+|\bsessions?\b|this round", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_docs_speak_of_the_product(page: Path) -> None:
+    text = page.read_text()
+    found = sorted({m.group(0) for m in PROCESS_WORDS.finditer(text)})
+    assert not found, f"{page.relative_to(ROOT)} speaks of how it was built: {found}"
+    into_log = [t for t in LINK.findall(text) if "dev/" in t or "history.md" in t]
+    assert not into_log, f"{page.relative_to(ROOT)} links into the development log: {into_log}"
+
+
+# An absolute path of the machine that made a file: /work/..., /root/..., /tmp/..., /home/...
+MACHINE_PATH = re.compile(r"(?<![\w.~$}-])/(?:work|root|tmp|home|Users)/")
+
+
+def test_committed_files_hold_no_absolute_paths_of_the_machine_that_made_them() -> None:
+    files = [*PAGES, *DEV_PAGES, *(ROOT / "policies").rglob("*.json"), *(ROOT / "docs" / "results").rglob("*.json")]
+    files += [*(ROOT / "docs" / "results").rglob("*.md")]
+    assert len(files) > 20
+    found = {
+        str(path.relative_to(ROOT)): sorted(
+            {line.strip()[:120] for line in path.read_text().splitlines() if MACHINE_PATH.search(line)}
+        )
+        for path in files
+    }
+    found = {path: lines for path, lines in found.items() if lines}
+    assert not found, f"absolute paths (write them relative to the repository, ../shared/... or ~/.cache/...): {found}"
+    assert MACHINE_PATH.search('"--prompts /work/shared/data/spec_bench/question.jsonl"')
+    assert MACHINE_PATH.search("--storage sqlite:////work/runs/studies.db")
+    assert not MACHINE_PATH.search("--prompts ../shared/data/x.jsonl --storage sqlite:///runs/s.db ~/.cache/x")
 
 
 def test_policies_readme_describes_every_policy_file() -> None:
@@ -140,7 +206,7 @@ def test_notebooks_are_valid_and_hold_no_errors(path: Path) -> None:
     assert not errors
 
 
-def test_history_cites_nothing_outside_the_repository() -> None:
-    text = (ROOT / "docs" / "history.md").read_text()
+def test_the_log_cites_nothing_outside_the_repository() -> None:
+    text = (ROOT / "docs" / "dev" / "log.md").read_text()
     assert "DESIGN.md" not in text
     assert "docs/benchmarks.md" not in "".join(p.read_text() for p in PAGES)

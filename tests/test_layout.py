@@ -1,4 +1,4 @@
-"""The package layout the README draws: no import circles, arrows pointing down, one draft builder.
+"""The package layout docs/contributing.md draws: no import circles, arrows pointing down, one draft builder.
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency).
 """
@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The README's order, from the ground up: a package may import only packages before it.
+# The order of docs/contributing.md's layout, from the ground up: a package may import only packages before it.
 ORDER = [
     "layerskip.errors",
     "layerskip.fileio",
@@ -60,7 +60,7 @@ def test_arrows_point_down_the_layout() -> None:
         if module == "layerskip":
             continue  # the facade re-exports the public names
         mine = _package(module)
-        assert mine in rank, f"{module} is in no package of the README's layout; add it to ORDER and the README"
+        assert mine in rank, f"{module} is in no package of the layout; add it to ORDER and docs/contributing.md"
         for target in _imports(path):
             theirs = _package(target)
             if theirs == "layerskip" or theirs == mine:

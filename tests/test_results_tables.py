@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,11 +22,18 @@ from layerskip.measure import results as published
 from layerskip.measure.results import (
     README_END,
     README_START,
+    RESULTS_DIR,
+    DraftCostFile,
     ResultFile,
     between_markers,
+    cpu_name,
+    divergence_table,
+    draft_cost_section,
+    load_draft_costs,
     load_result_files,
     policy_kind,
     publish,
+    read_draft_cost,
     read_result_file,
     rendered,
     results_page,
@@ -88,7 +96,7 @@ def test_results_page_orders_runs_and_states_the_machine_command_and_divergences
     assert '<a id="speedup">' in page and "aggregate throughput" in page
     assert fp32.data["command"] in page
     assert "avx512_bf16" in page and "transformers" in page
-    assert "| self-spec:smollm2-135m-fp32-hybrid | 1 / 2 | 0.125 / 0.125 |" in page
+    assert "| self-spec:smollm2-135m-fp32-hybrid | 1 / 2 | not checked | 0.125 / 0.125 | not recorded |" in page
     assert "1/2" in summary_table([bf16], "")  # the worst identical count of the methods shown
 
 
@@ -184,3 +192,130 @@ def test_identical_column_says_whether_every_divergence_was_rounding() -> None:
     hybrid.update(n_rounding=0, n_defect=1)
     row = summary_table([ResultFile("b", data)], "docs/results.md").splitlines()[2]
     assert row.endswith("| 1/2 (1 not rounding) |")
+
+
+def _committed() -> list[ResultFile]:
+    return load_result_files(REPO / RESULTS_DIR)
+
+
+def test_the_committed_results_come_from_more_than_one_cpu_and_the_readme_shows_each() -> None:
+    """The README's table has a row per committed run, each with its CPU cell: a user on either CPU
+    finds a row for it (the Intel Xeon runs with AMX beside the AMD EPYC ones)."""
+    files = _committed()
+    cpus = {f.cpu() for f in files}
+    assert "AMD EPYC (AVX2, AVX-512, avx512_bf16)" in cpus
+    assert "Intel Xeon (AVX2, AVX-512, avx512_bf16, AMX)" in cpus
+    table = between_markers((REPO / "README.md").read_text())
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(files)
+    for f in files:
+        assert any(f"(docs/results.md#{f.name})" in row and f"| {f.cpu()} |" in row for row in rows), f.name
+
+
+def _row(name: str) -> str:
+    table = between_markers((REPO / "README.md").read_text())
+    return next(line for line in table.splitlines() if f"(docs/results.md#{name})" in line)
+
+
+def test_the_xeon_rows_hold_the_figures_of_their_files() -> None:
+    link = "(docs/results.md#{})"
+    smol = _row("smollm2-135m-float32-amx")
+    for figure in ("1.47×", "1.58×", "1.48×", "1.00×"):  # skip-only, hybrid, on-the-fly, HF prompt lookup
+        assert f"[{figure}]{link.format('smollm2-135m-float32-amx')}" in smol
+    assert "[1.39×]" in smol and "(tuned on AMD EPYC)" in smol  # the shipped quick policy, tuned on the EPYC
+    gemma = _row("gemma3-270m-float32-amx")
+    for figure in ("1.91×", "2.51×", "2.02×", "1.34×"):
+        assert f"[{figure}]" in gemma
+    assert "[2.56×]" in gemma and "(tuned on AMD EPYC)" in gemma
+    tuned_here = _row("smollm2-135m-float32-amx-quick-tuned-here")
+    assert "[1.52×]" in tuned_here and "[1.57×]" in tuned_here and "tuned on" not in tuned_here
+    bf16 = _row("gemma3-270m-bfloat16-amx")
+    assert "[3.88×]" in bf16 and "[2.68×]" in bf16 and "(rest: rounding)" in bf16
+
+
+def test_a_quick_policy_names_the_cpu_it_was_tuned_on_when_that_is_not_the_runs() -> None:
+    data = json.loads(FIXTURE.read_text())
+    label = "smollm2-135m-fp32-hybrid"
+    policy = data["policies"][label]
+    policy["provenance"] = {"command": "layerskip-search --preset quick", "machine": dict(data["environment"])}
+    f = ResultFile("x", data)
+    assert f.kind(f"self-spec:{label}") == "quick" and f.tuned_elsewhere(f"self-spec:{label}") is None
+    assert "tuned on" not in summary_table([f], "docs/results.md").splitlines()[2]
+    policy["provenance"]["machine"] = {
+        "device": "cpu",
+        "cpu_model": "Intel(R) Xeon(R) Processor",
+        "cpu_flags": ["avx2"],
+    }
+    assert f.tuned_elsewhere(f"self-spec:{label}") == "Intel Xeon"
+    assert "(tuned on Intel Xeon)" in summary_table([f], "docs/results.md").splitlines()[2]
+    policy["provenance"]["machine"] = {"device": "cpu", "cpu_model": "AMD EPYC", "cpu_flags": ["fma", "avx2"]}
+    assert f.tuned_elsewhere(f"self-spec:{label}") == "AMD EPYC (AVX2 only)"  # same name: the features differ
+
+
+def test_cpu_names_drop_trademarks_and_filler_words() -> None:
+    assert cpu_name("Intel(R) Xeon(R) Processor") == "Intel Xeon"
+    assert cpu_name("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz") == "Intel Xeon Platinum 8481C @ 2.70GHz"
+    assert cpu_name("AMD EPYC 7B13") == "AMD EPYC 7B13"
+
+
+def test_divergences_are_summarised_from_the_recorded_gaps_and_bounds() -> None:
+    data = _bf16_copy()
+    overall = data["methods"]["self-spec:smollm2-135m-fp32-hybrid"]["overall"]
+    overall.update(n_rounding=1, n_defect=0)
+    overall["divergences"] = [{"fp32_gap": -0.02, "error_bound": 0.2}, {"fp32_gap": 0.1, "error_bound": 0.3}]
+    table = divergence_table(data)
+    assert "| self-spec:smollm2-135m-fp32-hybrid | 2 / 2 | 1 / 0 | 0.060 / 0.100 | 0.250 / 0.300 |" in table
+    page = (REPO / "docs" / "results.md").read_text()
+    assert "- / -" not in page and "not recorded" not in page  # every committed divergence has its figures
+
+
+def test_draft_cost_files_are_on_the_results_page(tmp_path: Path) -> None:
+    costs = load_draft_costs(REPO / RESULTS_DIR)
+    xeon = next(c for c in costs if c.name == "smollm2-135m-fp32-amx")
+    assert xeon.cpu() == "Intel Xeon (AVX2, AVX-512, avx512_bf16, AMX)"
+    assert round(xeon.whole_int4_draft()["relative_to_plain_step"], 2) == 0.37
+    section = draft_cost_section(costs)
+    assert '<a id="draft-cost"></a>' in section
+    assert "| **0.37** |" in section and "| 1.14 | 1.15 | 1.23 | 1.57 | 1.55 |" in section
+    assert section in (REPO / "docs" / "results.md").read_text()
+    assert draft_cost_section([]) == ""
+    no_int4 = DraftCostFile("x", {**xeon.data, "rows": [r for r in xeon.data["rows"] if r["precision"] != "int4"]})
+    assert "no int4 draft measured" in draft_cost_section([no_int4])
+    broken = tmp_path / "draft_cost.json"
+    broken.write_text(json.dumps({**xeon.data, "plain_step_ms": "fast"}))
+    with pytest.raises(LayerskipError, match="no number 'plain_step_ms'"):
+        read_draft_cost(broken)
+    broken.write_text("{")
+    with pytest.raises(LayerskipError, match="cannot read draft-cost file"):
+        read_draft_cost(broken)
+
+
+def _committed_figures() -> tuple[set[str], set[str]]:
+    """Every speedup of every committed run (overall and per category) and every draft-cost ratio,
+    as the docs write them (two decimals)."""
+    speedups: set[str] = set()
+    for f in _committed():
+        for figures in f.data["methods"].values():
+            for values in [figures["overall"], *figures.get("by_category", {}).values()]:
+                if values.get("speedup") is not None:
+                    speedups.add(f"{values['speedup']:.2f}")
+    costs: set[str] = set()
+    for c in load_draft_costs(REPO / RESULTS_DIR):
+        costs.update(f"{r['relative_to_plain_step']:.2f}" for r in c.data["rows"])
+        for curve in c.data["verify_curves"].values():
+            costs.update(f"{v:.2f}" for v in curve["to_plain_step"].values())
+    return speedups, costs
+
+
+def test_every_figure_in_the_readme_is_a_committed_figure() -> None:
+    """Outside the generated table too, a speedup or a cost in plain steps that the README states
+    is one that a committed result file holds."""
+    speedups, costs = _committed_figures()
+    text = (REPO / "README.md").read_text()
+    prose = text.replace(between_markers(text), "")
+    stated = re.findall(r"(\d+\.\d{2})×", prose)
+    assert stated, "the README states no speedup outside its table"
+    assert not [s for s in stated if s not in speedups], "README speedups that no result file holds"
+    in_steps = re.findall(r"(\d+\.\d{2})(?:[–-](\d+\.\d{2}))? (?:of a plain step|plain steps)", prose)
+    assert in_steps, "the README states no cost in plain steps"
+    assert not [v for pair in in_steps for v in pair if v and v not in costs], "README costs no draft-cost file holds"
