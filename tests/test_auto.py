@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from compare import assert_same_tokens, hf_greedy
-from tiny_models import ARCHS, random_prompt, tiny_model
+from search_fixtures import generate_in_process
+from tiny_models import ARCHS, random_prompt, save_checkpoint, tiny_model
 
 from layerskip.drafts.auto import AutoDrafter, AutoState, HeadCoverage, best_skip_rate
 from layerskip.drafts.builder import DraftModels, prepare_draft
@@ -185,3 +187,40 @@ def test_policy_file_with_auto_block_loads(tmp_path: Path) -> None:
     path = tmp_path / "auto.json"
     policy.save(path)
     assert SkipPolicy.load(path).auto == AutoSettings(min_head_rows=512)
+
+
+def test_generate_cli_defaults_to_auto_and_saves_its_choices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --policy: auto. --json says what it chose and how its calibration went; --save-policy
+    writes a fixed policy a study can start from; --policy plain drafts nothing."""
+    directory = tmp_path / "tiny-llama"
+    save_checkpoint(tiny_model("llama"), directory)
+    args = ["--model", str(directory), "--prompt", "w1 w2 w3 w1 w2 w3 w1 w2", "--max-new-tokens", "24", "--json"]
+    saved = tmp_path / "auto-choices.json"
+    result = generate_in_process(capsys, *args, "--save-policy", str(saved))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["policy"] == "auto" and report["auto"]["calibration"]["seconds"] >= 0
+    assert set(report["auto"]) >= {"lookup_share", "draft_lengths", "head_rows", "skip_sets", "skip_changes"}
+    fixed = SkipPolicy.load(saved)
+    assert fixed.auto is None and fixed.on_the_fly is None and fixed.provenance["source"] == "auto"
+    assert fixed.tuned_machine is not None
+    plain = json.loads(generate_in_process(capsys, *args, "--policy", "plain").stdout)
+    assert plain["steps"] == plain["new_tokens"] and "auto" not in plain
+    assert plain["text"] == report["text"]
+
+
+def test_the_plugin_drafts_with_auto_by_default() -> None:
+    import layerskip
+
+    model = _model("llama")
+    ids = torch.tensor([_repetitive_prompt()])
+    plain = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False)
+    ours = model.generate(
+        input_ids=ids, max_new_tokens=20, do_sample=False, custom_generate=layerskip.custom_generate_path(),
+        trust_remote_code=True,
+    )  # fmt: skip
+    assert ours.tolist() == plain.tolist()
+    (decoder,) = model.__dict__["_layerskip_decoders"].values()
+    assert decoder.draft is not None and decoder.draft.auto is not None

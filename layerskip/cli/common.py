@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from layerskip.drafts.policy import SkipPolicy
-from layerskip.drafts.policy_spec import ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
+from layerskip.drafts.policy_spec import AUTO, ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
 from layerskip.engine.threads import available_cpus
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
@@ -144,12 +144,12 @@ def tuning_advice(policies: dict[str, SkipPolicy | None], here: Machine, tune_co
     """At most one line on where ``policies`` were tuned: a warning when one was tuned on another
     machine than ``here`` (another CPU model or other kernel flags: its speedup may not hold), else a
     note when a policy file records no machine at all (written before policies recorded it), else None.
-    Policies with no provenance (written by hand) or built in this process (``on-the-fly``) claim no
-    tuning and get neither."""
+    Policies with no provenance (written by hand) or built in this process (``on-the-fly``, ``auto``:
+    calibrated here) claim no tuning and get neither."""
     elsewhere: dict[str, str] = {}
     unrecorded = []
     for label, policy in policies.items():
-        if policy is None or not policy.provenance or policy.provenance == {"source": ON_THE_FLY}:
+        if policy is None or not policy.provenance or policy.provenance in ({"source": ON_THE_FLY}, {"source": AUTO}):
             continue
         tuned = policy.tuned_machine
         if tuned is None:

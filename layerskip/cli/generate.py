@@ -17,8 +17,8 @@ from layerskip.cli.common import (
     thread_setting,
     warn_if_tuned_elsewhere,
 )
-from layerskip.drafts.onthefly import converged_policy
 from layerskip.drafts.policy import is_policy_file
+from layerskip.drafts.policy_spec import AUTO, PLAIN
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_file, check_replaceable
@@ -26,9 +26,11 @@ from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.integration.baselines import hf_generate
 from layerskip.machine import this_machine
+from layerskip.measure.bench import auto_choices
 from layerskip.measure.divergence import DivergenceCheck
 from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup, throughput
 from layerskip.sampling import Sampling
+from layerskip.stats import GenerationStats
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument(
         "--policy",
-        help="skip policy JSON, 'on-the-fly' (skip sets chosen while generating) or 'on-the-fly:PATH' "
-        "(chosen while generating, starting from PATH); without it, plain decoding",
+        default=AUTO,
+        help="'auto' (the default: every drafting choice made while generating, priced by a calibration of "
+        "this machine), a skip policy JSON, 'on-the-fly' (skip sets chosen while generating), "
+        "'on-the-fly:PATH' (chosen while generating, starting from PATH), or 'plain' (no draft)",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
@@ -90,6 +94,14 @@ class _TextStreamer:
         self.printed = len(text)
 
 
+def _head(stats: GenerationStats) -> str:
+    """The draft head size auto drafted with most ("full" for every row)."""
+    if not stats.head_rows:
+        return "unused"
+    rows = max(stats.head_rows, key=stats.head_rows.__getitem__)
+    return "full" if rows == 0 else f"{rows} rows"
+
+
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens <= 0:
@@ -99,18 +111,20 @@ def _main(argv: list[str] | None) -> int:
         check_output_file(args.save_policy, "--save-policy")
         check_replaceable(args.save_policy, "--save-policy", is_policy_file, "a layerskip policy", args.force)
     prompt = read_prompt(args.prompt, args.prompt_file)
-    policy = load_policy(args.policy, resolve_device(args.device))[1] if args.policy else None
-    if args.save_policy and (policy is None or policy.on_the_fly is None):
-        raise LayerskipError("--save-policy needs an on-the-fly policy (--policy on-the-fly or on-the-fly:PATH)")
+    policy = None if args.policy == PLAIN else load_policy(args.policy, resolve_device(args.device))[1]
+    if args.save_policy and (policy is None or (policy.on_the_fly is None and policy.auto is None)):
+        raise LayerskipError(
+            "--save-policy needs a policy that chooses while generating (--policy auto, on-the-fly or on-the-fly:PATH)"
+        )
     sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    # checks the policy against the model, prepares its draft once
-    decoder = Decoder.for_policy(model, policy, threads=args.threads)
-    warn_if_tuned_elsewhere({args.policy: policy}, decoder.device, args)
     chat = loaded.instruct if args.chat is None else args.chat
     ids = encode_prompt(tokenizer, prompt, chat)
     check_fits(model, len(ids), args.max_new_tokens)
+    # checks the policy against the model, prepares its draft once (auto: calibrated, or read from the cache)
+    decoder = Decoder.for_policy(model, policy, threads=args.threads, progress=not args.json)
+    warn_if_tuned_elsewhere({args.policy: policy}, decoder.device, args)
     eos = eos_token_ids(model, tokenizer)
 
     def settings(max_new: int) -> DecodeSettings:
@@ -147,12 +161,15 @@ def _main(argv: list[str] | None) -> int:
         "paths": stats.paths,  # how the draft step and the verify head ran (lean / HF, compiled, certified)
         "head_fallback_rows": stats.head_fallback_rows,
     }
+    report["draft_lengths"] = stats.draft_histogram  # tokens drafted per step -> steps
     if policy is not None and policy.on_the_fly is not None:
         # Skip-drafted steps per bypassed set ("a<attention layers>|m<MLP layers>"), and how often it changed.
         report["skip_changes"] = stats.skip_changes
         report["skip_sets"] = stats.skip_sets
         assert decoder.selection is not None
         report["selection"] = decoder.selection.summary()
+    if policy is not None and policy.auto is not None:
+        report["auto"] = auto_choices(stats)
     if args.compare:
         report["baseline_tokens_per_second"] = aggregate_throughput([base])
         report["speedup"] = speedup([ours], [base])
@@ -165,9 +182,9 @@ def _main(argv: list[str] | None) -> int:
                 divergence = check.classify_many(ids, base.tokens, {"method": tokens}, rerun)["method"]
         report["divergence"] = None if divergence is None else divergence.to_dict()
     if args.save_policy:
-        assert policy is not None and decoder.selection is not None
-        # The set was learned from speeds measured here: the policy records this machine.
-        fixed = converged_policy(policy, decoder.selection).with_model(model, loaded.name)
+        assert decoder.draft is not None
+        # Its choices were priced by speeds measured here: the policy records this machine.
+        fixed = decoder.draft.fixed_policy().with_model(model, loaded.name)
         fixed = fixed.with_machine(this_machine(decoder.device))
         report["saved_policy"] = str(fixed.save(args.save_policy))
     if args.json:
@@ -180,6 +197,9 @@ def _main(argv: list[str] | None) -> int:
     )
     if policy is not None:
         line += f", acceptance {stats.acceptance_rate:.2f}"
+        if policy.auto is not None:
+            steps = max(1, stats.steps - 1)
+            line += f", lookup {stats.lookup_steps / steps:.0%} of steps, head {_head(stats)}"
         if policy.on_the_fly is not None:
             line += f", skip set changed {stats.skip_changes}x over {len(stats.skip_sets)} sets"
             if args.save_policy:

@@ -18,6 +18,7 @@ from layerskip.errors import LayerskipError
 
 ON_THE_FLY = "on-the-fly"
 AUTO = "auto"
+PLAIN = "plain"  # the command line's name for no draft at all (plain decoding)
 
 
 def load_policy(spec: str, device: str | torch.device = "cpu") -> tuple[str, SkipPolicy]:

@@ -51,7 +51,7 @@ def decoder_for(model: nn.Module, spec: PolicySpec | None) -> Decoder:
     """The prepared decoder of ``model`` for ``spec``; built on first use, then reused."""
     if not isinstance(spec, (SkipPolicy, str, os.PathLike)):
         raise LayerskipError(
-            "layerskip's custom_generate needs skip_policy=: a policy file, a SkipPolicy or 'on-the-fly' "
+            "layerskip's custom_generate needs skip_policy=: 'auto', a policy file, a SkipPolicy or 'on-the-fly' "
             f"(got {type(spec).__name__})"
         )
     first = next(model.parameters())

@@ -61,14 +61,15 @@ def self_speculative_generate(
     generation_config: Any,
     synced_gpus: bool = False,
     streamer: Any = None,
-    skip_policy: PolicySpec | None = None,
+    skip_policy: PolicySpec | None = "auto",
     stop_strings: str | Sequence[str] | None = None,
     tokenizer: object | None = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | SelfSpeculativeOutput:
     """``generate``'s decoding loop, replaced: self-speculatively with ``skip_policy``, row by row.
 
-    ``skip_policy``: a policy file, a ``SkipPolicy``, ``"on-the-fly"`` or ``"on-the-fly:PATH"``.
+    ``skip_policy``: ``"auto"`` (the default: no study, no file), a policy file, a ``SkipPolicy``,
+    ``"on-the-fly"`` or ``"on-the-fly:PATH"``.
     The names after ``streamer`` are ours: transformers passes a callable's extra keyword
     arguments from the ``generate`` call to it.
     """

@@ -367,6 +367,9 @@ def summarise(
             # the fp32 head decided (too flat for the certified bf16 head).
             "paths": dict(stats.paths) if stats is not None and stats.paths else None,
             "head_fallback_rows": stats.head_fallback_rows if stats is not None else None,
+            # Tokens drafted per step -> steps; auto's choices besides (head size, calibration).
+            "draft_lengths": dict(sorted(stats.draft_histogram.items())) if stats is not None else None,
+            "auto": auto_choices(stats) if stats is not None and stats.calibration else None,
         }
 
     by_method: dict[str, list[PromptResult]] = defaultdict(list)
@@ -393,6 +396,22 @@ def summarise(
                 split[group] = figures(mine, base) if mine else None
             summary[name]["split"] = {"tuned_categories": sorted(tuned), **split}
     return summary
+
+
+def auto_choices(stats: GenerationStats) -> dict[str, Any]:
+    """What ``auto`` chose over some generations: the share of steps each kind of draft took, the
+    draft lengths, the head size, the skip sets and how often they changed, the calibration."""
+    steps = sum(stats.draft_histogram.values())
+    skip_steps = sum(stats.head_rows.values())
+    return {
+        "lookup_share": stats.lookup_steps / steps if steps else None,
+        "skip_share": skip_steps / steps if steps else None,
+        "draft_lengths": {str(k): v for k, v in sorted(stats.draft_histogram.items())},
+        "head_rows": {str(k): v for k, v in sorted(stats.head_rows.items())},
+        "skip_sets": dict(stats.skip_sets),
+        "skip_changes": stats.skip_changes,
+        "calibration": dict(stats.calibration),
+    }
 
 
 def divergence_counts(rows: Sequence[PromptResult]) -> dict[str, int]:
