@@ -13,7 +13,7 @@ from layerskip.drafts.branching import (
     uncertain_positions,
 )
 from layerskip.drafts.lookup import LookupMatch, match_lookup, match_lookups
-from layerskip.drafts.token_tree import TokenTree, TreeBuilder, tree_from_candidates
+from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder, tree_from_candidates
 from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Proposal, accept_tree_greedy
 
 # -- merging ---------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_drawn_duplicates_stay_attempts() -> None:
     builder = TreeBuilder(budget=6)
     builder.add_path([3, 4])  # a lookup match
     chain = builder.add_chain([3, 9], torch.full((2, 10), 0.1))  # the draft drew 3 too, then 9
-    assert chain == [0, 2]
+    assert chain == ChainNodes([0, 2], 0)
     assert builder.add_child(ROOT, 3) == 0  # a deterministic duplicate: merged, no new attempt
     tree = builder.build()
     assert tree.tokens == [3, 4, 9] and tree.q.shape == (2, 10)
@@ -131,6 +131,7 @@ def test_ranked_siblings_at_narrow_margins() -> None:
 
     builder = TreeBuilder(budget=5)
     nodes = builder.add_chain(chain)
+    assert nodes == ChainNodes([0, 1, 2], None)
     assert add_siblings(builder, nodes, wide) == [3, 4]  # the budget: two siblings fit
     tree = builder.build()
     assert tree.tokens == [10, 20, 30, 21, 22] and tree.parents == [ROOT, 0, 1, 0, 0]
@@ -147,16 +148,19 @@ def test_sampled_siblings_are_draws_without_replacement() -> None:
     assert sorted(s.token for s in siblings[1:]) == [0, 1, 3]
 
     builder = TreeBuilder(budget=10)
+    builder.add_q(torch.zeros(1, 4))  # rows of another chain first: this chain's q rows start at 1
     nodes = builder.add_chain(chain, q)
-    add_siblings(builder, nodes, siblings, q_offset=0)
+    assert nodes.q_offset == 1
+    add_siblings(builder, nodes, siblings)
     tree = builder.build()
     drawn = [a for a in tree.attempts if a.proposal.without_replacement]
-    assert len(drawn) == 4 and {a.proposal.q_row for a in drawn} == {0, 2}
+    assert len(drawn) == 4 and {a.proposal.q_row for a in drawn} == {1, 3}
     # Siblings of a chain token that is not in the tree are left out.
     short = TreeBuilder(budget=10)
-    assert add_siblings(short, short.add_chain(chain[:2], q[:2]), siblings, q_offset=0) == [2]
+    assert add_siblings(short, short.add_chain(chain[:2], q[:2]), siblings) == [2]
     # A full tree takes no drawn sibling.
     full = TreeBuilder(budget=3)
-    assert add_siblings(full, full.add_chain(chain, q), siblings, q_offset=0) == []
-    with pytest.raises(ValueError, match="q offset"):
-        add_siblings(TreeBuilder(4), [0], [Sibling(0, 1, drawn=True)])
+    assert add_siblings(full, full.add_chain(chain, q), siblings) == []
+    with pytest.raises(ValueError, match="sampled chain"):
+        greedy = TreeBuilder(4)
+        add_siblings(greedy, greedy.add_chain([1]), [Sibling(0, 2, drawn=True)])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layerskip.drafts.token_tree import TreeBuilder
+from layerskip.drafts.token_tree import ChainNodes, TreeBuilder
 from layerskip.sampling import DETERMINISTIC, ROOT, Proposal
 
 
@@ -73,23 +73,20 @@ def sampled_siblings(
     return siblings
 
 
-def add_siblings(
-    builder: TreeBuilder, chain_nodes: Sequence[int], siblings: Sequence[Sibling], q_offset: int | None = None
-) -> list[int]:
-    """Add siblings of a chain already in ``builder`` (its nodes ``chain_nodes``, maybe cut by the
-    budget); drawn siblings name their q row as ``q_offset + position`` (``add_chain``'s offset).
-    Returns the nodes added or merged; stops at the budget."""
+def add_siblings(builder: TreeBuilder, chain: ChainNodes, siblings: Sequence[Sibling]) -> list[int]:
+    """Add siblings of a chain already in ``builder`` (where ``add_chain`` put it); a drawn sibling at
+    position t names the chain's q row for t. Returns the nodes added or merged; stops at the budget."""
     nodes: list[int] = []
     for sibling in siblings:
-        if sibling.position >= len(chain_nodes):
+        if sibling.position >= len(chain.nodes):
             # The chain token it is an alternative to did not fit: a drawn sibling's q (without
             # the chain token) would then be wrong, and its parent may be missing too.
             continue
-        parent = chain_nodes[sibling.position - 1] if sibling.position else ROOT
+        parent = chain.nodes[sibling.position - 1] if sibling.position else ROOT
         if sibling.drawn:
-            if q_offset is None:
-                raise ValueError("drawn siblings need the q offset of their chain")
-            proposal = Proposal(q_offset + sibling.position, without_replacement=True)
+            if chain.q_offset is None:
+                raise ValueError("drawn siblings need a sampled chain (its q rows)")
+            proposal = Proposal(chain.q_offset + sibling.position, without_replacement=True)
         else:
             proposal = DETERMINISTIC
         node = builder.add_child(parent, sibling.token, proposal)

@@ -72,6 +72,14 @@ class TokenTree:
         return [0, *(node + 1 for node in path)]
 
 
+@dataclass(frozen=True)
+class ChainNodes:
+    """Where ``TreeBuilder.add_chain`` put a draft chain."""
+
+    nodes: list[int]  # node of each chain token that fit (a prefix of the chain)
+    q_offset: int | None  # q row of chain token 0 for a sampled chain (token t: q_offset + t); else None
+
+
 class TreeBuilder:
     """Merges candidates into a tree of at most ``budget`` nodes, in the order they are added.
 
@@ -140,12 +148,12 @@ class TreeBuilder:
             parent = node
         return nodes
 
-    def add_chain(self, tokens: Sequence[int], q: torch.Tensor | None = None, parent: int = ROOT) -> list[int]:
+    def add_chain(self, tokens: Sequence[int], q: torch.Tensor | None = None, parent: int = ROOT) -> ChainNodes:
         """A draft chain: token t drawn from ``q[t]`` (``[k, V]``, sampling), or deterministic when q is None."""
         if q is None:
-            return self.add_path(tokens, parent=parent)
+            return ChainNodes(self.add_path(tokens, parent=parent), None)
         offset = self.add_q(q)
-        return self.add_path(tokens, [Proposal(offset + t) for t in range(len(tokens))], parent)
+        return ChainNodes(self.add_path(tokens, [Proposal(offset + t) for t in range(len(tokens))], parent), offset)
 
     def build(self) -> TokenTree:
         """The tree in depth-first order (children in the order they were first added)."""
