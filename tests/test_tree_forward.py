@@ -131,11 +131,11 @@ def test_tree_forward_without_the_window_is_caught(arch: str, monkeypatch: pytes
     assert (hidden[[0, *(i + 1 for i in path)]] - expected).abs().max() > 1e-3
 
 
-def test_a_chain_is_the_plain_verify_block() -> None:
-    """A tree with one child per node is a chain: the same hidden states as ``full_hidden``."""
+@pytest.mark.parametrize("chain", [[4, 8, 15, 16, 23, 42], []], ids=["chain", "root-only"])
+def test_a_chain_is_the_plain_verify_block(chain: list[int]) -> None:
+    """A tree with one child per node is a chain (none: a plain step): the same hidden states as ``full_hidden``."""
     model = _model("gemma3_text", "sdpa")
     prompt = random_prompt(length=PROMPT_LENGTH)
-    chain = [4, 8, 15, 16, 23, 42]
     with torch.inference_mode():
         tree_cache = _prefilled(model, prompt[:-1])
         tree = tree_hidden(model, torch.tensor([[prompt[-1], *chain]]), list(range(-1, len(chain) - 1)), tree_cache, 9)
