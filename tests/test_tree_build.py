@@ -32,6 +32,8 @@ def test_candidates_merge_on_shared_prefixes_in_depth_first_order() -> None:
     assert tree.parents == [ROOT, 0, 1, 1, 0, ROOT, 5]
     assert tree.depths == [1, 2, 3, 3, 2, 1, 2]
     assert tree.children() == [0, 5] and tree.children(1) == [2, 3]
+    assert [a.node for a in tree.attempts_at(1)] == [2, 3] and not tree.is_chain
+    assert tree_from_candidates([[1, 2, 3], [1, 2]], budget=5).is_chain
     assert tree.leaves() == [2, 3, 4, 6]
     assert tree.path(3) == [0, 1, 3] and tree.path_tokens(3) == [1, 2, 7] and tree.path(ROOT) == []
     assert tree.block_ids(99).tolist() == [[99, 1, 2, 3, 7, 4, 5, 6]]

@@ -116,6 +116,20 @@ def test_tree_forward_matches_each_path(arch: str, impl: str) -> None:
             torch.testing.assert_close(hidden[rows], expected, atol=ATOL, rtol=ATOL, msg=f"{arch} {impl} path {path}")
 
 
+@pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("gemma2", "eager"), ("mistral", "sdpa")])
+def test_tree_forward_in_bf16(arch: str, impl: str) -> None:
+    """The eager mask is additive in the model's dtype: bf16 runs, within bf16 rounding of the paths."""
+    model = tiny_model(arch, attn_implementation=impl).to(torch.bfloat16)
+    prompt = random_prompt(length=PROMPT_LENGTH)
+    with torch.inference_mode():
+        hidden, _ = _tree_forward(model, prompt)
+        assert hidden.dtype == torch.bfloat16
+        for path in _paths(PARENTS):
+            expected = _path_hidden(model, prompt, [TOKENS[i] for i in path])
+            # |hidden| <= ~4, so 2 bf16 ulps there are 0.03 (fp32 holds 1e-5: see above).
+            torch.testing.assert_close(hidden[[0, *(i + 1 for i in path)]], expected, atol=0.05, rtol=0.0)
+
+
 @pytest.mark.parametrize("arch", SLIDING)
 def test_tree_forward_without_the_window_is_caught(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The brute force would catch a tree mask that forgot the window (the check can fail)."""

@@ -36,8 +36,17 @@ class TokenTree:
         """Depth of each node; the root's children have depth 1."""
         return block_depths(self.parents)[1:]
 
+    @property
+    def is_chain(self) -> bool:
+        """One child per node: the block is a plain chain's (a causal mask would do)."""
+        return all(parent == node - 1 for node, parent in enumerate(self.parents))
+
     def children(self, node: int = ROOT) -> list[int]:
         return [child for child, parent in enumerate(self.parents) if parent == node]
+
+    def attempts_at(self, parent: int = ROOT) -> list[Attempt]:
+        """The proposals of ``parent``'s children, in the order the sampled verify tests them."""
+        return [attempt for attempt in self.attempts if attempt.parent == parent]
 
     def leaves(self) -> list[int]:
         has_children = set(self.parents)

@@ -35,7 +35,9 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 
-ROOT = -1  # the parent index of the root's children: the pending token, block position 0
+# The parent index of the root's children: the pending token, block position 0. The same value
+# as ``layerskip.sampling.ROOT`` (hf/ imports nothing of layerskip but its errors).
+ROOT = -1
 
 # Attention implementations whose 4D mask we know how to write: True = boolean mask, False =
 # additive float mask (0 where attended, the dtype's minimum elsewhere).
