@@ -98,3 +98,142 @@ def verify_sampled(
                 residual = residual / total if total > 0 else p[i]
                 return i, int(sample(residual, generator))
     return k, int(sample(p[k], generator))
+
+
+# -- token trees -----------------------------------------------------------------------------------
+#
+# A tree block is ``[pending, node 0, ..., node n-1]``: node i sits at block position i + 1 and
+# its parent is an earlier node or ROOT (the pending token, block position 0). The target's
+# rows ``p [n+1, V]`` / argmax ``targets [n+1]`` are indexed by block position.
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """How a drafted token was chosen, which decides how a sampled verify must test it.
+
+    * ``q_row is None``: deterministic (a prompt-lookup match, the draft's argmax or its top-k
+      alternatives taken in rank order). Its q is one-hot: it is accepted with probability r(x),
+      and rejecting it removes x from the residual r.
+    * ``q_row = i``, ``without_replacement=False``: an independent draw from ``q[i]`` (a sampled
+      draft chain token, or SpecInfer's i.i.d. siblings). Accepted with min(1, r(x)/q(x)); on
+      rejection r <- norm(max(0, r - q)).
+    * ``q_row = i``, ``without_replacement=True``: drawn from ``q[i]`` without the tokens drawn
+      from ``q[i]`` before it at the same parent (Sequoia's siblings; the chain token is the first
+      draw). It is tested against that renormalised q, as above.
+
+    Exactness needs every proposal to be tested against the distribution it was really drawn
+    from, given the ones tested before it at that parent; the order of a parent's attempts is
+    the order they were drawn and added.
+    """
+
+    q_row: int | None = None
+    without_replacement: bool = False
+
+
+DETERMINISTIC = Proposal()
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One proposal of the child ``node`` at ``parent``: the verify tests a parent's attempts in order.
+
+    Two attempts may propose the same node (a lookup match and a sampled draft that drew the
+    same token): the second one, certain to be rejected, still moves the residual.
+    """
+
+    parent: int  # node index, ROOT for the pending token
+    node: int
+    proposal: Proposal = DETERMINISTIC
+
+
+def accept_tree_greedy(tokens: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance of a token tree: ``targets [n+1]`` is the full model's argmax at each block position.
+
+    Walks from the root, following the child whose token is the argmax at its parent. Returns the
+    accepted path (node indices, root excluded) and the next token: the argmax at its last node.
+    Node tokens are distinct among siblings (a merged tree), so at most one child matches.
+    """
+    children: dict[int, dict[int, int]] = {}
+    for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+        children.setdefault(parent, {}).setdefault(token, node)
+    path: list[int] = []
+    node = ROOT
+    while (child := children.get(node, {}).get(targets[node + 1])) is not None:
+        path.append(child)
+        node = child
+    return path, targets[node + 1]
+
+
+def verify_tree_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
+    """``accept_tree_greedy`` from the full model's logits ``[n+1, V]`` at each block position."""
+    return accept_tree_greedy(tokens, parents, logits.argmax(dim=-1).tolist())
+
+
+def proposal_distribution(
+    proposal: Proposal, token: int, q: torch.Tensor | None, drawn: list[int], like: torch.Tensor
+) -> torch.Tensor:
+    """The ``[V]`` distribution ``token`` was drawn from; ``drawn``: tokens drawn from the same q row
+    before it at this parent. ``like``: a ``[V]`` float tensor giving the device and dtype."""
+    if proposal.q_row is None:
+        return torch.zeros_like(like).index_fill_(0, torch.tensor([token], device=like.device), 1.0)
+    row = q[proposal.q_row].to(like.dtype)
+    if proposal.without_replacement and drawn:
+        row = row.index_fill(0, torch.tensor(drawn, device=row.device), 0.0)
+        row = row / row.sum()
+    return row
+
+
+def residual_after_rejection(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, r - q)): what the output must follow once a draw from q was rejected against r."""
+    residual = (r - q).clamp_min(0)
+    total = residual.sum()
+    # total = 0 only when r <= q everywhere, i.e. r == q, where a rejection cannot happen.
+    return residual / total if total > 0 else r
+
+
+def verify_tree_sampled(
+    tokens: list[int],
+    attempts: list[Attempt],
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Multi-candidate rejection sampling over a token tree (SpecInfer; Sequoia without replacement).
+
+    tokens: ``[n]`` node tokens; attempts: every proposal, in drawing order per parent; p:
+    ``[n+1, V]`` target probabilities per block position; q: ``[m, V]`` the proposal rows that
+    ``Proposal.q_row`` indexes (None if every proposal is deterministic). At each node, starting
+    with r = p there, the node's attempts are tried in order: child x is accepted with
+    min(1, r(x)/q_x(x)), where q_x is the distribution x was drawn from (``proposal_distribution``);
+    on rejection r <- norm(max(0, r - q_x)) and the next attempt is tried. An accepted child
+    becomes the node; when none is accepted the next token is drawn from r. The output follows p
+    exactly. A chain (one independent attempt per node) is ``verify_sampled``.
+
+    Returns (accepted path as node indices, next token).
+    """
+    by_parent: dict[int, list[tuple[int, Attempt]]] = {}
+    for order, attempt in enumerate(attempts):
+        by_parent.setdefault(attempt.parent, []).append((order, attempt))
+    # One uniform per attempt, drawn up front: one generator call for the whole tree.
+    uniform = torch.rand(len(attempts), generator=generator, device=p.device).tolist() if attempts else []
+    path: list[int] = []
+    node = ROOT
+    while True:
+        r = p[node + 1].float()
+        drawn: dict[int, list[int]] = {}  # q row -> tokens drawn from it at this node so far
+        for order, attempt in by_parent.get(node, []):
+            token = tokens[attempt.node]
+            row = attempt.proposal.q_row
+            q_x = proposal_distribution(attempt.proposal, token, q, drawn.get(row, []), r)
+            if row is not None:
+                drawn.setdefault(row, []).append(token)
+            # u < r(x)/q(x), written without the division (q(x) > 0 for a token drawn from q).
+            if uniform[order] * float(q_x[token]) < float(r[token]):
+                path.append(attempt.node)
+                node = attempt.node
+                break
+            r = residual_after_rejection(r, q_x)
+        else:
+            return path, int(sample(r, generator))

@@ -34,6 +34,31 @@ def match_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens:
     return LookupMatch([])
 
 
+def match_lookups(
+    history: list[int], min_ngram: int, max_ngram: int, max_tokens: int, max_matches: int
+) -> list[LookupMatch]:
+    """Up to ``max_matches`` distinct continuations of the history's last n-gram, for a token tree.
+
+    Ranked as ``match_lookup`` ranks one: the longest n first, then the most recent occurrence;
+    the first is ``match_lookup``'s. A continuation that an earlier one already starts with adds
+    no token to a tree and is skipped (the same occurrence found again by a shorter n is one).
+    """
+    matches: list[LookupMatch] = []
+    length = len(history)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        tail = history[length - n :]
+        for start in range(length - n - 1, -1, -1):
+            if history[start : start + n] != tail:
+                continue
+            follow = history[start + n : start + n + max_tokens]
+            if any(match.tokens[: len(follow)] == follow for match in matches):
+                continue
+            matches.append(LookupMatch(follow, n))
+            if len(matches) == max_matches:
+                return matches
+    return matches
+
+
 def find_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> list[int]:
     return match_lookup(history, min_ngram, max_ngram, max_tokens).tokens
 

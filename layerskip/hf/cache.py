@@ -13,6 +13,8 @@ cache would give.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -103,6 +105,25 @@ class RollbackLayer(DynamicLayer):
         else:
             self.truncate(self.length + tokens_to_remove)
 
+    def keep_rows(self, start: int, rows: torch.Tensor, moved_from: int) -> None:
+        """Keep block rows ``start + rows`` (``rows [m]``, ascending, on the buffer's device) as rows
+        ``start..start+m-1``; cut the rest.
+
+        ``rows[:moved_from]`` are already in place (``rows[i] == i``), so only the tail is
+        gathered: an index_select of ``m - moved_from`` rows, O(path), never the whole cache.
+        """
+        kept = len(rows)
+        if moved_from < kept:
+            source = start + rows[moved_from:]
+            # index_select copies the source rows out first, so writing them back over rows
+            # they may overlap is safe. [B, kv_heads, m', head_dim] each.
+            for buffer in (self._key_buffer, self._value_buffer):
+                buffer[..., start + moved_from : start + kept, :] = buffer.index_select(-2, source)
+        self.length = start + kept
+        # The rows after the path held other branches' K/V: nothing there can be revealed.
+        self.written = self.length
+        self._refresh_views()
+
     def reset(self) -> None:
         self.length = 0
         self.written = 0
@@ -151,6 +172,28 @@ class RollbackCache(DynamicCache):
     def crop(self, tokens_to_remove: int) -> None:
         target = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
         self.rollback(target)
+
+    def keep_path(self, start: int, rows: Sequence[int]) -> None:
+        """After a token-tree verify wrote block rows ``start..start+n`` in every layer, keep the
+        accepted path: block rows ``rows`` (ascending, the root 0 first, then the accepted nodes'
+        block positions) move to ``start..start+len(rows)-1`` and everything after is cut.
+
+        Rows already in place (a path along the first branch of a depth-first block) are not
+        copied; the others are gathered with one index_select per layer, so the cost is O(path).
+        """
+        if not rows or rows[0] < 0 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
+            raise ValueError(f"rows {list(rows)} must be ascending block positions")
+        moved_from = next((i for i, row in enumerate(rows) if row != i), len(rows))
+        indices: dict[torch.device, torch.Tensor] = {}  # one index tensor per device the layers live on
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            if layer.length < start + rows[-1] + 1:
+                last = start + rows[-1]
+                raise RuntimeError(f"a layer holds {layer.length} tokens; the tree block reaches row {last}")
+            if layer.device not in indices:
+                indices[layer.device] = torch.tensor(rows, device=layer.device)
+            layer.keep_rows(start, indices[layer.device], moved_from)
 
     def reveal(self, length: int, layers: list[int]) -> None:
         """Move ``layers`` forward to ``length`` over K/V they wrote before a rollback hid it.

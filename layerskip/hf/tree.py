@@ -1,0 +1,159 @@
+"""One full-model forward over a flattened token tree, through the model's own Hugging Face forward.
+
+A verify block for a tree is ``[pending, node 0, ..., node n-1]``: the pending token (the root,
+block position 0) and the tree's nodes in depth-first order (node ``i`` at block position
+``i + 1``), each with a parent earlier in the block. Every block row must see exactly what it
+would see in a plain causal forward of its own root-to-node path:
+
+* the whole committed prefix (cache rows ``0..start-1``, positions ``0..start-1``),
+* its ancestors, the root and itself, and no other node;
+* position id ``start + depth`` (the root has depth 0), so rotary / learned position
+  embeddings are those of the path;
+* on a sliding-window layer, only keys whose *position* is within the window
+  (``q_pos - k_pos < window``, HF's rule), not those within ``window`` block *rows*.
+
+Transformers (5.x) passes a 4D mask ``[batch, 1, q, kv]`` through its mask builders unchanged
+(``masking_utils._preprocess_mask_arguments`` returns any 4D tensor as it is). Models whose
+layers all share one attention kind (Llama, Mistral and Phi-3 with one window for every layer,
+Qwen2/3, GPT-NeoX, GPT-2) take one tensor. Models that mix full and sliding layers (Gemma 2/3)
+build one mask per ``config.layer_types`` entry and accept that mapping already built, as a
+dict ``{layer type: 4D mask}``; a single tensor there would silently drop the window.
+
+The mask's format follows the attention implementation: ``sdpa`` takes a boolean mask (True =
+attend), ``eager`` adds the mask to the scores, so it is 0 / the dtype's minimum. Flash and
+flex attention cannot take an arbitrary 4D mask this way and are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from layerskip.errors import LayerskipError
+from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
+
+# The parent index of the root's children: the pending token, block position 0. The same value
+# as ``layerskip.sampling.ROOT`` (hf/ imports nothing of layerskip but its errors).
+ROOT = -1
+
+# Attention implementations whose 4D mask we know how to write: True = boolean mask, False =
+# additive float mask (0 where attended, the dtype's minimum elsewhere).
+_BOOLEAN_MASK = {"sdpa": True, "eager": False}
+
+
+def check_parents(parents: Sequence[int]) -> None:
+    """Parents must come earlier in the block (depth-first order guarantees it)."""
+    for node, parent in enumerate(parents):
+        if not ROOT <= parent < node:
+            raise ValueError(f"node {node} has parent {parent}: a parent must be -1 (the root) or an earlier node")
+
+
+def block_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every block position: ``[0 (root), depth of node 0, ...]``; the root's children have depth 1."""
+    check_parents(parents)
+    depths = [0]
+    for parent in parents:
+        depths.append(depths[parent + 1] + 1)  # block position of a parent = its node index + 1
+    return depths
+
+
+def block_visibility(parents: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n+1, n+1]`` bool: row ``a`` (block position) may attend to column ``b`` iff ``b`` is ``a``,
+    the root or an ancestor of ``a``."""
+    check_parents(parents)
+    size = len(parents) + 1
+    visible = torch.eye(size, dtype=torch.bool)
+    visible[:, 0] = True
+    for node, parent in enumerate(parents):
+        # Parents come first, so the parent's row is complete: inherit it.
+        visible[node + 1] |= visible[parent + 1]
+    return visible.to(device)
+
+
+def _visible_keys(parents: Sequence[int], start: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[n+1, start+n+1]`` bool over [committed prefix | block], with a sliding window by position."""
+    size = len(parents) + 1
+    block = block_visibility(parents, device)  # [n+1, n+1]
+    allowed = torch.cat([torch.ones(size, start, dtype=torch.bool, device=device), block], dim=1)
+    if window is not None:
+        query_pos = start + torch.tensor(block_depths(parents), device=device)  # [n+1]
+        key_pos = torch.cat([torch.arange(start, device=device), query_pos])  # [start+n+1]
+        # Every allowed key is at or before its query's position (prefix, ancestors), so the
+        # causal half of HF's sliding rule already holds; this is its window half.
+        allowed &= (query_pos[:, None] - key_pos[None, :]) < window
+    return allowed
+
+
+def _mask_format(model: nn.Module) -> bool:
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    if implementation not in _BOOLEAN_MASK:
+        raise LayerskipError(
+            f"token-tree verification needs 'sdpa' or 'eager' attention, but the model uses '{implementation}'; "
+            "load it with attn_implementation='sdpa'"
+        )
+    return _BOOLEAN_MASK[implementation]
+
+
+def _as_model_mask(allowed: torch.Tensor, boolean: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``[q, kv]`` bool -> the ``[1, 1, q, kv]`` mask the attention implementation expects."""
+    allowed = allowed[None, None]
+    if boolean:
+        return allowed
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def _layer_types(model: nn.Module) -> list[str] | None:
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None)
+    return list(types[: config.num_hidden_layers]) if types is not None else None
+
+
+def tree_attention_mask(
+    model: nn.Module, parents: Sequence[int], start: int, device: torch.device
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask(s) for a tree block at positions from ``start`` over a cache holding ``start`` tokens.
+
+    One ``[1, 1, n+1, start+n+1]`` tensor when every layer has the same window (or none); else a
+    dict from each ``config.layer_types`` entry to its tensor (how Gemma 2/3 take masks).
+    """
+    boolean = _mask_format(model)
+    dtype = model.get_input_embeddings().weight.dtype
+    windows = adapters.sliding_windows(model)
+    masks = {w: _as_model_mask(_visible_keys(parents, start, w, device), boolean, dtype) for w in set(windows)}
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    types = _layer_types(model)
+    if types is None:
+        raise LayerskipError(
+            f"'{adapters.architecture_of(model)}' mixes attention windows {sorted(map(str, masks))} "
+            "without config.layer_types: no per-layer mask can be passed to it"
+        )
+    by_type: dict[str, torch.Tensor] = {}
+    for kind, window in zip(types, windows, strict=True):
+        if by_type.setdefault(kind, masks[window]) is not masks[window]:
+            raise LayerskipError(f"layers of type '{kind}' use different windows; cannot build one mask for them")
+    return by_type
+
+
+def tree_hidden(
+    model: nn.Module, block_ids: torch.Tensor, parents: Sequence[int], cache: RollbackCache, start: int
+) -> torch.Tensor:
+    """Final hidden states ``[n+1, H]`` of a tree block ``block_ids [1, n+1]`` (``[pending, *nodes]``).
+
+    ``cache`` holds the committed prefix, ``start`` tokens in every layer that runs; the
+    forward appends the K/V of all n+1 block rows at cache rows ``start..start+n`` (keep the
+    accepted path with ``RollbackCache.keep_path``). Row ``j`` equals the last hidden state of a
+    plain causal forward over prefix + the root-to-node path of block position ``j``.
+    """
+    if block_ids.shape != (1, len(parents) + 1):
+        raise ValueError(f"block_ids {tuple(block_ids.shape)} does not hold the root and {len(parents)} nodes")
+    if cache.length != start:
+        raise RuntimeError(f"the cache holds {cache.length} tokens, not the {start} committed; roll it back first")
+    device = block_ids.device
+    positions = (start + torch.tensor(block_depths(parents), device=device)).unsqueeze(0)  # [1, n+1]
+    mask = tree_attention_mask(model, parents, start, device)
+    return adapters.stack_hidden(model, block_ids, cache, positions, attention_mask=mask)[0]
