@@ -5,7 +5,7 @@ The public names, re-exported from the packages that hold them (see the README's
 
 from layerskip.drafts.builder import DraftModels, DraftRun, PreparedDraft, build_drafter, prepare_draft
 from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
-from layerskip.drafts.policy import DraftSettings, ExitSettings, OnTheFlySettings, SkipPolicy
+from layerskip.drafts.policy import AutoSettings, DraftSettings, ExitSettings, OnTheFlySettings, SkipPolicy
 from layerskip.engine.decoding import (
     Decoder,
     DecodeSettings,
@@ -21,6 +21,7 @@ from layerskip.sampling import Sampling
 from layerskip.stats import GenerationResult, GenerationStats
 
 __all__ = [
+    "AutoSettings",
     "DecodeSettings",
     "Decoder",
     "DraftModels",

@@ -46,6 +46,10 @@ class GenerationStats:
     # fp32 head had to give (a row too flat for the certified bf16 head).
     paths: dict[str, int] = field(default_factory=dict)
     head_fallback_rows: int = 0
+    # Token trees: steps verified as a tree, and those whose accepted path left the tree's first
+    # branch (what a chain of that branch would have lost).
+    tree_steps: int = 0
+    off_branch_steps: int = 0
     # Tokens drafted per step (0: a step that drafted nothing; the prefill is not a step).
     draft_histogram: dict[int, int] = field(default_factory=dict)
     # Skip-drafted steps by the draft head's size (its ranked rows; 0 = the full head).

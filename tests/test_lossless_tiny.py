@@ -48,6 +48,17 @@ POLICIES: dict[str, SkipPolicy] = {
     "lookup-cut": SkipPolicy(
         draft=DraftSettings(lookup_max_ngram=3, lookup_min_ngram=1, use_skip_draft=False, lookup_confidence=0.3)
     ),
+    # Token trees: several lookup matches (unigrams: many), the draft's siblings, both.
+    "lookup-tree": SkipPolicy(
+        draft=DraftSettings(lookup_max_ngram=3, lookup_min_ngram=1, use_skip_draft=False, tree_matches=4)
+    ),
+    "sibling-tree": SkipPolicy(
+        skip_attention=(1,), skip_mlp=(3,), draft=DraftSettings(max_draft_tokens=5, tree_siblings=2, tree_margin=0.9)
+    ),
+    "hybrid-tree": SkipPolicy(
+        skip_attention=(0,),
+        draft=DraftSettings(lookup_max_ngram=3, lookup_min_ngram=1, tree_matches=3, tree_siblings=1, tree_margin=0.9),
+    ),
     "lookup-cut-hybrid": SkipPolicy(
         skip_attention=(0,), draft=DraftSettings(lookup_max_ngram=3, lookup_min_ngram=1, lookup_confidence=0.3)
     ),

@@ -316,3 +316,38 @@ def test_end_to_end_sampling_with_auto_and_always_accept_fails(monkeypatch: pyte
     monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
     _, second, _ = _auto_laws(E2E_SEEDS, monkeypatch)
     assert tv(second, p2) > E2E_TV_BOUND
+
+
+# Every token of the vocabulary, each followed by two others: a unigram match finds several continuations.
+TREE_PROMPT = [t for i in range(E2E_VOCAB) for t in (i, (i + 1) % E2E_VOCAB, i, (i + 5) % E2E_VOCAB)]
+
+
+def _tree_laws(seeds: int) -> tuple[torch.Tensor, GenerationStats]:
+    """Token 2's frequencies when prompt lookup proposes a token tree (unigram matches: up to 4
+    continuations, one-hot proposals tested one after another against the residual)."""
+    model = _e2e_model()
+    policy = SkipPolicy(
+        draft=DraftSettings(lookup_max_ngram=2, lookup_min_ngram=1, use_skip_draft=False, tree_matches=4)
+    )
+    decoder = Decoder.for_policy(model, policy)
+    second = torch.zeros(E2E_VOCAB)
+    runs = []
+    for seed in range(seeds):
+        tokens, stats = decoder.decode(TREE_PROMPT, DecodeSettings(max_new_tokens=3, sampling=Sampling(), seed=seed))
+        second[tokens[1]] += 1
+        runs.append(stats)
+    return second / seeds, GenerationStats.combined(runs)
+
+
+def test_end_to_end_sampling_with_token_trees_follows_the_model() -> None:
+    _, p2, _ = _exact_laws(_e2e_model(), TREE_PROMPT)
+    second, stats = _tree_laws(E2E_SEEDS)
+    assert stats.tree_steps > 0 and stats.off_branch_steps > 0  # trees verified, siblings accepted
+    assert tv(second, p2) < E2E_TV_BOUND
+
+
+def test_end_to_end_sampling_with_token_trees_and_always_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, p2, _ = _exact_laws(_e2e_model(), TREE_PROMPT)
+    monkeypatch.setattr(verifiers, "verify_tree_sampled", lambda tokens, attempts, p, q, generator: ([0], 0))
+    second, _ = _tree_laws(E2E_SEEDS)
+    assert tv(second, p2) > E2E_TV_BOUND

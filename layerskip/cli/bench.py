@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         "adapter); with NAMES (e.g. no-adapter,full-head) only those ablations",
     )
     parser.add_argument(
+        "--tree-ablation",
+        action="store_true",
+        help="also run each policy that drafts token trees with trees off, as 'METHOD (chain)', interleaved",
+    )
+    parser.add_argument(
         "--threads",
         type=thread_settings,
         default=("auto",),
@@ -183,7 +188,14 @@ def _main(argv: list[str] | None) -> int:
     for prompt, ids in zip(prompts, prompt_ids):
         check_fits(model, len(ids), args.max_new_tokens, f"prompt {prompt.id}")
     methods = build_methods(
-        model, names, eos_token_ids(model, tokenizer), policies, assistant, ablate=args.ablate, threads=args.threads
+        model,
+        names,
+        eos_token_ids(model, tokenizer),
+        policies,
+        assistant,
+        ablate=args.ablate,
+        threads=args.threads,
+        tree_ablation=args.tree_ablation,
     )
     with busy_processes(args.busy_processes):
         rows = run_benchmark(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,12 +35,15 @@ import torch
 from layerskip.drafts.base import BaseDrafter, Draft, Drafter, DraftRequest
 from layerskip.drafts.costs import DraftCosts, expected_tokens
 from layerskip.drafts.draft_length import CONFIDENCE_BINS, WARM_UP_STEPS, DraftLengthByCost
-from layerskip.drafts.lookup import LookupMatch, LookupRunLength, match_lookup
+from layerskip.drafts.lookup import RankedRunLengths, match_lookups, tree_draft
 from layerskip.drafts.policy import DraftSettings
+from layerskip.drafts.tree_shape import Candidate, Shape, chain_candidates, merged_paths, shape_tree
 from layerskip.hf.cache import RollbackCache
-from layerskip.sampling import Sampling
+from layerskip.sampling import ROOT, Sampling
 from layerskip.stats import GenerationStats
 
+SKIP_PRIOR = 0.8  # skip-draft acceptance assumed before any is measured
+SKIP_PRIOR_WEIGHT = 10  # as that many drafted tokens
 CARRY_OVER = 0.5  # weight of earlier generations' counts when a new one starts (a short memory)
 EXPLORE_EVERY = 16  # steps without a skip draft after which one is tried anyway (its estimates age)
 PROMPT_PRIOR_WEIGHT = 32.0  # pseudo-observations a prompt's coverage counts for, before any text
@@ -105,8 +108,11 @@ class AutoState:
     coverage: HeadCoverage
     confidence_reached: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
     confidence_right: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
-    lookup_reached: dict[tuple[int, int], float] = field(default_factory=dict)
-    lookup_right: dict[tuple[int, int], float] = field(default_factory=dict)
+    # Lookup runs by the rank of their match, and siblings: counts carried between generations.
+    lookup_reached: list[dict[tuple[int, int], float]] = field(default_factory=list)
+    lookup_right: list[dict[tuple[int, int], float]] = field(default_factory=list)
+    sibling_reached: float = 0.0
+    sibling_right: float = 0.0
     steps: int = 0  # skip-drafted steps, their tokens and seconds: the rate the length rule beats
     step_tokens: float = 0.0
     step_cost: float = 0.0
@@ -135,9 +141,9 @@ class AutoState:
 
     def full_head_acceptance(self) -> float:
         """Per-token acceptance of skip drafts as a full head would see it: the measured one over
-        the coverage of the head it was measured with (a prior of 0.7 before any)."""
+        the coverage of the head it was measured with (``SKIP_PRIOR`` before any)."""
         right, reached = sum(self.confidence_right), sum(self.confidence_reached)
-        measured = (right + 0.7 * 4) / (reached + 4)
+        measured = (right + SKIP_PRIOR * SKIP_PRIOR_WEIGHT) / (reached + SKIP_PRIOR_WEIGHT)
         held = self.coverage.share(self.measured_at_rows) if self.measured_at_rows >= 0 else 1.0
         return min(0.98, measured / max(held, 1e-3))
 
@@ -145,25 +151,38 @@ class AutoState:
 
     def length_rule(self, draft_seconds: float) -> DraftLengthByCost:
         """A draft-length rule priced by the calibration, its acceptance bins from earlier generations."""
+        blocks = range(2, self.settings.node_budget + 2)
         cap = self.settings.max_draft_tokens
-        blocks = range(2, max(cap, self.settings.lookup_max_tokens) + 2)
         rule = DraftLengthByCost(
             cap, 0, draft_cost=draft_seconds, verify_cost={b: self.costs.verify_seconds(b) for b in blocks}
         )
         rule.reached = [round(CARRY_OVER * n) for n in self.confidence_reached]
         rule.right = [min(round(CARRY_OVER * r), n) for r, n in zip(self.confidence_right, rule.reached)]
+        if not any(rule.reached):
+            # Before any skip draft: a prior of SKIP_PRIOR acceptance, as a few confident drafts. An
+            # int4 copy bypassing little agrees with its model most of the time; the prior decides
+            # only the first steps of the first generation.
+            rule.reached[-1] = SKIP_PRIOR_WEIGHT
+            rule.right[-1] = round(SKIP_PRIOR * SKIP_PRIOR_WEIGHT)
         if self.step_cost > 0:  # the rate reached so far: no warm-up at the cap after the first generation
             rule.steps = max(WARM_UP_STEPS, round(CARRY_OVER * self.steps))
             rule.step_tokens, rule.step_cost = self.step_tokens, self.step_cost
         return rule
 
-    def run_length(self) -> LookupRunLength:
-        rule = LookupRunLength(confidence=1e-9)  # > 0: it scores every match; auto cuts by cost itself
-        rule.reached = {k: round(CARRY_OVER * v) for k, v in self.lookup_reached.items()}
-        rule.right = {k: min(round(CARRY_OVER * v), rule.reached[k]) for k, v in self.lookup_right.items()}
-        return rule
+    def run_lengths(self) -> RankedRunLengths:
+        """Lookup run statistics by match rank, from earlier generations' (auto cuts runs by cost itself)."""
+        ranks = RankedRunLengths(self.settings.tree_matches)
+        for rule, reached, right in zip(ranks.by_rank, self.lookup_reached, self.lookup_right):
+            rule.reached = {k: round(CARRY_OVER * v) for k, v in reached.items()}
+            rule.right = {k: min(round(CARRY_OVER * v), rule.reached[k]) for k, v in right.items()}
+        return ranks
 
-    def keep(self, length: DraftLengthByCost | None, run_length: LookupRunLength) -> None:
+    def sibling_chance(self) -> float:
+        """Chance that a sibling (the draft's next choice) is the model's token where the draft's
+        own was not: measured on earlier trees, 0.3 before any."""
+        return (self.sibling_right + 0.3 * 4) / (self.sibling_reached + 4)
+
+    def keep(self, length: DraftLengthByCost | None, ranks: RankedRunLengths) -> None:
         """A generation's counts become the next one's prior."""
         if length is not None:
             self.confidence_reached = [float(n) for n in length.reached]
@@ -172,8 +191,10 @@ class AutoState:
             if length.step_cost > 0:
                 self.steps = length.steps
                 self.step_tokens, self.step_cost = CARRY_OVER * length.step_tokens, CARRY_OVER * length.step_cost
-        self.lookup_reached = {k: float(v) for k, v in run_length.reached.items()}
-        self.lookup_right = {k: float(v) for k, v in run_length.right.items()}
+        self.lookup_reached = [{k: float(v) for k, v in rule.reached.items()} for rule in ranks.by_rank]
+        self.lookup_right = [{k: float(v) for k, v in rule.right.items()} for rule in ranks.by_rank]
+        self.sibling_reached *= CARRY_OVER
+        self.sibling_right *= CARRY_OVER
 
 
 def best_skip_rate(acceptance: float, draft_seconds: float, costs: DraftCosts, cap: int) -> float:
@@ -181,12 +202,6 @@ def best_skip_rate(acceptance: float, draft_seconds: float, costs: DraftCosts, c
     return max(
         expected_tokens(acceptance, g) / (g * draft_seconds + costs.verify_seconds(g + 1)) for g in range(1, cap + 1)
     )
-
-
-@dataclass
-class LookupPlan:
-    tokens: list[int]
-    rate: float  # expected tokens per second
 
 
 class AutoDrafter(BaseDrafter):
@@ -209,7 +224,7 @@ class AutoDrafter(BaseDrafter):
         self.sampling = sampling
         self.skip: Drafter | None = None
         self.length: DraftLengthByCost | None = None
-        self.run_length = state.run_length()
+        self.ranks = state.run_lengths()
         self.lookup_seconds = 1e-4  # running time of one lookup match (a Python scan of the history)
         self.since_skip = 0
         self._earlier: set[int] = set()
@@ -231,12 +246,12 @@ class AutoDrafter(BaseDrafter):
         self.since_skip = 0 if kind == "skip" else self.since_skip + 1
         if kind == "lookup":
             assert plan is not None
-            return self._lookup_draft(plan, request)
+            return tree_draft(plan.tree, "lookup", 0, self.vocab_size, self.sampling, request.device)
         if kind == "none":
             return Draft([], source="none")
-        return self.skip.propose(request)
+        return self._branched(self.skip.propose(request))
 
-    def _choose(self, plan: LookupPlan | None, skip_rate: float) -> str:
+    def _choose(self, plan: Shape | None, skip_rate: float) -> str:
         """ "lookup", "skip" or "none": the highest expected tokens per second (a skip draft now
         and then whatever the estimates say, so that they follow the text)."""
         if self.since_skip >= EXPLORE_EVERY:
@@ -256,40 +271,52 @@ class AutoDrafter(BaseDrafter):
             rate = max(rate, expected_tokens(acceptance, g) / (g * draft_seconds + self.length.verify_price(g + 1)))
         return rate
 
-    def _lookup(self, request: DraftRequest) -> LookupPlan | None:
+    def _lookup(self, request: DraftRequest) -> Shape | None:
+        """The lookup tree (a chain with one match) with the highest expected tokens per second:
+        each match's runs cut, and lower-ranked matches added, only where they pay for their verify."""
+        assert self.length is not None
         s = self.state.settings
         start = time.perf_counter()
         cap = min(s.lookup_max_tokens, request.max_tokens)
-        match = match_lookup(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap)
-        self.run_length.track(match, len(request.history))
+        matches = match_lookups(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap, s.tree_matches)
+        self.ranks.track(matches, len(request.history))
         self.lookup_seconds = 0.7 * self.lookup_seconds + 0.3 * (time.perf_counter() - start)
-        return self._best_run(match) if match.tokens else None
+        if not matches:
+            return None
+        candidates = merged_paths([(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)])
+        shape = shape_tree(candidates, self.length.verify_price, self.lookup_seconds, s.node_budget)
+        return shape if len(shape.tree) else None
 
-    def _best_run(self, match: LookupMatch) -> LookupPlan:
-        """The run length of ``match`` with the highest expected tokens per second."""
-        assert self.length is not None
-        best = LookupPlan([], 0.0)
-        tokens, chance = 1.0, 1.0
-        for i in range(len(match.tokens)):
-            key = (match.ngram, i)
-            reached = self.run_length.reached.get(key, 0)
-            chance *= (self.run_length.right.get(key, 0) + 1) / (reached + 2)
-            tokens += chance
-            rate = tokens / (self.lookup_seconds + self.length.verify_price(i + 2))
-            if rate > best.rate:
-                best = LookupPlan(match.tokens[: i + 1], rate)
-        return best
-
-    def _lookup_draft(self, plan: LookupPlan, request: DraftRequest) -> Draft:
-        q = None
-        if self.sampling is not None:  # a deterministic proposal: q is one-hot on each token
-            q = torch.zeros(len(plan.tokens), self.vocab_size, device=request.device)
-            q[torch.arange(len(plan.tokens)), torch.tensor(plan.tokens)] = 1.0
-        return Draft(tokens=plan.tokens, q=q, source="lookup")
+    def _branched(self, draft: Draft) -> Draft:
+        """A greedy skip draft with the draft's next choices as siblings where they pay (a token
+        tree; the chain stays its first branch). Shaping may also cut the chain's unlikely tail."""
+        s = self.state.settings
+        if draft.top_tokens is None or draft.top_probs is None or not draft.confidence or self.length is None:
+            return draft
+        accept = [self.length.acceptance(c) for c in draft.confidence]  # each token, its earlier ones right
+        reach = [1.0]
+        for a in accept:
+            reach.append(reach[-1] * a)
+        candidates = chain_candidates(draft.tokens, reach[1:])
+        sibling = self.state.sibling_chance()
+        for t, token in enumerate(draft.tokens):
+            probs = draft.top_probs[t]
+            if probs.shape[0] < 2 or float(probs[0] - probs[1]) >= s.tree_margin:
+                continue
+            alternative = int(draft.top_tokens[t, 1])
+            if alternative != token:
+                chance = reach[t] * (1 - accept[t]) * sibling
+                candidates.append(Candidate(ROOT if t == 0 else t - 1, alternative, chance))
+        shape = shape_tree(candidates, self.length.verify_price, draft.seconds, s.node_budget)
+        if not len(shape.tree):
+            return draft
+        if shape.tree.is_chain:
+            return replace(draft, tokens=list(shape.tree.tokens))
+        return replace(draft, tokens=list(shape.tree.tokens), tree=shape.tree, chain=list(draft.tokens))
 
     def _observe(self, history: list[int]) -> None:
         """Score earlier lookup matches and head sizes against the tokens produced since."""
-        self.run_length.observe(history)
+        self.ranks.observe(history)
         if not self._known:
             self._earlier.update(history)
             self._known = len(history)
@@ -304,6 +331,11 @@ class AutoDrafter(BaseDrafter):
     def update(self, draft: Draft, accepted: int) -> None:
         if self.skip is not None:
             self.skip.update(draft, accepted)
+        if draft.tree is not None and draft.chain:
+            run = draft.chain_accepted(accepted)
+            if run < len(draft.chain) and len(draft.tree.children(run - 1 if run else ROOT)) > 1:
+                self.state.sibling_reached += 1  # the chain failed where the tree had a sibling
+                self.state.sibling_right += accepted > run
 
     def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
         return self.skip.watch_verify(block) if self.skip is not None else contextlib.nullcontext()
@@ -316,7 +348,7 @@ class AutoDrafter(BaseDrafter):
     def report(self, stats: GenerationStats) -> None:
         if self.skip is not None:
             self.skip.report(stats)
-        self.state.keep(self.length, self.run_length)
+        self.state.keep(self.length, self.ranks)
         skip_steps = self.kinds.get("skip", 0)
         if skip_steps:
             stats.head_rows[self.state.head_rows] = stats.head_rows.get(self.state.head_rows, 0) + skip_steps

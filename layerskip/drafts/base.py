@@ -16,12 +16,16 @@ from typing import Protocol
 
 import torch
 
+from layerskip.drafts.token_tree import TokenTree
 from layerskip.hf.cache import RollbackCache
 from layerskip.stats import GenerationStats
 
 
 @dataclass
 class Draft:
+    """What a drafter proposes: a chain of tokens, or a token tree (``tree``: its nodes are then
+    ``tokens``, depth-first; the verify runs over all of them at once)."""
+
     tokens: list[int]
     q: torch.Tensor | None = None  # [k, V] proposal probabilities (sampling only)
     source: str = "none"  # "skip", "lookup" or "none"
@@ -29,10 +33,30 @@ class Draft:
     # Skip drafts with draft length by cost: each token's top-2 confidence, and the draft's time.
     confidence: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    tree: TokenTree | None = None
+    # The chain a tree was built around (a skip draft's own tokens), and after the verify the
+    # accepted path (node indices): what a drafter learns from.
+    chain: list[int] = field(default_factory=list)
+    path: list[int] | None = None
+    # Skip drafts asked for alternatives: the draft's best tokens and probabilities per position,
+    # [k, K] best first (greedy).
+    top_tokens: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
 
     @property
     def from_lookup(self) -> bool:
         return self.source == "lookup"
+
+    def chain_accepted(self, accepted: int) -> int:
+        """How many of the chain's own tokens were accepted (a tree may accept a sibling's path)."""
+        if self.tree is None or self.path is None:
+            return accepted
+        run = 0
+        for node, token in zip(self.path, self.chain):
+            if node != run or self.tree.tokens[node] != token:  # the chain is the first branch
+                break
+            run += 1
+        return run
 
 
 @dataclass

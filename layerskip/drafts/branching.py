@@ -16,13 +16,17 @@ Inputs are plain tensors recorded while drafting, one row per chain position:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from layerskip.drafts.base import BaseDrafter, Draft, Drafter, DraftRequest
 from layerskip.drafts.token_tree import ChainNodes, TreeBuilder
+from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import DETERMINISTIC, ROOT, Proposal
+from layerskip.stats import GenerationStats
 
 
 @dataclass(frozen=True)
@@ -94,3 +98,48 @@ def add_siblings(builder: TreeBuilder, chain: ChainNodes, siblings: Sequence[Sib
             break
         nodes.append(node)
     return nodes
+
+
+def branched_draft(draft: Draft, margin: float, width: int, budget: int) -> Draft:
+    """A greedy skip draft with its recorded alternatives (``Draft.top_tokens``) as a token tree:
+    the chain first, then up to ``width - 1`` siblings at each position whose top-2 margin is
+    below ``margin``, at most ``budget`` nodes. A draft with no uncertain position stays a chain."""
+    if draft.tree is not None or draft.top_tokens is None or draft.top_probs is None or not draft.tokens:
+        return draft
+    siblings = ranked_siblings(draft.tokens, draft.top_tokens, draft.top_probs, margin, width)
+    if not siblings:
+        return draft
+    builder = TreeBuilder(budget)
+    chain = builder.add_chain(draft.tokens)
+    add_siblings(builder, chain, siblings)
+    tree = builder.build()
+    if tree.is_chain:
+        return draft
+    return replace(draft, tokens=list(tree.tokens), tree=tree, chain=list(draft.tokens))
+
+
+class BranchingDrafter(BaseDrafter):
+    """A skip drafter whose greedy drafts become token trees (``branched_draft``)."""
+
+    def __init__(self, inner: Drafter, margin: float, width: int, budget: int) -> None:
+        self.inner = inner
+        self.margin = margin
+        self.width = width
+        self.budget = budget
+
+    def propose(self, request: DraftRequest) -> Draft:
+        return branched_draft(self.inner.propose(request), self.margin, self.width, self.budget)
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        self.inner.update(draft, accepted)
+
+    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
+        return self.inner.watch_verify(block)
+
+    def around_verify(
+        self, cache: RollbackCache, start: int, block: torch.Tensor
+    ) -> contextlib.AbstractContextManager[object]:
+        return self.inner.around_verify(cache, start, block)
+
+    def report(self, stats: GenerationStats) -> None:
+        self.inner.report(stats)

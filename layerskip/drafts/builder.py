@@ -26,6 +26,7 @@ from torch import nn
 
 from layerskip.drafts.auto import AutoDrafter, AutoState
 from layerskip.drafts.base import Drafter, NoDrafter
+from layerskip.drafts.branching import BranchingDrafter
 from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.exit_adapter import ExitAdapter
@@ -233,9 +234,14 @@ class PreparedDraft:
             head = self.draft_model.head(self.vocab_rows, growth=run.prompt_length + run.max_new_tokens)
             args = (self.draft_model, policy.skip_attention, policy.skip_mlp, settings, head)
             args += (run.sampling, run.generator)
-            skip = ExitDrafter(*args, reuse_kv=policy.exit.reuse_kv) if policy.exit is not None else SkipDrafter(*args)
+            if policy.exit is not None:
+                skip = ExitDrafter(*args, reuse_kv=policy.exit.reuse_kv)
+            else:
+                skip = SkipDrafter(*args, alternatives=settings.tree_siblings)
             if self.selection is not None:
                 skip = OnTheFlyDrafter(skip, self.model, self.selection)
+            if settings.tree_siblings and run.sampling is None:
+                skip = BranchingDrafter(skip, settings.tree_margin, 1 + settings.tree_siblings, settings.node_budget)
         if not settings.lookup_max_ngram:
             assert skip is not None  # a policy validates to lookup, a skip draft, or both
             return skip
@@ -250,7 +256,9 @@ class PreparedDraft:
         def make_skip(rows: int, length: DraftLengthByCost) -> Drafter:
             head_rows = None if rows == 0 else torch.tensor(ranking[:rows], dtype=torch.long)
             head = draft_model.head(head_rows, growth=run.prompt_length + run.max_new_tokens)
-            skip = SkipDrafter(draft_model, (), (), settings, head, run.sampling, run.generator, length=length)
+            skip = SkipDrafter(
+                draft_model, (), (), settings, head, run.sampling, run.generator, length, settings.tree_siblings
+            )
             return OnTheFlyDrafter(skip, self.model, selection)
 
         return AutoDrafter(self.auto, make_skip, self.vocab_size, run.sampling)

@@ -8,6 +8,8 @@ import torch
 
 from layerskip.drafts.base import BaseDrafter, Draft, DraftRequest
 from layerskip.drafts.policy import DraftSettings
+from layerskip.drafts.token_tree import TokenTree
+from layerskip.drafts.tree_shape import merged_paths, shape_tree
 from layerskip.sampling import Sampling
 
 
@@ -133,21 +135,83 @@ class LookupDrafter(BaseDrafter):
         self.vocab_size = vocab_size
         self.sampling = sampling
         self.run_length = LookupRunLength(settings.lookup_confidence)
+        # Token trees: the other matches' runs, scored by rank as the first one's is.
+        self.ranks = RankedRunLengths(settings.tree_matches)
 
     def propose(self, request: DraftRequest) -> Draft:
         s = self.settings
         self.run_length.observe(request.history)
-        match = match_lookup(
-            request.history, s.lookup_min_ngram, s.lookup_max_ngram, min(s.lookup_max_tokens, request.max_tokens)
-        )
+        cap = min(s.lookup_max_tokens, request.max_tokens)
+        if s.tree_matches > 1:
+            return self._tree(request, cap)
+        match = match_lookup(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap)
         self.run_length.track(match, len(request.history))
         tokens = self.run_length.cut(match)
-        q = None
-        if tokens and self.sampling is not None:
-            # A deterministic proposal: q is one-hot on the proposed token.
-            q = torch.zeros(len(tokens), self.vocab_size, device=request.device)
-            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return Draft(tokens=tokens, q=q, source="lookup", ngram=match.ngram)
+        return chain_draft(tokens, "lookup", match.ngram, self.vocab_size, self.sampling, request.device)
+
+    def _tree(self, request: DraftRequest, cap: int) -> Draft:
+        """Several matches merged into a token tree of at most the policy's node budget, the
+        likeliest nodes first (each match's runs scored by rank)."""
+        s = self.settings
+        matches = match_lookups(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap, s.tree_matches)
+        self.ranks.observe(request.history)
+        self.ranks.track(matches, len(request.history))
+        if not matches:
+            return Draft([], source="lookup")
+        candidates = merged_paths([(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)])
+        shape = shape_tree(candidates, lambda block: 1.0, 0.0, s.node_budget)  # no costs known: the budget
+        return tree_draft(shape.tree, "lookup", matches[0].ngram, self.vocab_size, self.sampling, request.device)
 
     def update(self, draft: Draft, accepted: int) -> None:
         pass  # it learns from the history itself (``LookupRunLength.observe``)
+
+
+class RankedRunLengths:
+    """For token trees of lookup matches: how often the run of the match ranked ``r`` holds, by
+    n-gram length and position, as ``LookupRunLength`` learns it for one match."""
+
+    def __init__(self, matches: int) -> None:
+        self.by_rank = [LookupRunLength(confidence=1e-9) for _ in range(matches)]  # > 0: every match scored
+
+    def observe(self, history: list[int]) -> None:
+        for rule in self.by_rank:
+            rule.observe(history)
+
+    def track(self, matches: list[LookupMatch], start: int) -> None:
+        for rule, match in zip(self.by_rank, matches):
+            rule.track(match, start)
+
+    def chances(self, rank: int, match: LookupMatch) -> list[float]:
+        """Chance that each token of ``match`` is accepted, its earlier ones included."""
+        rule = self.by_rank[rank]
+        chances, chance = [], 1.0
+        for i in range(len(match.tokens)):
+            key = (match.ngram, i)
+            chance *= (rule.right.get(key, 0) + 1) / (rule.reached.get(key, 0) + 2)
+            chances.append(chance)
+        return chances
+
+
+def tree_draft(
+    tree: TokenTree,
+    source: str,
+    ngram: int,
+    vocab_size: int,
+    sampling: Sampling | None,
+    device: torch.device,
+) -> Draft:
+    """A draft of deterministic tree nodes (one-hot q rows when sampling: the tree's attempts say so)."""
+    if tree.is_chain:  # one branch: the plain chain's block, verified as a chain
+        return chain_draft(tree.tokens, source, ngram, vocab_size, sampling, device)
+    return Draft(tokens=list(tree.tokens), source=source, ngram=ngram, tree=tree)
+
+
+def chain_draft(
+    tokens: list[int], source: str, ngram: int, vocab_size: int, sampling: Sampling | None, device: torch.device
+) -> Draft:
+    """A deterministic chain; sampled, its q is one-hot on each proposed token."""
+    q = None
+    if tokens and sampling is not None:
+        q = torch.zeros(len(tokens), vocab_size, device=device)
+        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return Draft(tokens=tokens, q=q, source=source, ngram=ngram)

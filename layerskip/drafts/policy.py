@@ -45,6 +45,9 @@ ABLATIONS = (
     "no-adapter",
     "no-kv-reuse",
     "no-bypass",
+    "chain",
+    "lookup-branches",
+    "draft-branches",
 )
 FORMAT = "layerskip-policy"
 # provenance["machine"]: the device, CPU model and kernel flags it was tuned on (layerskip.machine)
@@ -91,6 +94,23 @@ class DraftSettings:
     # (the model's own weights), "bfloat16", or on CPU "int8" / "int4" (drafts/precision.py).
     # The verify always uses the model's own weights, so the output does not change.
     precision: str = "model"
+    # Token trees (one verify over several candidate continuations; 1 and 0 = a chain): prompt
+    # lookup proposes up to ``tree_matches`` distinct continuations of the last n-gram; the skip
+    # draft adds up to ``tree_siblings`` of its next choices where its top-2 confidence is below
+    # ``tree_margin``. At most ``tree_nodes`` nodes per verify (0: twice the longest draft); with
+    # measured costs (``auto``) the tree holds only the nodes expected to pay for their verify.
+    tree_matches: int = 1
+    tree_siblings: int = 0
+    tree_margin: float = 0.5
+    tree_nodes: int = 0
+
+    @property
+    def uses_trees(self) -> bool:
+        return self.tree_matches > 1 or self.tree_siblings > 0
+
+    @property
+    def node_budget(self) -> int:
+        return self.tree_nodes or 2 * max(self.max_draft_tokens, self.lookup_max_tokens)
 
     @property
     def ending(self) -> str:
@@ -134,6 +154,16 @@ class DraftSettings:
             raise LayerskipError("a policy with use_skip_draft false needs lookup_max_ngram > 0")
         if self.precision not in PRECISIONS:
             raise LayerskipError(f"draft.precision must be one of {', '.join(PRECISIONS)}; fix the policy file")
+        if not 1 <= self.tree_matches <= 16 or not 0 <= self.tree_siblings <= 8:
+            raise LayerskipError(
+                "draft.tree_matches must be 1 (a chain) to 16 and draft.tree_siblings 0 (none) to 8; "
+                "fix the policy file"
+            )
+        if not 0.0 <= self.tree_margin <= 1.0 or not 0 <= self.tree_nodes <= 4 * MAX_DRAFT_TOKENS:
+            raise LayerskipError(
+                f"draft.tree_margin must be in [0, 1] and draft.tree_nodes between 0 (by the draft's length) and "
+                f"{4 * MAX_DRAFT_TOKENS}; fix the policy file"
+            )
 
 
 @dataclass(frozen=True)
@@ -316,19 +346,24 @@ class SkipPolicy:
 
     @classmethod
     def auto_choice(cls, device: str | torch.device = "cpu") -> SkipPolicy:
-        """``--policy auto``: no study and no file. Prompt lookup (n-grams of 2-3, runs up to 16) or
-        the skip draft (up to 8 tokens, its length by cost, its skip set chosen on the fly from
+        """``--policy auto``: no study and no file. Prompt lookup (n-grams of 2-3, runs up to 16, up
+        to 4 matches in a token tree) or the skip draft (up to 10 tokens, its length by cost, its
+        next choices as tree siblings where it hesitates, its skip set chosen on the fly from
         nothing bypassed), whichever is expected to give more tokens per second at each step,
-        with the verify padding and the draft head's size chosen from a calibration of this
-        machine. On a CPU the draft runs from an int4 copy; elsewhere from the model's weights."""
+        with the tree's shape, the verify padding and the draft head's size priced by a
+        calibration of this machine. On a CPU the draft runs from an int4 copy; elsewhere from
+        the model's own weights."""
         precision = "int4" if torch.device(device).type == "cpu" else "model"
         draft = DraftSettings(
-            max_draft_tokens=8,
+            max_draft_tokens=10,
             length_by_cost=True,
             lookup_max_ngram=3,
             lookup_min_ngram=2,
             lookup_max_tokens=16,
             precision=precision,
+            tree_matches=4,
+            tree_siblings=1,
+            tree_nodes=24,
         )
         return cls(draft=draft, on_the_fly=OnTheFlySettings(), auto=AutoSettings(), provenance={"source": "auto"})
 
@@ -338,8 +373,9 @@ class SkipPolicy:
 
         ``no-lookup``: the skip draft alone; ``lookup-only``: prompt lookup alone; ``full-head``:
         the skip draft scores the whole vocabulary; ``model-precision``: the draft uses the model's
-        own weights; ``no-bypass``: the same draft precision and head with nothing bypassed.
-        Used to show what each ingredient contributes.
+        own weights; ``no-bypass``: the same draft precision and head with nothing bypassed;
+        ``chain``: token trees off; ``lookup-branches`` / ``draft-branches``: trees of lookup
+        matches only / of the draft's siblings only. Used to show what each ingredient contributes.
         """
         d = self.draft
         variants: dict[str, SkipPolicy] = {}
@@ -361,7 +397,16 @@ class SkipPolicy:
         if self.bypasses_anything and d.use_skip_draft and (d.precision != "model" or d.draft_vocab_size):
             # The same cheap draft with nothing bypassed: what skipping itself adds.
             variants["no-bypass"] = replace(self, skip_attention=(), skip_mlp=())
+        if d.uses_trees:
+            variants["chain"] = self.chain()  # every draft a chain
+            if d.tree_matches > 1 and d.tree_siblings and d.use_skip_draft and d.lookup_max_ngram:
+                variants["lookup-branches"] = replace(self, draft=replace(d, tree_siblings=0))
+                variants["draft-branches"] = replace(self, draft=replace(d, tree_matches=1))
         return variants
+
+    def chain(self) -> SkipPolicy:
+        """The same policy with token trees off: one lookup match and no siblings per step."""
+        return replace(self, draft=replace(self.draft, tree_matches=1, tree_siblings=0))
 
     @property
     def bypassed_sublayers(self) -> list[tuple[int, str]]:
@@ -453,6 +498,11 @@ class SkipPolicy:
     def _validate_exit(self, count: int) -> None:
         assert self.exit is not None
         self.exit.validate()
+        if self.draft.uses_trees:
+            raise LayerskipError(
+                "token trees do not combine with an exit adapter (its verify reuses a chain's layers); "
+                "set draft.tree_matches to 1 and draft.tree_siblings to 0"
+            )
         layer = self.exit.layer
         if not self.draft.use_skip_draft:
             raise LayerskipError("an exit adapter needs a skip draft; set draft.use_skip_draft to true")

@@ -71,6 +71,7 @@ class SkipDrafter(BaseDrafter):
         sampling: Sampling | None,
         generator: torch.Generator | None,
         length: DraftLengthByCost | None = None,
+        alternatives: int = 0,
     ) -> None:
         self.draft_model = draft_model
         self.attention = attention
@@ -83,6 +84,8 @@ class SkipDrafter(BaseDrafter):
         if length is None and settings.length_by_cost:
             length = DraftLengthByCost(settings.max_draft_tokens, settings.min_verify_block)
         self.length = length  # ``auto`` passes one priced by its calibration
+        # Greedy drafts for a token tree record their best ``1 + alternatives`` tokens per position.
+        self.alternatives = alternatives if sampling is None else 0
         self.clock = DeviceClock(draft_model.device)
         self._last_verify_seconds = 0.0
         self._known = 0  # how much of the history the head has been given
@@ -95,6 +98,7 @@ class SkipDrafter(BaseDrafter):
         tokens: list[torch.Tensor] = []
         q_rows: list[torch.Tensor] = []
         confidences: list[float] = []
+        tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per position: best tokens [K], probs [K]
         with self.draft_model.active(self.attention, self.mlp):
             for i in range(min(request.max_tokens, self.settings.max_draft_tokens)):
                 logits = self.draft_model.logits(token, request.cache, request.position + i, self.head)  # [n]
@@ -106,6 +110,9 @@ class SkipDrafter(BaseDrafter):
                     q_rows.append(self.head.to_full_vocab(probs))
                 chosen = self.head.token_ids(index)
                 tokens.append(chosen)
+                if self.alternatives:
+                    top = torch.topk(logits.float().softmax(-1), min(1 + self.alternatives, logits.shape[-1]))
+                    tops.append((self.head.token_ids(top.indices), top.values))
                 if self.stop is not None and self.stop.stop(float(top2_confidence(logits))):
                     break
                 if self.length is not None:
@@ -115,6 +122,9 @@ class SkipDrafter(BaseDrafter):
                 token = chosen.view(1, 1)
         ids = torch.stack(tokens).tolist() if tokens else []
         draft = Draft(tokens=ids, q=torch.stack(q_rows) if q_rows else None, source="skip", confidence=confidences)
+        if tops:
+            draft.top_tokens = torch.stack([t for t, _ in tops])  # [k, K]
+            draft.top_probs = torch.stack([p for _, p in tops])
         if self.length is not None:
             draft.seconds = self.clock.now() - start  # the confidences were read back: device work is done
             self.length.observe_draft(len(ids), draft.seconds)
@@ -131,6 +141,7 @@ class SkipDrafter(BaseDrafter):
         self.length.observe_verify(block, self._last_verify_seconds)
 
     def update(self, draft: Draft, accepted: int) -> None:
+        accepted = draft.chain_accepted(accepted)  # a tree may have accepted a sibling's path instead
         if self.stop is not None and draft.source == "skip":
             self.stop.update(len(draft.tokens), accepted)
         if self.length is not None and draft.source == "skip" and draft.tokens:

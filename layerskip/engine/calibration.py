@@ -90,7 +90,9 @@ def calibrate(
 ) -> DraftCosts:
     """``policy``'s (an ``auto`` policy's) costs on this machine: from the cache when an entry
     with the same key is there and ``read``, else measured (after ``context`` tokens, default a
-    text the model writes itself) and cached. ``DraftCosts.info`` says which, and how long it took."""
+    text the model writes itself) and cached. ``DraftCosts.info`` says which, and how long it took
+    (building the draft's low-precision copy, which every policy's draft needs, is not counted:
+    ``models`` may hold it already)."""
     start = time.perf_counter()
     key = calibration_key(model, policy)
     path = Path(root if root is not None else calibration_root()) / f"costs-{_digest(key)}.json"

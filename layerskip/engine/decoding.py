@@ -8,6 +8,7 @@ model's. Plain decoding is the same loop with a drafter that proposes nothing (b
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from layerskip.drafts.builder import DraftModels, DraftRun, PreparedDraft, prepa
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import SelectionState
 from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy_spec import load_policy
 from layerskip.engine.calibration import calibrate
 from layerskip.engine.step import StepOutcome, Stepper
 from layerskip.engine.threads import ThreadTuner
@@ -148,7 +150,7 @@ class Decoder:
     def for_policy(
         cls,
         model: nn.Module,
-        policy: SkipPolicy | None,
+        policy: SkipPolicy | str | None,
         vocab_rows: torch.Tensor | None = None,
         threads: int | str = "auto",
         certified_head: bool | None = None,
@@ -156,12 +158,19 @@ class Decoder:
         progress: bool = False,
     ) -> Decoder:
         """A decoder with ``policy``'s draft prepared for ``model`` (plain decoding without one).
-        An ``auto`` policy is priced by a calibration of this machine, measured here or read
-        from the cache (``engine.calibration``)."""
+        ``policy`` may be a ``--policy`` value: ``"auto"``, ``"on-the-fly"``, a file's path. An
+        ``auto`` policy is priced by a calibration of this machine, measured here or read from
+        the cache (``engine.calibration``)."""
+        if isinstance(policy, str):
+            policy = load_policy(policy, next(model.parameters()).device)[1]
         costs = None
         if policy is not None and policy.auto is not None:
             models = models if models is not None else DraftModels(model)
+            start = time.perf_counter()
+            models.for_policy(policy, all_sublayers=True)  # the int4 copy every draft of it runs from
+            built = time.perf_counter() - start
             costs = calibrate(model, policy, models, progress=progress)
+            costs.info["draft_build_seconds"] = round(built, 3)
         return cls(model, prepare_draft(model, policy, vocab_rows, models, costs), threads, certified_head)
 
     @property
@@ -252,6 +261,10 @@ class Decoder:
         stats.record_block(outcome.block)
         if draft.from_lookup and draft.tokens:
             stats.lookup_steps += 1
+        if draft.tree is not None:
+            stats.tree_steps += 1
+            path = outcome.verdict.path or ()
+            stats.off_branch_steps += any(node != depth for depth, node in enumerate(path))
         drafter.update(draft, accepted)
 
     def _finish(self, stats: GenerationStats, fallbacks_before: int) -> None:
@@ -322,7 +335,7 @@ def generate(
     model: nn.Module,
     tokenizer: object,
     prompt: str,
-    policy: SkipPolicy | None = None,
+    policy: SkipPolicy | str | None = None,
     *,
     max_new_tokens: int = 128,
     chat: bool = False,

@@ -22,10 +22,12 @@ from torch import nn
 
 from layerskip.drafts.base import Draft, Drafter, DraftRequest
 from layerskip.drafts.builder import PreparedDraft
+from layerskip.drafts.token_tree import TokenTree
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import Verdict, Verifier
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import full_hidden
+from layerskip.hf.tree import ROOT, tree_hidden
 from layerskip.stats import DeviceClock
 
 
@@ -40,7 +42,9 @@ class StepOutcome:
     @property
     def tokens(self) -> list[int]:
         """The drafts the full model kept, then its own token."""
-        return [*self.draft.tokens[: self.verdict.accepted], self.verdict.next_token]
+        tree, path = self.draft.tree, self.verdict.path
+        kept = self.draft.tokens[: self.verdict.accepted] if tree is None else [tree.tokens[n] for n in path or ()]
+        return [*kept, self.verdict.next_token]
 
 
 @dataclass
@@ -68,10 +72,11 @@ class Stepper:
         self.cache.rollback(committed)
         block = [history[-1], *draft.tokens]
         if self.prepared is not None:
-            # Filler positions after the draft: causal attention keeps them out of every earlier
-            # position's logits; their logits are dropped and their K/V rolled back.
+            # Filler positions after the draft: causal attention (a tree: children of the root seen
+            # by nothing else) keeps them out of every real row; their rows and K/V are dropped.
             block += [block[-1]] * (self.prepared.verify_block(len(block), committed) - len(block))
         verdict = self._verify(block, draft, history, committed, learn=True)
+        draft.path = None if verdict.path is None else list(verdict.path)
         draft_seconds = drafted - start if draft.source != "none" else 0.0
         return StepOutcome(draft, verdict, len(block), draft_seconds, self.clock.now() - drafted)
 
@@ -95,8 +100,14 @@ class Stepper:
             self.drafter.around_verify(self.cache, committed, ids),
         ):
             run.units = 1 if learn else 0  # the prefill teaches nothing about a step
-            hidden = full_hidden(self.model, ids, self.cache, committed, keep)[:rows]  # [k+1, H]
+            if draft.tree is None:
+                hidden = full_hidden(self.model, ids, self.cache, committed, keep)[:rows]  # [k+1, H]
+            else:
+                parents = [*draft.tree.parents, *[ROOT] * (len(block) - rows)]  # fillers hang off the root
+                hidden = tree_hidden(self.model, ids, parents, self.cache, committed)[:rows]  # [n+1, H]
             verdict = self.verifier.verify(hidden, draft, history)
-        accepted_positions = len(block) if not learn else 1 + verdict.accepted
-        self.cache.rollback(committed + accepted_positions)
+        if verdict.path is not None:  # the accepted path's K/V moved into place, the rest cut
+            self.cache.keep_path(committed, TokenTree.block_rows(verdict.path))
+        else:
+            self.cache.rollback(committed + (len(block) if not learn else 1 + verdict.accepted))
         return verdict

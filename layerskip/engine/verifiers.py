@@ -1,8 +1,9 @@
 """How the full model's verify forward decides: one small type per way, one method each.
 
 A verifier gets the final hidden states of the verified block's real rows (``[k+1, H]``: the
-pending token and the k drafted ones) and the draft, and returns how many drafted tokens the full
-model keeps and the token it adds itself. The prefill is a verify with nothing drafted.
+pending token and the k drafted ones, or a token tree's nodes) and the draft, and returns how
+many drafted tokens the full model keeps (a tree: which path) and the token it adds itself. The
+prefill is a verify with nothing drafted.
 
 * ``GreedyVerifier``: each row's argmax, from the certified head where the engine uses one.
 * ``SampledVerifier``: rejection sampling against the draft's proposal q (the output keeps the
@@ -20,7 +21,15 @@ import torch
 
 from layerskip.drafts.base import Draft
 from layerskip.engine.verify_head import VerifyHead
-from layerskip.sampling import Sampling, accept_greedy, verify_greedy, verify_sampled
+from layerskip.sampling import (
+    Sampling,
+    accept_greedy,
+    accept_tree_greedy,
+    verify_greedy,
+    verify_sampled,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 
 # (context, logits [k+1, V]) -> processed logits [k+1, V]; row i follows context[: len(context) - k + i].
 # Applied to the verify's logits only: the draft proposes from its own, so the output stays exact.
@@ -31,6 +40,11 @@ LogitsHook = Callable[[list[int], torch.Tensor], torch.Tensor]
 class Verdict:
     accepted: int  # drafted tokens the full model keeps
     next_token: int  # the full model's own token after them
+    path: tuple[int, ...] | None = None  # a token tree's accepted nodes (None for a chain)
+
+    @classmethod
+    def of_tree(cls, path: list[int], next_token: int) -> Verdict:
+        return cls(len(path), next_token, tuple(path))
 
 
 class Verifier(Protocol):
@@ -46,7 +60,10 @@ class GreedyVerifier:
         self.head = head
 
     def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
-        return Verdict(*accept_greedy(draft.tokens, self.head.argmax(hidden)))
+        targets = self.head.argmax(hidden)
+        if draft.tree is not None:
+            return Verdict.of_tree(*accept_tree_greedy(draft.tree.tokens, draft.tree.parents, targets))
+        return Verdict(*accept_greedy(draft.tokens, targets))
 
 
 class SampledVerifier:
@@ -60,6 +77,9 @@ class SampledVerifier:
 
     def _choose(self, logits: torch.Tensor, draft: Draft) -> Verdict:
         probs = self.sampling.probs(logits)  # [k+1, V], the same transform the draft's q had
+        tree = draft.tree
+        if tree is not None:
+            return Verdict.of_tree(*verify_tree_sampled(tree.tokens, tree.attempts, probs, tree.q, self.generator))
         return Verdict(*verify_sampled(draft.tokens, probs, draft.q, self.generator))
 
 
@@ -72,9 +92,17 @@ class HookedVerifier:
         self.sampled = sampled
 
     def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
-        logits = self.hook([*history, *draft.tokens], self.head.logits(hidden))
+        logits = self.head.logits(hidden)
+        if draft.tree is None:
+            logits = self.hook([*history, *draft.tokens], logits)
+        else:  # each row after its own path: the hook sees the text that row continues
+            tree = draft.tree
+            contexts = [history, *([*history, *tree.path_tokens(node)] for node in range(len(tree)))]
+            logits = torch.cat([self.hook(context, logits[i : i + 1]) for i, context in enumerate(contexts)])
         if self.sampled is not None:
             return self.sampled._choose(logits, draft)
+        if draft.tree is not None:
+            return Verdict.of_tree(*verify_tree_greedy(draft.tree.tokens, draft.tree.parents, logits))
         return Verdict(*verify_greedy(draft.tokens, logits))
 
 

@@ -118,6 +118,7 @@ def build_methods(
     lookup_tokens: int = 10,
     ablate: bool | Sequence[str] = False,
     threads: Sequence[int | str] = ("auto",),
+    tree_ablation: bool = False,
 ) -> list[Method]:
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
@@ -127,7 +128,9 @@ def build_methods(
     decoder keeps what it learns from prompt to prompt, as a server would). ``hf-custom`` runs each
     policy through ``model.generate(custom_generate=...)`` (``hf-custom:NAME`` when there are
     several), so the plug-in's overhead against ``self-spec`` is measured. Each policy's draft is
-    prepared here, once (like loading a model), not inside the timed calls.
+    prepared here, once (like loading a model), not inside the timed calls. With
+    ``tree_ablation``, every policy that drafts token trees runs again with them off, as
+    ``METHOD (chain)``, interleaved with it.
 
     ``threads``: our decoders' CPU thread setting ("auto" or a count, ``Decoder.for_policy(threads=...)``);
     each further entry adds every method again under that setting, named ``NAME@tN`` /
@@ -136,13 +139,12 @@ def build_methods(
     check_methods(names, bool(policies), assistant is not None)
     if not threads:
         raise LayerskipError("threads needs at least one setting ('auto' or a count)")
-    methods = _methods_for(model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, threads[0], None)
+    args = (model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, tree_ablation)
+    methods = _methods_for(*args, threads[0], None)
     for setting in threads[1:]:
         suffix = f"@t{setting}" if setting != "auto" else "@auto"
         hf_threads = setting if isinstance(setting, int) else None
-        again = _methods_for(
-            model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, setting, hf_threads
-        )
+        again = _methods_for(*args, setting, hf_threads)
         for method in again:
             if setting == "auto" and method.name.startswith("hf-") and method.name != "hf-custom":
                 continue
@@ -183,6 +185,7 @@ def _methods_for(
     assistant: nn.Module | None,
     lookup_tokens: int,
     ablate: bool | Sequence[str],
+    tree_ablation: bool,
     threads: int | str,
     hf_threads: int | None,
 ) -> list[Method]:
@@ -216,6 +219,8 @@ def _methods_for(
             variants = {}
             for label, policy in policies.items():
                 variants[label] = policy
+                if tree_ablation and policy.draft.uses_trees:
+                    variants[f"{label} (chain)"] = policy.chain()
                 if ablate:
                     chosen = policy.ablations()
                     if not isinstance(ablate, bool):  # only the ablations named
@@ -369,6 +374,9 @@ def summarise(
             "head_fallback_rows": stats.head_fallback_rows if stats is not None else None,
             # Tokens drafted per step -> steps; auto's choices besides (head size, calibration).
             "draft_lengths": dict(sorted(stats.draft_histogram.items())) if stats is not None else None,
+            # Token trees: verify steps that were trees, and those that accepted off the first branch.
+            "tree_steps": stats.tree_steps if stats is not None else None,
+            "off_branch_steps": stats.off_branch_steps if stats is not None else None,
             "auto": auto_choices(stats) if stats is not None and stats.calibration else None,
         }
 

@@ -1,0 +1,115 @@
+"""Which candidate tokens go into one verify block: the tree's shape, chosen by expected tokens per second.
+
+Every candidate node carries ``chance``, the estimated probability that the full model accepts
+it (its ancestors included). A verify of ``n`` nodes yields ``1 + sum(chance)`` tokens on average
+(the accepted path plus the model's own token: the chances of siblings add up because at most
+one of them can be accepted) and costs ``spent + v(n + 1)``: what drafting the candidates
+took, and the verify over the root and n nodes. Nodes are taken most likely first (a node
+only after its parent), and the tree is the prefix of that order with the highest ratio: a
+branch is added only where the expected tokens grow faster than the verify's cost does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from layerskip.drafts.token_tree import TokenTree, TreeBuilder
+from layerskip.sampling import DETERMINISTIC, ROOT, Proposal
+
+
+@dataclass(frozen=True)
+class Candidate:
+    parent: int  # index of the parent candidate in the list; ROOT for a child of the pending token
+    token: int
+    chance: float  # probability the full model accepts it, its ancestors included
+    proposal: Proposal = DETERMINISTIC
+
+
+@dataclass(frozen=True)
+class Shape:
+    tree: TokenTree
+    expected_tokens: float
+    seconds: float  # drafting spent plus the verify of this tree
+
+    @property
+    def rate(self) -> float:
+        return self.expected_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def choose_nodes(
+    candidates: Sequence[Candidate], verify_price: Callable[[int], float], spent: float, budget: int
+) -> tuple[list[int], float, float]:
+    """The candidates to verify (indices, in the order given), their expected tokens and cost."""
+    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i].chance, i))
+    chosen: set[int] = set()
+    taken: list[int] = []
+    tokens = 1.0
+    best = ([], 1.0, spent + verify_price(1))
+    # A node is ready once its parent is in; most likely first (a child never beats its parent).
+    pending = list(order)
+    while pending and len(taken) < budget:
+        ready = next((i for i in pending if candidates[i].parent in chosen or candidates[i].parent == ROOT), None)
+        if ready is None:
+            break
+        pending.remove(ready)
+        chosen.add(ready)
+        taken.append(ready)
+        tokens += candidates[ready].chance
+        seconds = spent + verify_price(len(taken) + 1)
+        if tokens / seconds > best[1] / best[2]:
+            best = (list(taken), tokens, seconds)
+    return sorted(best[0]), best[1], best[2]
+
+
+def shape_tree(
+    candidates: Sequence[Candidate],
+    verify_price: Callable[[int], float],
+    spent: float,
+    budget: int,
+    q_rows: object = None,
+) -> Shape:
+    """The tree of the chosen candidates, built in the given order (the first candidate's branch is
+    the block's first positions, as a chain's would be). ``q_rows`` (``[m, V]``) are the proposal
+    rows that sampled candidates' ``Proposal.q_row`` index."""
+    keep, tokens, seconds = choose_nodes(candidates, verify_price, spent, budget)
+    builder = TreeBuilder(len(keep))
+    if q_rows is not None:
+        builder.add_q(q_rows)
+    node_of: dict[int, int] = {}
+    for index in keep:
+        candidate = candidates[index]
+        parent = ROOT if candidate.parent == ROOT else node_of[candidate.parent]
+        node = builder.add_child(parent, candidate.token, candidate.proposal)
+        if node is not None:
+            node_of[index] = node
+    return Shape(builder.build(), tokens, seconds)
+
+
+def chain_candidates(tokens: Sequence[int], chances: Sequence[float], first: int = 0) -> list[Candidate]:
+    """A chain as candidates: token i the child of token i-1; ``first`` is the index the first one
+    will have in the caller's list (so that chains can be appended to one list)."""
+    return [
+        Candidate(ROOT if i == 0 else first + i - 1, token, chance)
+        for i, (token, chance) in enumerate(zip(tokens, chances, strict=True))
+    ]
+
+
+def merged_paths(paths: Sequence[tuple[Sequence[int], Sequence[float]]]) -> list[Candidate]:
+    """Deterministic continuations (lookup matches, greedy chains), each with its per-token
+    chances, merged on shared prefixes: a shared node counts once, with the larger chance."""
+    candidates: list[Candidate] = []
+    index: dict[tuple[int, int], int] = {}
+    for tokens, chances in paths:
+        parent = ROOT
+        for token, chance in zip(tokens, chances, strict=True):
+            key = (parent, token)
+            if key in index:
+                node = index[key]
+                if chance > candidates[node].chance:
+                    candidates[node] = Candidate(parent, token, chance)
+            else:
+                node = index[key] = len(candidates)
+                candidates.append(Candidate(parent, token, chance))
+            parent = node
+    return candidates
