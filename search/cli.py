@@ -79,7 +79,7 @@ def preset_values(name: str, device: torch.device) -> dict[str, Any]:
     """What ``--preset NAME`` sets (argparse destinations -> values), unless a flag sets it.
 
     ``quick``: the recipe of the searches that made the shipped skip-only and hybrid policies
-    (docs/benchmarks.md: ranked space, an int4 draft with a 4096- or 16384-row head, k 3..6, at
+    (docs/search.md: ranked space, an int4 draft with a 4096- or 16384-row head, k 3..6, at
     most a quarter of the sublayers bypassed, every trial a skip draft, prompt lookup in front or
     not), cut to 30 trials on 4 prompts and 2 confirmations so that it ends in about 5 minutes on
     2 CPU cores; trials stop starting after 150 s on a slower machine. int4 is a CPU kernel: on
