@@ -39,7 +39,7 @@ from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.machine import Machine, this_machine
 from layerskip.measure.agreement import sublayer_order
-from search.calibration_cache import CACHE_ENV, CalibrationCache, phase
+from search.calibration_cache import CACHE_ENV, CalibrationCache
 from search.checks import (
     check_arguments,
     check_head_sizes,
@@ -52,6 +52,7 @@ from search.confirmation import MIN_ROUNDS, confirm_window
 from search.draft_timing import shared_timing_counts
 from search.export import export_policy, verdict
 from search.journal import repair_journal
+from search.log import phase
 from search.objective import OBJECTIVES, CheapObjective, prepare_calibration
 from search.plots import write_plots
 from search.space import RANKING_ATTR, ExitChoice, SearchSpace, trial_policy
