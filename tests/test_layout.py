@@ -114,3 +114,21 @@ def test_public_names_import_from_the_top() -> None:
     for name in ("load_model", "generate", "SkipPolicy", "custom_generate_path", "Decoder", "prepare_draft"):
         assert hasattr(layerskip, name), name
     assert Path(layerskip.custom_generate_path(), "custom_generate", "generate.py").is_file()
+
+
+MAX_FUNCTION_LINES = 80  # a longer function is several steps that want names of their own
+
+
+def test_no_function_of_the_search_or_the_engine_runs_past_80_lines() -> None:
+    """The search reads as its phases (search/phases.py) and the decode loop as its step: no
+    function in ``search/`` or ``layerskip/engine/`` runs past 80 lines, docstring included."""
+    sources = [*sorted((ROOT / "search").rglob("*.py")), *sorted((ROOT / "layerskip" / "engine").rglob("*.py"))]
+    assert len(sources) > 10
+    long = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
