@@ -1,10 +1,10 @@
 """The machine a figure was measured on: device kind, CPU model and the ISA flags our kernels use.
 
 A policy's speedup belongs to the machine it was tuned on: the int4 draft's cost, the bf16 head
-and the verify's cost per block length all follow the CPU's vector units (an AVX2-only EPYC
-against an AMX Xeon changed a shipped policy from 1.60x to 1.15x). So the search and
-``generate --save-policy`` record ``Machine.to_dict()`` in a policy's provenance, the benchmark
-records it in its environment, and ``generate``/``bench`` compare it with the machine at hand.
+and the verify's cost per block length all follow the CPU's vector units, so a policy tuned on
+one CPU can lose much of its speedup on another. So the search and ``generate --save-policy``
+record ``Machine.to_dict()`` in a policy's provenance, the benchmark records it in its
+environment, and ``generate``/``bench`` compare it with the machine at hand.
 
 On Linux the CPU is read from ``/proc/cpuinfo`` (``lscpu``'s "Model name" and flags); elsewhere
 ``platform.processor()`` names it and no flags are known.

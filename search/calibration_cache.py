@@ -1,4 +1,4 @@
-"""What a search computes before its first trial, cached between runs, and a busy-machine check.
+"""What a search computes before its first trial, cached between runs.
 
 Two entries, JSON files under ``$LAYERSKIP_SEARCH_CACHE`` or ``<model cache>/search``
 (``layerskip.hf.models.cache_dir()``), each written atomically:
@@ -23,9 +23,7 @@ import hashlib
 import json
 import os
 import platform
-import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +34,10 @@ from layerskip.engine.latency import PLAIN_REPEATS, VERIFY_PATH, VERIFY_REPEATS,
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference
+from search.log import Log, to_stderr
 
 FORMAT = 1
 CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"
-
-Log = Callable[[str], None]
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
 
 
 def cache_root() -> Path:
@@ -61,17 +54,6 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-@contextlib.contextmanager
-def phase(name: str, progress: bool, log: Log = _stderr) -> Iterator[dict[str, str]]:
-    """One line when the phase ends: ``search: NAME: DETAIL (X.X s)``; the body may set ``detail``."""
-    info = {"detail": ""}
-    start = time.perf_counter()
-    yield info
-    if progress:
-        detail = f": {info['detail']}" if info["detail"] else ""
-        log(f"search: {name}{detail} ({time.perf_counter() - start:.1f} s)")
-
-
 class CalibrationCache:
     """The references, sublayer order and latency of one model on this device, cached on disk.
 
@@ -85,7 +67,7 @@ class CalibrationCache:
         root: str | os.PathLike[str] | None = None,
         read: bool = True,
         enabled: bool = True,
-        log: Log = _stderr,
+        log: Log = to_stderr,
     ) -> None:
         self.root = Path(root) if root is not None else cache_root()
         self.read = read

@@ -1,6 +1,7 @@
 """Checks of a search's command line made before any model loads or any storage is written.
 
-Two kinds: values no study can use (a negative seed, timeout or head size), and, for a study
+Three kinds: values no study can use (a negative seed, timeout or head size), exit adapters
+that are not there (``read_exit_choices``), and, for a study
 that already exists, flags that would change its search space or its calibration. Optuna refuses
 a parameter whose choices changed ("dynamic value space") only when a trial samples it, after
 minutes of calibration, and records a FAIL trial; here it is one line before any work. Other
@@ -15,11 +16,14 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from layerskip.data import Prompt
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS
 from layerskip.errors import LayerskipError, few
+from search.confirmation import MIN_ROUNDS
+from search.space import ExitChoice
 
 # numpy's RandomState (under Optuna's samplers) takes seeds in [0, 2**32); the sampler seed
 # adds the worker and trial counts to --seed, so --seed leaves them room.
@@ -46,6 +50,7 @@ SPACE_FLAGS: dict[str, str] = {
 
 def check_arguments(args: argparse.Namespace) -> None:
     """One-line LayerskipError for a value the search cannot use; reads nothing, writes nothing."""
+    _check_counts(args)
     if not 0 <= args.seed <= MAX_SEED:
         raise LayerskipError(f"--seed must be between 0 and {MAX_SEED} (got {args.seed})")
     if not 0 <= args.worker <= 999_999:
@@ -72,6 +77,45 @@ def check_arguments(args: argparse.Namespace) -> None:
     low, high = args.min_skip_fraction, args.max_skip_fraction
     if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= high <= 1.0):
         raise LayerskipError(f"need 0 <= --min-skip-fraction ({low}) <= --max-skip-fraction ({high}) <= 1")
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for name in ("n_trials", "n_prompts", "reference_tokens", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise LayerskipError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
+    if args.total_trials is not None and args.total_trials <= 0:
+        raise LayerskipError("--total-trials must be > 0")
+    if args.confirm_top < 0:
+        raise LayerskipError("--confirm-top must be >= 0")
+    if args.confirm_rounds < MIN_ROUNDS:
+        raise LayerskipError(
+            f"--confirm-rounds must be >= {MIN_ROUNDS} (got {args.confirm_rounds}): fewer rounds cannot tell "
+            "the noise; --confirm-top 0 skips the confirmation"
+        )
+    if any(k < 1 for k in args.draft_tokens) or not args.draft_tokens:
+        raise LayerskipError("--draft-tokens must list integers >= 1")
+
+
+def read_exit_choices(directories: list[str]) -> tuple[ExitChoice, ...]:
+    """The exit adapters listed in each layerskip-train-exit output directory's report.json."""
+    choices: dict[str, ExitChoice] = {}
+    for directory in directories:
+        report_path = Path(directory) / "report.json"
+        try:
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+            exits = report["exits"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise LayerskipError(
+                f"--exit-adapters {directory} holds no readable report.json; "
+                "pass a layerskip-train-exit --out directory"
+            ) from None
+        for entry in exits:
+            path = (Path(directory) / entry["adapter"]).resolve()
+            if not path.is_file():
+                raise LayerskipError(f"exit adapter {path} listed in {report_path} is missing; train it again")
+            label = f"L{entry['layer']}-{entry['kind']}"
+            choices.setdefault(label, ExitChoice(label, entry["layer"], entry["kind"], str(path), entry["sha256"]))
+    return tuple(choices.values())
 
 
 def _at_least(flag: str, values: Sequence[int], low: int, note: str = "") -> None:

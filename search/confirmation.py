@@ -109,18 +109,6 @@ def confirm_window(
     return results
 
 
-def confirm(
-    model: nn.Module,
-    calibration: Calibration,
-    policy: SkipPolicy,
-    max_new_tokens: int,
-    progress: bool = False,
-    rounds: int = MIN_ROUNDS,
-) -> Confirmation:
-    """One policy against HF generate (a window of one finalist)."""
-    return confirm_window(model, calibration, {0: policy}, max_new_tokens, rounds, progress)[0]
-
-
 @dataclass
 class Decision:
     """Which finalist of a window is chosen, and why."""

@@ -6,11 +6,12 @@ offered (``search.space.exportable``): a skip draft that bypasses nothing is the
 drafting for itself and is never exported. The trial exported by default is the one the last
 confirmation window chose (``search.confirmation``); the provenance then records every
 finalist's measured speedup and noise and whether a close call decided it. Whether the choice
-beats plain decoding is reported by ``verdict``, plainly.
+beats plain decoding is reported by ``verdict``, plainly, and the study's finalists by ``summary``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from layerskip.drafts.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
+from search.draft_timing import shared_timing_counts
 from search.space import exportable, trial_policy
 from search.study import confirmation_window, confirmations
 
@@ -159,3 +161,55 @@ def export_policy(study: optuna.Study, out: str | Path, trial_number: int | None
     policy = policy_for_trial(study, choose_trial(study, trial_number))
     policy.save(out)
     return policy
+
+
+def summary(study: optuna.Study, top: Sequence[FrozenTrial]) -> str:
+    """The table a search prints at its end: the finalists ``top`` (and the last confirmation window's
+    trials) with their cheap and measured figures, how the window was measured and what it decided."""
+    confirmed = confirmations(study)
+    window = confirmation_window(study)
+    rows = list(top)
+    if window is not None:  # the last window's trials, a previous winner among them, are shown too
+        extra = set(window["trials"]) - {t.number for t in rows}
+        rows += [t for t in study.get_trials(deepcopy=False) if t.number in extra]
+    lines = [
+        "| trial | attention skipped | MLP skipped | draft | acceptance (tf) | predicted "
+        "| measured speedup (IQR) | tau | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for trial in rows:
+        policy = trial_policy(study, trial)
+        c = confirmed.get(trial.number)
+        noise = f" ({c['speedup_iqr']:.2f})" if c and "speedup_iqr" in c else ""
+        measured = (
+            f"{c['speedup']:.2f}x{noise} | {c['mean_accepted']:.2f} | {c['identical_fraction']:.2f}"
+            if c
+            else "- | - | -"
+        )
+        k = f"{policy.draft.max_draft_tokens} {policy.draft.ending}".rstrip()
+        if policy.draft.precision != "model" and policy.draft.use_skip_draft:
+            k += f", {policy.draft.precision}"
+        if policy.draft.draft_vocab_size and policy.draft.use_skip_draft:
+            k += f", head {policy.draft.draft_vocab_size}"
+        if policy.exit is not None:
+            k += f", exit after layer {policy.exit.layer} ({policy.exit.kind})"
+        if not policy.draft.use_skip_draft:
+            k = f"lookup only ({policy.draft.lookup_min_ngram}-{policy.draft.lookup_max_ngram}-gram)"
+        lines.append(
+            f"| {trial.number} | {list(policy.skip_attention)} | {list(policy.skip_mlp)} | {k} "
+            f"| {trial.user_attrs.get('acceptance', 0):.3f} | {trial.user_attrs.get('predicted_speedup', 0):.2f}x "
+            f"| {measured} |"
+        )
+    if window is not None:
+        settings = window.get("settings", {})
+        lines.append(
+            f"\nconfirmation: trials {', '.join(map(str, window['trials']))} and HF generate in one interleaved "
+            f"window, {settings.get('rounds')} rounds x {settings.get('prompts')} prompts x "
+            f"{settings.get('max_new_tokens')} tokens; speedup = median of the per-round speedups, "
+            "noise = their interquartile range (IQR)"
+        )
+        lines.append(f"decision: {window['note']}")
+    timed, reused = shared_timing_counts(study.get_trials(deepcopy=False))
+    if timed or reused:
+        lines.append(f"draft timings: {timed} distinct drafts timed once each; {reused} trials reused a timing")
+    return "\n".join(lines)

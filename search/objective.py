@@ -1,12 +1,11 @@
-"""Scoring a candidate policy, at two fidelities.
+"""The cheap score of a candidate policy: the predicted speedup every trial of a study gets.
 
-cheap: the draft's teacher-forced predictions over the calibration references (its bypassed
-       sublayers, precision and head included), replayed through the engine's own drafting
-       rules (``measure.agreement.simulate_greedy``), priced with the draft step's latency and
-       every verify block length *measured* on the device: a predicted speedup.
-real:  actual self-speculative generation against HF ``generate`` on the same prompts, every
-       finalist in one interleaved window (``search.confirmation``); measured speedup, its
-       noise, tau and acceptance.
+A trial's draft (its bypassed sublayers, precision and head) predicts each token of the
+calibration references teacher-forced; those predictions are replayed through the engine's own
+drafting rules (``measure.agreement.simulate_greedy``) and priced with the draft step's latency
+and every verify block length *measured* on the device. ``prepare_calibration`` builds the
+references and measures the latency once per run (cached between runs). The score ranks the
+trials: the best become the finalists.
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import draft_step_seconds, measure_latency
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference, TeacherForcedDraft, build_references, simulate_greedy
-from search.calibration_cache import CalibrationCache, phase
+from search.calibration_cache import CalibrationCache
 from search.draft_timing import DraftTimings, draft_key
+from search.log import phase
 from search.space import POLICY_ATTR, SearchSpace, policy_attr, with_vocabulary
 
 OBJECTIVES = ("pareto", "speedup")

@@ -1,4 +1,4 @@
-"""Optuna studies by storage URL: create or resume, check they belong to this model, run, confirm.
+"""Optuna studies by storage URL: create or resume, check they belong to this model and machine, run, confirm.
 
 Storage URLs: ``sqlite:///path.db`` (default), a journal file ``path.log`` (or
 ``journal:path``), ``postgresql://user:pass@host/db`` for many workers on many machines.
@@ -29,6 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
+from layerskip.machine import Machine
 from search.confirmation import Confirmation, decide
 from search.space import exportable, trial_policy
 
@@ -37,6 +38,7 @@ CONFIRMED_PREFIX = "confirmed:"
 WINDOW_ATTR = "confirmation_window"  # the last window of finalists measured together, and its decision
 HEARTBEAT_SECONDS = 30
 WORKER_ATTR = "worker"  # "host:pid" of the process running a trial
+MACHINE_ATTR = "machine"  # study and trial attribute: the machine costs were measured on (layerskip.machine)
 SERVER_SCHEMES = ("postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://", "mysql://", "mysql+pymysql://")
 
 
@@ -264,6 +266,37 @@ def _same(a: Any, b: Any) -> bool:
 
 def counted_trials(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=COUNTED_STATES))
+
+
+def counted_trials_safe(storage: optuna.storages.BaseStorage, study_name: str) -> int:
+    """Trials already in the study (0 if new): offsets the sampler seed so a resumed run explores anew."""
+    try:
+        return counted_trials(optuna.load_study(study_name=study_name, storage=storage))
+    except KeyError:
+        return 0
+
+
+def recording_machine(objective: Callable[[Any], Any], here: Machine) -> Callable[[Any], Any]:
+    """The objective, with each trial recording the machine its costs are measured on: an exported
+    policy says it was tuned there (workers of one study may run on different machines)."""
+
+    def measured_here(trial: Any) -> Any:  # an optuna.Trial
+        trial.set_user_attr(MACHINE_ATTR, here.to_dict())
+        return objective(trial)
+
+    return measured_here
+
+
+def warn_if_made_elsewhere(attrs: dict[str, Any] | None, study_name: str, here: Machine) -> None:
+    """A study resumed on another machine mixes costs measured on both: one warning line."""
+    made_on = Machine.from_dict((attrs or {}).get(MACHINE_ATTR))
+    if made_on is not None and (differences := made_on.differences(here)):
+        print(
+            f"warning: study '{study_name}' was made on another machine ({'; '.join(differences)}); its trials' "
+            "costs were measured there and do not compare with this machine's; for a policy tuned here, start a "
+            "new study (another --study-name)",
+            file=sys.stderr,
+        )
 
 
 def run_trials(

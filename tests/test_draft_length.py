@@ -10,6 +10,7 @@ import pytest
 import torch
 from cli_helpers import assert_bad_input, run_script
 from compare import assert_same_tokens, hf_greedy
+from test_replay import list_predictor
 from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import random_prompt, save_checkpoint, tiny_model
 
@@ -21,7 +22,7 @@ from layerskip.engine.decoding import DecodeSettings, decode_speculative
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
-from layerskip.measure.agreement import Reference, early_exit_frontier, list_predictor, simulate_greedy
+from layerskip.measure.agreement import Reference, early_exit_frontier, simulate_greedy
 from layerskip.sampling import Sampling
 
 BY_COST = DraftSettings(max_draft_tokens=6, length_by_cost=True)

@@ -78,17 +78,34 @@ def test_package_inits_import_only_their_own_package() -> None:
         assert not outside, f"{module}/__init__.py imports {outside}"
 
 
-def test_one_module_builds_the_draft_model() -> None:
-    builders = []
-    for module, path in _sources().items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "DraftModel"
-            ):
-                builders.append(module)
-    assert sorted(set(builders)) == ["layerskip.drafts.builder"]
+def _draft_model_calls(source: str) -> list[int]:
+    """Lines of ``source`` that call ``DraftModel``, by its name, an alias it was imported as, or as
+    an attribute (``model.DraftModel(...)``)."""
+    tree = ast.parse(source)
+    names = {"DraftModel"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(a.asname for a in node.names if a.asname and a.name.split(".")[-1] == "DraftModel")
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in names
+    ]
+
+
+def test_only_the_builder_constructs_a_draft_model() -> None:
+    """One owner of draft forwards: the library, the search and the scripts get theirs from
+    ``layerskip.drafts.builder`` (``DraftModels``, ``PreparedDraft``), never by constructing one."""
+    assert _draft_model_calls("from layerskip.drafts.model import DraftModel as D\nD(m)\n") == [2]
+    assert _draft_model_calls("from layerskip.drafts import model\nmodel.DraftModel(m)\n") == [2]
+    sources = [path for root in ("layerskip", "search", "scripts") for path in sorted((ROOT / root).rglob("*.py"))]
+    assert any(path.parent.name == "scripts" for path in sources)
+    builders = {}
+    for path in sources:
+        lines = _draft_model_calls(path.read_text(encoding="utf-8"))
+        if lines:
+            builders[str(path.relative_to(ROOT))] = lines
+    assert sorted(builders) == ["layerskip/drafts/builder.py"], f"DraftModel built outside the builder: {builders}"
 
 
 def test_public_names_import_from_the_top() -> None:
@@ -97,3 +114,21 @@ def test_public_names_import_from_the_top() -> None:
     for name in ("load_model", "generate", "SkipPolicy", "custom_generate_path", "Decoder", "prepare_draft"):
         assert hasattr(layerskip, name), name
     assert Path(layerskip.custom_generate_path(), "custom_generate", "generate.py").is_file()
+
+
+MAX_FUNCTION_LINES = 80  # a longer function is several steps that want names of their own
+
+
+def test_no_function_of_the_search_or_the_engine_runs_past_80_lines() -> None:
+    """The search reads as its phases (search/phases.py) and the decode loop as its step: no
+    function in ``search/`` or ``layerskip/engine/`` runs past 80 lines, docstring included."""
+    sources = [*sorted((ROOT / "search").rglob("*.py")), *sorted((ROOT / "layerskip" / "engine").rglob("*.py"))]
+    assert len(sources) > 10
+    long = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

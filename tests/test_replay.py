@@ -3,6 +3,8 @@ teacher-forced predictions see the rows its head would score at that point of a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 from tiny_models import VOCAB, random_prompt, tiny_model
@@ -11,7 +13,13 @@ from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.drafts.skip import top2_confidence
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
-from layerskip.measure.agreement import Reference, TeacherForcedDraft, list_predictor, simulate_greedy
+from layerskip.measure.agreement import Predictor, Reference, TeacherForcedDraft, simulate_greedy
+
+
+def list_predictor(tokens: Sequence[int], confidence: Sequence[float] | None = None) -> Predictor:
+    """A predictor from fixed per-position predictions: the replay driven without a model."""
+    confidence = list(confidence) if confidence is not None else [1.0] * len(tokens)
+    return lambda start, stop, known: (list(tokens[start:stop]), confidence[start:stop])
 
 
 def test_replay_moves_the_adaptive_threshold_as_the_engine_does() -> None:

@@ -341,12 +341,12 @@ def test_a_failed_warm_start_is_queued_again_until_it_completes(tmp_path: Path) 
 def test_a_warm_start_for_another_model_is_refused_before_calibration(
     tiny_llama: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import search.cli
+    import search.phases
 
     def calibrating(*args: object, **kwargs: object) -> None:
         raise AssertionError("calibration started")
 
-    monkeypatch.setattr(search.cli, "prepare_calibration", calibrating)
+    monkeypatch.setattr(search.phases, "prepare_calibration", calibrating)
     other = SkipPolicy(skip_mlp=(1,), model=ModelIdentity(name="big", architecture="llama", num_layers=7))
     seed = other.save(tmp_path / "other.json")
     args = ["--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "p.json"), "--warm-start", str(seed)]

@@ -21,7 +21,7 @@ import pickle
 import random
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -346,9 +346,3 @@ def rank_rows(data: TeacherData, vocab_size: int, count: int) -> torch.Tensor:
 
 def state_size(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def split_data(data: TeacherData, validation_domains: Sequence[str]) -> tuple[TeacherData, TeacherData]:
-    keep = [i for i, d in enumerate(data.domains) if d not in set(validation_domains)]
-    rest = [i for i, d in enumerate(data.domains) if d in set(validation_domains)]
-    return data.select(keep), data.select(rest)

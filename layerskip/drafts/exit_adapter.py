@@ -1,7 +1,7 @@
 """A trained exit: maps the residual stream after a shallow layer to what the whole stack would give.
 
 Intermediate layers of an ordinary checkpoint are confidently wrong when read through the final
-norm and head (docs/history.md#early-exit), so a plain early exit drafts badly. An exit
+norm and head (docs/concepts.md#exit-adapters), so a plain early exit drafts badly. An exit
 adapter sits at the output of layer ``L`` and is trained by self-distillation (layerskip/distill)
 so that ``head(norm(adapter(h_L)))`` matches the full model's next-token distribution. The full
 model still verifies every token, so the output does not depend on the adapter at all.

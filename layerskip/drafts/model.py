@@ -49,9 +49,9 @@ class DraftModel:
     ``exit`` is a trained exit adapter applied to its layer's output in every draft forward
     (the layers after it are bypassed by the skip sets the caller passes). ``lean=False`` keeps
     every forward on HF's modules (for comparisons). ``compile=True`` runs the lean step through
-    ``torch.compile`` (one graph per skip set; on the project's avx512_bf16 EPYC it ran 10.7 ms
-    against 10.0 ms eager after 267 s of compiling, so nothing turns it on by default:
-    scripts/draft_cost.py --compile measures it on the machine at hand).
+    ``torch.compile`` (one graph per skip set). Compiling takes minutes and need not beat the
+    eager lean step, so nothing turns it on by default: scripts/draft_cost.py --compile measures
+    it on the machine at hand (docs/floor.md).
     """
 
     def __init__(

@@ -87,8 +87,8 @@ class DraftSettings:
     # When both are on: use lookup if it finds a match, else the skip draft.
     use_skip_draft: bool = True
     # Pad a verify block of 2..N-1 tokens to N with filler tokens whose outputs are ignored
-    # (0 = never). Pays where a few-row matmul is slower than a larger one: on the project's
-    # 2-core CPU a 2- or 3-row LM head costs 2-3x a 4-row one (docs/history.md#profile).
+    # (0 = never). Pays where a few-row matmul is slower than a larger one: on some CPUs a 2- or
+    # 3-row block costs more than a 4-row one (docs/floor.md#the-verify-curve).
     min_verify_block: int = 0
     # The draft's kept projections (and its head) run from a copy in this precision: "model"
     # (the model's own weights), "bfloat16", or on CPU "int8" / "int4" (drafts/precision.py).
@@ -336,8 +336,8 @@ class SkipPolicy:
         Without ``draft``, a CPU draft runs its kept sublayers from an int4 copy and scores an
         8192-row head that grows with the prompt and the text (no study needed for either): on
         the project's CPU a draft from the model's own fp32 weights costs half a step per token,
-        so no bypass the selection can find makes it pay (docs/history.md#on-the-fly). Other
-        devices draft from the model's own weights and full head.
+        so no bypass the selection can find makes it pay. Other devices draft from the model's own
+        weights and full head.
         """
         if draft is None:
             cheap = {"precision": "int4", "draft_vocab_size": 8192} if torch.device(device).type == "cpu" else {}

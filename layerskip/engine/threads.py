@@ -2,11 +2,11 @@
 
 Why: on a CPU that another process keeps busy, a multi-threaded torch kernel waits for its
 descheduled thread at every barrier. Small kernels (a one-token int4 draft forward) are hit
-hardest: on a 2-core machine with one competing busy process the Gemma-3 draft ran 3.6x slower
-on 2 threads than on 1, while on an idle machine 2 threads are 1.3x faster. No fixed count is
-right for both, and a machine's load changes while a server runs, so each phase keeps a moving
-average of its own time per unit under each candidate count, uses the fastest, and now and then
-re-tries another (less often while the choice holds).
+hardest: on a busy machine they can run several times slower on 2 threads than on 1, while on an
+idle one 2 threads are faster. No fixed count is right for both, and a machine's load changes
+while a server runs, so each phase keeps a moving average of its own time per unit under each
+candidate count, uses the fastest, and now and then re-tries another (less often while the
+choice holds).
 
 Thread counts change no result: greedy output is the verify's argmax whatever the count.
 """

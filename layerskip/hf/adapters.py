@@ -146,8 +146,7 @@ def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
     On CPU the product is taken as ``W @ h^T``: the same sums in another order (fp32 rounding
     apart, the same logits), but for 2-8 rows of a wide head the BLAS path behind
-    ``F.linear`` is 2-3x slower than this one (docs/history.md#verify-head), and a verify
-    block is exactly that.
+    ``F.linear`` can be several times slower than this one, and a verify block is exactly that.
     """
     head = lm_head(model)
     if hidden.device.type == "cpu":

@@ -248,12 +248,6 @@ def simulate_greedy(
     return run
 
 
-def list_predictor(tokens: Sequence[int], confidence: Sequence[float] | None = None) -> Predictor:
-    """A predictor from fixed per-position predictions (tests, and drafts whose head never changes)."""
-    confidence = list(confidence) if confidence is not None else [1.0] * len(tokens)
-    return lambda start, stop, known: (list(tokens[start:stop]), confidence[start:stop])
-
-
 @dataclass
 class ExitPoint:
     """Early exit with confidence at one depth and threshold, teacher-forced over references.

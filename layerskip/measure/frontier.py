@@ -3,7 +3,7 @@
 Expected tokens per verify with per-token acceptance ``a`` and draft length ``k`` are
 ``(1 - a^(k+1)) / (1 - a)``; a step costs ``k * c + v(k + 1)`` plain steps, ``c`` the draft
 step's and ``v(n)`` a verify over ``n`` tokens' measured cost. The projected speedup is the best
-ratio over ``k``: the frontier table of docs/history.md reads it for every exit depth.
+ratio over ``k``: the frontier table train-exit writes (docs/exit-adapters.md) reads it for every exit depth.
 """
 
 from __future__ import annotations

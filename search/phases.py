@@ -1,0 +1,421 @@
+"""The search, phase by phase, in the order ``layerskip-search`` runs them (``run``).
+
+check      the command line, prompts, warm starts, exit adapters and outputs, before the model
+           loads (``check_inputs``); then the model against them (``check_model``)
+storage    the study's storage reached, a damaged journal repaired and a resumed study's space and
+           prompts checked, before the model loads (``check_storage``); a new SQLite or journal
+           file is created only once every input has been checked (``open_study_storage``)
+calibrate  the references and measured latency the cheap score needs (search.objective), cached
+rank       the ranked space's sublayer order; a new study's starts with the warm starts' sublayers
+trials     the study opened (warm starts enqueued) and its trials run, each scored cheaply
+confirm    the best finalists measured by real generation in one window (search.confirmation)
+export     the chosen trial written as a policy, the plots, and the summary table
+
+Every phase refuses what it can before the work that follows: a search must not fail, after
+minutes of calibration or trials, on something it could have refused at the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+from optuna.trial import FrozenTrial
+from torch import nn
+
+from layerskip.cli.common import check_fits, check_policies
+from layerskip.data import Prompt, load_prompts
+from layerskip.drafts.exit_adapter import ExitAdapter
+from layerskip.drafts.policy import SkipPolicy, is_policy_file
+from layerskip.drafts.vocab import DraftVocabulary
+from layerskip.errors import LayerskipError
+from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
+from layerskip.hf import adapters
+from layerskip.hf.models import load_model
+from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.machine import Machine, this_machine
+from layerskip.measure.agreement import sublayer_order
+from search.calibration_cache import CalibrationCache
+from search.checks import (
+    check_arguments,
+    check_head_sizes,
+    check_resumed_calibration,
+    check_resumed_chat,
+    check_resumed_space,
+    prompts_digest,
+    read_exit_choices,
+)
+from search.confirmation import confirm_window
+from search.export import export_policy, summary, verdict
+from search.journal import repair_journal
+from search.log import phase
+from search.objective import Calibration, CheapObjective, prepare_calibration
+from search.plots import write_plots
+from search.space import RANKING_ATTR, ExitChoice, SearchSpace
+from search.study import (
+    check_local_storage,
+    check_storage_url,
+    check_study_matches,
+    confirm_finalists,
+    counted_trials,
+    counted_trials_safe,
+    existing_study_attrs,
+    finalists,
+    local_storage_file,
+    open_storage,
+    open_study,
+    recording_machine,
+    run_trials,
+    warn_if_made_elsewhere,
+)
+
+HOPELESS_PREDICTED = 0.5  # finalists predicted below this are not confirmed by real generation
+
+
+@dataclass
+class Inputs:
+    """What the command line asks for, read and checked before the model loads."""
+
+    args: argparse.Namespace
+    command: str  # as the study records it
+    prompts: list[Prompt]
+    seeds: dict[str, SkipPolicy]  # --warm-start path -> its policy
+    exit_choices: tuple[ExitChoice, ...]
+    study_name: str
+    out: str  # the policy file the search writes
+
+    @property
+    def progress(self) -> bool:
+        return not self.args.no_progress
+
+
+@dataclass
+class Storage:
+    """The study's storage: open where it already exists (a resume), else created by ``open``."""
+
+    url: str
+    study_name: str
+    opened: optuna.storages.BaseStorage | None
+    attrs: dict[str, Any] | None  # the study's attributes when it exists already
+
+    def open(self) -> optuna.storages.BaseStorage:
+        if self.opened is None:
+            self.opened = open_storage(self.url)
+        return self.opened
+
+
+@dataclass
+class Target:
+    """The model searched, checked against the inputs, and what the search derives from it."""
+
+    model: nn.Module
+    tokenizer: Any
+    identity: dict[str, Any]  # the model and the objective: a study serves one of each
+    space: SearchSpace  # as the flags set it (``rank`` orders a ranked one)
+    prompt_ids: list[list[int]]  # the calibration prompts, chat template applied where wanted
+    calibration_info: dict[str, Any]  # what the study records of its calibration prompts
+    here: Machine
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """The whole search: every phase in order; 0 once the policy is written."""
+    inputs = check_inputs(args, command)
+    storage = check_storage(inputs)
+    target = check_model(inputs, storage)
+    existing = open_study_storage(storage, target)
+    calibration, cache = calibrate(inputs, target)
+    space = rank(inputs, target, existing, cache, calibration)
+    study = trials(inputs, target, storage, space, calibration)
+    top = confirm(inputs, study, target.model, calibration)
+    export(inputs, study, top)
+    return 0
+
+
+# -- check ------------------------------------------------------------------------------------------------------------
+def check_inputs(args: argparse.Namespace, command: str) -> Inputs:
+    """Every value and file the command line names, read and checked; the outputs checked too (a
+    search must not end, after all its work, unable to save)."""
+    check_arguments(args)
+    prompts = load_prompts(
+        args.prompts,
+        n=args.n_prompts,
+        per_category=args.per_category,
+        text_field=args.text_field,
+        seed=args.seed,
+        categories=args.categories,
+    )
+    seeds = {path: SkipPolicy.load(path) for path in args.warm_start}  # bad files fail before the model loads
+    exit_choices = read_exit_choices(args.exit_adapters)
+    if not args.exit_thresholds or not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
+        raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
+    study_name = args.study_name or default_study_name(args.model, args.preset or args.objective)
+    out = args.out or f"{study_name}.policy.json"
+    check_output_file(out, "--out")
+    check_replaceable(out, "--out", is_policy_file, "a layerskip policy", args.force)  # a resume re-exports
+    if args.plots:
+        check_output_dir(args.plots, "--plots")
+    return Inputs(args, command, prompts, seeds, exit_choices, study_name, out)
+
+
+def default_study_name(model: str, suffix: str) -> str:
+    """``MODEL-SUFFIX`` from a model argument: its last path part (``org/Llama-3.2-1B`` ->
+    ``Llama-3.2-1B``), without a ``.gguf`` suffix."""
+    name = Path(model).name
+    return f"{name.removesuffix('.gguf')}-{suffix}"
+
+
+def check_model(inputs: Inputs, storage: Storage) -> Target:
+    """The model loaded and checked against the warm starts, head sizes, exit adapters, prompts and
+    the resumed study's chat setting; the search space the flags ask for, on its layers."""
+    args = inputs.args
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    check_policies({f"--warm-start {path}": policy for path, policy in inputs.seeds.items()}, model)
+    check_head_sizes(args.draft_vocab, adapters.lm_head(model).weight.shape[0])
+    identity = {
+        "model_name": loaded.name,
+        "model_architecture": adapters.architecture_of(model),
+        "model_num_layers": adapters.num_layers(model),
+        "model_fingerprint": adapters.weights_fingerprint(model),
+        "objective": args.objective,
+    }
+    space = space_from_flags(args, adapters.num_layers(model), inputs.exit_choices)
+    for choice in inputs.exit_choices:  # another model's adapter, or a changed file, fails before any work
+        ExitAdapter.load(choice.adapter, model, choice.sha256)
+    chat = loaded.instruct if args.chat is None else args.chat
+    check_resumed_chat(storage.attrs, inputs.study_name, chat)  # known once the model says whether it is instruct
+    prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in inputs.prompts]
+    for prompt, ids in zip(inputs.prompts, prompt_ids):
+        check_fits(model, len(ids), max(args.reference_tokens, args.max_new_tokens), f"calibration prompt {prompt.id}")
+    calibration_info = {
+        "source": args.prompts,
+        "prompts": [p.id for p in inputs.prompts],
+        "prompts_sha256": prompts_digest(inputs.prompts),
+        "categories": sorted({p.category for p in inputs.prompts}),
+        "chat": chat,
+        "reference_tokens": args.reference_tokens,
+    }
+    here = this_machine(next(model.parameters()).device)
+    return Target(model, tokenizer, identity, space, prompt_ids, calibration_info, here)
+
+
+def space_from_flags(args: argparse.Namespace, num_layers: int, exit_choices: tuple[ExitChoice, ...]) -> SearchSpace:
+    """The search space the flags describe, for a model of ``num_layers`` layers."""
+    return SearchSpace(
+        num_layers=num_layers,
+        never_skip=args.never_skip,
+        min_fraction=args.min_skip_fraction,
+        max_fraction=args.max_skip_fraction,
+        draft_token_choices=args.draft_tokens,
+        tune_adaptive=not args.no_adaptive,
+        draft_vocab_choices=args.draft_vocab,
+        lookup_ngram_choices=args.lookup,
+        lookup_token_choices=args.lookup_tokens,
+        lookup_confidence_choices=args.lookup_confidence,
+        lookup_min_ngram_choices=args.lookup_min,
+        verify_pad_choices=args.verify_pad,
+        precision_choices=args.draft_precision,
+        require_skip_draft=args.require_skip_draft,
+        exit_choices=exit_choices,
+        exit_threshold_choices=args.exit_thresholds,
+    )
+
+
+# -- storage ----------------------------------------------------------------------------------------------------------
+def check_storage(inputs: Inputs) -> Storage:
+    """The storage checked before the model loads: a database server is contacted now, so an
+    unreachable one fails first; a damaged journal's last record is repaired before anything
+    appends; an existing study refuses a flag that changes its space or prompts. A new SQLite or
+    journal file is not created yet, so a run that fails on bad input leaves nothing behind."""
+    url, name, args = inputs.args.storage, inputs.study_name, inputs.args
+    check_storage_url(url)
+    storage_file = local_storage_file(url)
+    check_local_storage(url)
+    if storage_file is not None and not url.startswith("sqlite:///"):
+        repair = repair_journal(storage_file)  # a damaged last record must go before anything appends
+        if repair is not None:
+            print(repair.warning(storage_file), file=sys.stderr)
+    opened = open_storage(url) if storage_file is None or storage_file.exists() else None
+    attrs = None
+    if opened is not None:  # resuming: a flag that changes the study's space or prompts is refused before any work
+        attrs = existing_study_attrs(opened, name)
+        check_resumed_space(attrs, name, args)
+        check_resumed_calibration(attrs, name, args, inputs.prompts)
+    return Storage(url, name, opened, attrs)
+
+
+def open_study_storage(storage: Storage, target: Target) -> dict[str, Any] | None:
+    """The storage, created now if new (every input is checked); the existing study's attributes
+    (None: a new study), refused if it was made for another model or objective, and a warning
+    if it was made on another machine."""
+    existing = existing_study_attrs(storage.open(), storage.study_name)
+    check_study_matches(existing, storage.study_name, target.identity)
+    warn_if_made_elsewhere(existing, storage.study_name, target.here)
+    return existing
+
+
+# -- calibrate --------------------------------------------------------------------------------------------------------
+def calibrate(inputs: Inputs, target: Target) -> tuple[Calibration, CalibrationCache]:
+    """References and measured latency for the cheap score, reused from the cache when every input
+    they depend on is the same (``--no-cache``: measured again)."""
+    args, model = inputs.args, target.model
+    cache = CalibrationCache(model, read=not args.no_cache)
+    calibration = prepare_calibration(
+        model,
+        target.prompt_ids,
+        args.reference_tokens,
+        args.draft_tokens,
+        eos_token_ids(model, target.tokenizer),
+        target.calibration_info,
+        inputs.progress,
+        max_block=max((*args.lookup_tokens, *args.verify_pad, 0)) + 1,
+        cache=cache,
+    )
+    return calibration, cache
+
+
+# -- rank -------------------------------------------------------------------------------------------------------------
+def rank(
+    inputs: Inputs,
+    target: Target,
+    existing: dict[str, Any] | None,
+    cache: CalibrationCache,
+    calibration: Calibration,
+) -> SearchSpace:
+    """The ranked space with its sublayers ordered by how little bypassing each alone changes the
+    draft's top-1 token (a resumed study keeps the order it was made with; a new study's starts
+    with the warm starts' sublayers, smallest set first); the switches space as it is."""
+    space = target.space
+    if inputs.args.space != "ranked":
+        return space
+    known = (existing or {}).get("space", {}).get("sublayer_order")
+    if known:
+        return replace(space, sublayer_order=tuple(tuple(item) for item in known))
+    with phase("sublayer order", inputs.progress) as info:
+        order = cache.sublayer_order()
+        info["detail"] = "cached"
+        if order is None:
+            order = sublayer_order(target.model, calibration.references, inputs.progress)
+            cache.store_sublayer_order(order)
+            info["detail"] = f"{len(order)} sublayers ranked"
+    space = replace(space, sublayer_order=tuple(order))
+    switched = [policy for policy in inputs.seeds.values() if policy.exit is None]  # exits sample no switches
+    smallest_first = sorted(switched, key=lambda policy: len(policy.bypassed_sublayers))
+    return space.with_leading([sub for policy in smallest_first for sub in policy.bypassed_sublayers])
+
+
+# -- trials -----------------------------------------------------------------------------------------------------------
+def trials(
+    inputs: Inputs, target: Target, storage: Storage, space: SearchSpace, calibration: Calibration
+) -> optuna.Study:
+    """The study opened and this process's trials run, each scored by the cheap objective and
+    recording the machine it was priced on."""
+    args = inputs.args
+    study = open_search_study(inputs, target, storage, space, calibration)
+    ranking = study.user_attrs[RANKING_ATTR]
+    print(f"study '{inputs.study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
+    objective = recording_machine(
+        CheapObjective(target.model, calibration, space, args.objective, ranking), target.here
+    )
+    with phase("trials", inputs.progress) as info:
+        before = counted_trials(study)
+        run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, inputs.progress)
+        after = counted_trials(study)
+        info["detail"] = f"{after - before} finished while this ran, {after} in the study"
+    return study
+
+
+def open_search_study(
+    inputs: Inputs, target: Target, storage: Storage, space: SearchSpace, calibration: Calibration
+) -> optuna.Study:
+    """The study created or resumed: a new one records what it is for; the warm starts are
+    enqueued; the truncated heads' vocabulary ranking is stored once."""
+    args, model = inputs.args, target.model
+    seed_params = []
+    for path, policy in inputs.seeds.items():
+        policy.validate_for(model)
+        params, notes = space.params_for_policy(policy, f"--warm-start {path}")
+        for note in notes:
+            print(note, file=sys.stderr)
+        seed_params.append(params)
+    metadata = {
+        **target.identity,
+        "command": inputs.command,
+        "calibration": calibration.description,
+        "space": space.to_dict(),
+        "device": str(next(model.parameters()).device),
+        "machine": target.here.to_dict(),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        **({"preset": args.preset_record} if args.preset_record else {}),
+    }
+    opened = storage.open()
+    seed = args.seed + 1000 * args.worker + counted_trials_safe(opened, inputs.study_name)
+    study = open_study(
+        opened,
+        inputs.study_name,
+        args.objective,
+        seed,
+        metadata,
+        space.warm_starts(),
+        seed_params,
+        enqueue_warm_starts=args.worker == 0,
+    )
+    if RANKING_ATTR not in study.user_attrs:
+        # Truncated draft heads start from the calibration text's tokens (then the lowest ids);
+        # stored once, so every trial of the study (and every worker) scores the same rows.
+        texts = [p.text for p in inputs.prompts]
+        ranking = DraftVocabulary.from_texts(target.tokenizer, texts, model).top(max(args.draft_vocab))
+        study.set_user_attr(RANKING_ATTR, list(ranking))
+    return study
+
+
+# -- confirm ----------------------------------------------------------------------------------------------------------
+def confirm(inputs: Inputs, study: optuna.Study, model: nn.Module, calibration: Calibration) -> list[FrozenTrial]:
+    """The finalists (the best predictions, and the best of every other kind of draft: exit, skip,
+    hybrid, lookup) measured by real generation in one window beside HF generate; returns them."""
+    args = inputs.args
+    top = finalists(study, args.objective, max(args.confirm_top, 1), per_kind=True)
+    with phase("confirm", inputs.progress) as info:
+        # Real generation with a hopeless draft is slow and tells nothing new: skip those.
+        hopeful = [t for t in top if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED]
+        chosen = hopeful if args.confirm_top else []
+        settings = {  # a window measured with other settings is not reused
+            "rounds": args.confirm_rounds,
+            "prompts": len(calibration.prompts),
+            "max_new_tokens": args.max_new_tokens,
+            "prompt_ids": calibration.description.get("prompts", []),
+        }
+
+        def measure(policies):
+            return confirm_window(
+                model, calibration, policies, args.max_new_tokens, args.confirm_rounds, inputs.progress
+            )
+
+        window, measured = confirm_finalists(study, chosen, measure, settings) if chosen else (None, False)
+        if measured:
+            info["detail"] = (
+                f"{len(window['trials'])} finalist(s) and HF generate interleaved, {args.confirm_rounds} rounds"
+            )
+        else:
+            info["detail"] = "nothing new to measure"
+    return top
+
+
+# -- export -----------------------------------------------------------------------------------------------------------
+def export(inputs: Inputs, study: optuna.Study, top: list[FrozenTrial]) -> None:
+    """The chosen trial (the last window's choice, or ``--export-trial``) written as a policy, the
+    plots, and on stdout the study's summary table and what was exported."""
+    out = Path(inputs.out)
+    policy = export_policy(study, out, inputs.args.export_trial)
+    if inputs.args.plots:
+        for path in write_plots(study, inputs.args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    print(f"\nstudy '{inputs.study_name}': {counted_trials(study)} trials (complete + pruned)")
+    print(summary(study, top))
+    print(f"\nexported trial {policy.provenance['trial']} to {out}: {policy.describe()}; {verdict(policy)}")
