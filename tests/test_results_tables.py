@@ -17,6 +17,7 @@ import pytest
 from cli_helpers import REPO, assert_bad_input, run_script
 
 from layerskip.cli.results_tables import main
+from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import results as published
 from layerskip.measure.results import (
@@ -25,6 +26,7 @@ from layerskip.measure.results import (
     RESULTS_DIR,
     DraftCostFile,
     ResultFile,
+    auto_lines,
     between_markers,
     cpu_name,
     divergence_table,
@@ -38,6 +40,7 @@ from layerskip.measure.results import (
     rendered,
     results_page,
     summary_table,
+    tree_table,
 )
 
 FIXTURE = Path(__file__).parent / "data" / "bench-smollm2-tiny.json"
@@ -319,3 +322,115 @@ def test_every_figure_in_the_readme_is_a_committed_figure() -> None:
     in_steps = re.findall(r"(\d+\.\d{2})(?:[–-](\d+\.\d{2}))? (?:of a plain step|plain steps)", prose)
     assert in_steps, "the README states no cost in plain steps"
     assert not [v for pair in in_steps for v in pair if v and v not in costs], "README costs no draft-cost file holds"
+
+
+def _with_auto(tree_ablation: bool = True) -> dict:
+    """The fixture as if run with ``--policy auto`` beside the shipped policies (``--tree-ablation``:
+    also ``auto (chain)``, the same policy with trees off). The chain twin is made the faster, so a
+    table that took it as the best auto would show."""
+    data = json.loads(FIXTURE.read_text())
+    data["policies"]["auto"] = SkipPolicy.auto_choice().to_dict()
+    base = copy.deepcopy(data["methods"]["self-spec-on-the-fly"])
+    tree = copy.deepcopy(base)
+    tree["overall"].update(
+        speedup=1.31,
+        mean_accepted=2.6,
+        draft_lengths={"0": 2, "4": 10, "9": 6},
+        tree_steps=9,
+        off_branch_steps=3,
+        auto={
+            "lookup_share": 0.25,
+            "skip_share": 0.65,
+            "draft_lengths": {"0": 2, "4": 10, "9": 6},
+            "head_rows": {"0": 1, "4096": 11},
+            "skip_sets": {"a|m": 12},
+            "skip_changes": 0,
+            "calibration": {"seconds": 7.5, "cached": False, "draft_build_seconds": 1.25, "machine": {}},
+        },
+    )
+    data["methods"]["self-spec:auto"] = tree
+    if tree_ablation:
+        chain = copy.deepcopy(base)
+        chain["overall"].update(
+            speedup=1.44, mean_accepted=2.1, draft_lengths={"4": 18}, tree_steps=0, off_branch_steps=0
+        )
+        chain["overall"]["auto"] = {**tree["overall"]["auto"], "calibration": {"seconds": 0.02, "cached": True}}
+        data["methods"]["self-spec:auto (chain)"] = chain
+    return data
+
+
+def test_the_auto_column_holds_the_best_auto_method_never_its_chain_twin() -> None:
+    data = _with_auto()
+    f = ResultFile("auto-run", data)
+    assert policy_kind(data["policies"]["auto"]) == "auto"  # not on-the-fly, though it selects on the fly
+    assert f.kind("self-spec:auto") == "auto"
+    assert f.kind("self-spec:auto (chain)") is None  # a chain ablation fills no column
+    table = summary_table([f], "docs/results.md")
+    header, _, row = table.splitlines()[:3]
+    columns = header.strip("| ").split(" | ")
+    assert "auto (no search)" in columns
+    cells = row.strip("| ").split(" | ")
+    assert cells[columns.index("auto (no search)")] == "[1.31×](docs/results.md#auto-run)"  # not the chain's 1.44×
+    assert "1.44" not in row
+    assert "`auto (no search)` is `--policy auto`" in table and "`(chain)` run" in table
+    # Recognised by what the policy is, not by its label.
+    data["policies"]["mine"] = data["policies"].pop("auto")
+    data["methods"]["self-spec:mine"] = data["methods"].pop("self-spec:auto")
+    assert ResultFile("x", data).kind("self-spec:mine") == "auto"
+    del data["policies"]["mine"]["auto"]  # an older record: its provenance says auto
+    assert ResultFile("x", data).kind("self-spec:mine") == "auto"
+
+
+def test_a_policy_saved_from_autos_choices_is_classed_by_what_it_drafts_with() -> None:
+    """generate --save-policy writes auto's choices as a fixed file: it no longer chooses while
+    generating, so it is a hybrid like any other, not the auto column."""
+    fixed = SkipPolicy.auto_choice().to_dict()
+    fixed.pop("auto")
+    fixed["on_the_fly"] = None
+    assert fixed["provenance"]["source"] == "auto"
+    assert policy_kind(fixed) == "hybrid"
+
+
+def test_runs_without_auto_omit_the_column_and_a_mixed_table_leaves_their_cells_blank() -> None:
+    old = ResultFile("old", json.loads(FIXTURE.read_text()))
+    assert "auto (no search)" not in summary_table([old], "docs/results.md")
+    both = summary_table([old, ResultFile("new", _with_auto())], "docs/results.md").splitlines()
+    columns = both[0].strip("| ").split(" | ")
+    where = columns.index("auto (no search)")
+    assert both[2].strip("| ").split(" | ")[where] == ""  # the old run: a blank cell
+    assert "#new" in both[3].strip("| ").split(" | ")[where]
+
+
+def test_trees_get_their_own_table_beside_their_chain_twin_and_auto_its_choices() -> None:
+    data = _with_auto()
+    trees = tree_table(data)
+    lines = trees.splitlines()
+    assert lines[0].startswith("| method | τ | τ, chain | speedup | speedup, chain | tree steps |")
+    # One row: the chain twin is beside its tree method, not a row of its own.
+    assert lines[2:] == ["| self-spec:auto | 2.60 | 2.10 | 1.31× | 1.44× | 9 (50%) | 3 |"]
+    choices = auto_lines(data)
+    assert choices.splitlines()[0] == (
+        "- `self-spec:auto`: prompt lookup drafted 25% of the steps, the skip draft 65%; draft lengths "
+        "(tokens: steps) 0: 2, 4: 10, 9: 6; draft head (skip-drafted steps) 4096 rows: 11, full: 1; "
+        "calibration 7.50 s, measured in this run, plus 1.25 s building the draft's weights"
+    )
+    assert "calibration 0.02 s, read from the cache" in choices.splitlines()[1]  # the chain twin's
+    page = results_page([ResultFile("auto-run", data)])
+    assert trees in page and choices in page
+    # Without --tree-ablation the tree method still gets its row, its chain cells empty.
+    alone = tree_table(_with_auto(tree_ablation=False))
+    assert alone.splitlines()[2] == "| self-spec:auto | 2.60 | - | 1.31× | - | 9 (50%) | 3 |"
+    busy = _with_auto()["methods"]["self-spec:auto"]["overall"]["auto"]
+    busy["calibration"] = {"seconds": 9.0, "cached": False, "warning": "warning: the machine looks busy"}
+    assert "(not cached: the machine looked busy)" in auto_lines({"methods": {"m": {"overall": {"auto": busy}}}})
+
+
+def test_result_files_from_before_auto_and_trees_still_render() -> None:
+    """Files without draft_lengths, tree_steps, off_branch_steps or auto: no tree table, no auto line."""
+    data = json.loads(FIXTURE.read_text())
+    assert all("tree_steps" not in m["overall"] and "auto" not in m["overall"] for m in data["methods"].values())
+    assert tree_table(data) == "" and auto_lines(data) == ""
+    page = results_page([ResultFile("old", data)])
+    assert "Token trees" not in page and "What `auto` chose" not in page
+    for f in _committed():  # every committed run renders as before
+        assert tree_table(f.data) == "" or "(chain)" in f.data["methods"]

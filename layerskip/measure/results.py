@@ -57,6 +57,7 @@ KINDS = (
     ("skip", "skip-only"),
     ("hybrid", "hybrid"),
     ("on-the-fly", "on-the-fly"),
+    ("auto", "auto (no search)"),
     ("exit", "exit adapter"),
     ("lookup", "lookup-only"),
     ("quick", "`--preset quick`"),
@@ -74,6 +75,8 @@ _REQUIRED = {
     "environment": dict,
 }
 DTYPE_ORDER = {"float32": 0, "bfloat16": 1}
+# ``bench --tree-ablation`` runs each tree-drafting policy again with trees off, named METHOD + this.
+CHAIN_SUFFIX = " (chain)"
 # The CPU features worth naming in a table, most telling first (see machine.KERNEL_FLAGS).
 _FLAG_LABELS = (("amx_bf16", "AMX"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 # Spec-Bench, where the published prompts come from (the questions themselves are not in the repository).
@@ -150,8 +153,8 @@ class ResultFile:
 
     def kind(self, method: str) -> str | None:
         """The summary column ``method`` belongs to (``KINDS``); None for the baseline, plain decoding,
-        ablations, extra thread settings and the plug-in path."""
-        if method == BASELINE or "@" in method:
+        ablations (a ``(chain)`` twin included), extra thread settings and the plug-in path."""
+        if method == BASELINE or "@" in method or method.endswith(CHAIN_SUFFIX):
             return None
         if method == "hf-pld":
             return "hf-pld"
@@ -183,7 +186,10 @@ class ResultFile:
 
 def policy_kind(policy: dict[str, Any]) -> str:
     """What a policy (as a result file records it) drafts with: a summary column of ``KINDS``."""
-    command = str((policy.get("provenance") or {}).get("command", ""))
+    provenance = policy.get("provenance") or {}
+    if is_auto(policy):
+        return "auto"
+    command = str(provenance.get("command", ""))
     if "--preset" in command.split():
         return "quick"
     if policy.get("on_the_fly") is not None:
@@ -194,6 +200,17 @@ def policy_kind(policy: dict[str, Any]) -> str:
     if not draft.get("use_skip_draft", True):
         return "lookup"
     return "hybrid" if draft.get("lookup_max_ngram", 0) else "skip"
+
+
+def is_auto(policy: dict[str, Any]) -> bool:
+    """Whether a recorded policy is ``--policy auto``: it holds ``auto`` settings, or its provenance
+    says ``auto`` and it still chooses while generating. A fixed policy saved from auto's choices
+    (``generate --save-policy``: provenance ``auto``, nothing chosen while generating) is classed by
+    what it drafts with, like any other file."""
+    if isinstance(policy.get("auto"), dict):
+        return True
+    source = (policy.get("provenance") or {}).get("source")
+    return source == "auto" and policy.get("on_the_fly") is not None
 
 
 def read_result_file(path: str | Path) -> ResultFile:
@@ -383,22 +400,29 @@ def summary_table(files: list[ResultFile], page: str | None) -> str:
         ]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
-    quick = (
+    notes = (
         " A `--preset quick` figure is a policy that preset tuned on the run's own CPU, unless the cell names"
         " the CPU it was tuned on."
         if any(kind == "quick" for kind, _ in columns)
         else ""
     )
+    if any(kind == "auto" for kind, _ in columns):
+        notes += (
+            " `auto (no search)` is `--policy auto`, the default: no study and no policy file, every drafting"
+            " choice priced by a calibration of the run's machine."
+        )
+    if any(method.endswith(CHAIN_SUFFIX) for f in files for method in f.data["methods"]):
+        notes += " A `(chain)` run (the same policy with token trees off) fills no column."
     if page is None:
         lines.append(
-            "A column holds the best method of that kind in the run; speedup against HF `generate`, greedy." + quick
+            "A column holds the best method of that kind in the run; speedup against HF `generate`, greedy." + notes
         )
         return "\n".join(lines)
     where = f"[{Path(page).name}]({page})" if page else "below"
     lines.append(
         f"Each figure links to its run ({where}: command, machine, every method and category); a column "
         f"holds the best method of that kind in the run. Speedup against HF `generate`, greedy, as "
-        f"[defined]({page}#speedup).{quick}"
+        f"[defined]({page}#speedup).{notes}"
     )
     return "\n".join(lines)
 
@@ -462,6 +486,116 @@ def _median_max(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} / {max(values):.3f}" if values else "not recorded"
 
 
+def chain_twin(methods: dict[str, Any], method: str) -> str | None:
+    """The chain run of a tree-drafting method: ``METHOD (chain)`` (``bench --tree-ablation``), else
+    the ``chain`` ablation ``METHOD-chain`` (``bench --ablate``); None when the run has neither."""
+    for twin in (f"{method}{CHAIN_SUFFIX}", f"{method}-chain"):
+        if twin in methods:
+            return twin
+    return None
+
+
+def _steps(overall: dict[str, Any]) -> int | None:
+    """Verify steps of a method, from its draft-length histogram (None before it was recorded)."""
+    lengths = overall.get("draft_lengths")
+    return sum(int(n) for n in lengths.values()) if isinstance(lengths, dict) and lengths else None
+
+
+def tree_table(data: dict[str, Any]) -> str:
+    """Token trees against chains: one row per method that drafted trees (a policy with tree
+    settings, or verify steps recorded as trees), beside its chain twin (the same policy with trees
+    off, in the same run): τ and speedup of each, and how many verify steps were trees and how many
+    accepted a path off the tree's first branch (what the chain of that branch would have lost).
+    "" when no method of the run drafted trees (every run before trees, and chain-only runs)."""
+    methods = data["methods"]
+    rows = []
+    for method, figures in methods.items():
+        overall = figures["overall"]
+        twin = chain_twin(methods, method)
+        if method.endswith((CHAIN_SUFFIX, "-chain")) or not (overall.get("tree_steps") or twin):
+            continue
+        chain = methods[twin]["overall"] if twin else {}
+        steps = _steps(overall)
+        trees = int(overall.get("tree_steps") or 0)
+        share = f" ({trees / steps:.0%})" if steps else ""
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    method,
+                    _number(overall.get("mean_accepted")),
+                    _number(chain.get("mean_accepted")),
+                    _speedup(overall.get("speedup")),
+                    _speedup(chain.get("speedup")),
+                    f"{trees}{share}",
+                    str(overall.get("off_branch_steps") or 0),
+                ]
+            )
+            + " |"
+        )
+    if not rows:
+        return ""
+    header = "| method | τ | τ, chain | speedup | speedup, chain | tree steps | accepted off the first branch |"
+    return "\n".join([header, "|---|---|---|---|---|---|---|", *rows])
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def auto_lines(data: dict[str, Any]) -> str:
+    """What ``auto`` chose, one line per method that ran it: the share of steps drafted by prompt
+    lookup and by the skip draft, the draft lengths, the draft head's sizes, the calibration's time
+    and whether it came from the cache. "" when no method of the run is auto."""
+    lines = []
+    for method, figures in data["methods"].items():
+        auto = figures["overall"].get("auto")
+        if not isinstance(auto, dict):
+            continue
+        parts = [
+            f"prompt lookup drafted {_share(auto.get('lookup_share'))} of the steps, "
+            f"the skip draft {_share(auto.get('skip_share'))}"
+        ]
+        lengths = _histogram(auto.get("draft_lengths"), lambda k: k)
+        if lengths:
+            parts.append(f"draft lengths (tokens: steps) {lengths}")
+        heads = _histogram(auto.get("head_rows"), lambda k: "full" if k == "0" else f"{k} rows", zero_last=True)
+        if heads:
+            parts.append(f"draft head (skip-drafted steps) {heads}")
+        if auto.get("skip_changes"):
+            parts.append(f"skip set changed {auto['skip_changes']}× over {len(auto.get('skip_sets') or {})} sets")
+        parts.append(_calibration(auto.get("calibration") or {}))
+        lines.append(f"- `{method}`: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _histogram(counts: Any, label: Any, zero_last: bool = False) -> str:
+    """``{"4": 10, "0": 2}`` -> ``0: 2, 4: 10`` (keys as numbers, ascending; ``zero_last``: 0, the
+    full head, after the others)."""
+    if not isinstance(counts, dict) or not counts:
+        return ""
+    keys = sorted(counts, key=lambda k: (zero_last and int(k) == 0, int(k)))
+    return ", ".join(f"{label(str(k))}: {counts[k]}" for k in keys)
+
+
+def _calibration(info: dict[str, Any]) -> str:
+    """auto's calibration as one phrase: its seconds, and cached, measured here, or not cached."""
+    if "seconds" not in info:
+        return "calibration not recorded"
+    text = f"calibration {float(info['seconds']):.2f} s, " + (
+        "read from the cache" if info.get("cached") else "measured in this run"
+    )
+    if not info.get("cached") and (info.get("warning") or info.get("not_cached")):
+        text += " (not cached: " + ("the machine looked busy" if info.get("warning") else "cache not writable") + ")"
+    if info.get("draft_build_seconds") is not None:
+        text += f", plus {float(info['draft_build_seconds']):.2f} s building the draft's weights"
+    return text
+
+
 def file_section(f: ResultFile) -> str:
     """One result file on the results page: machine, prompts, command, policies, then bench's own report."""
     env, data = f.environment, f.data
@@ -486,6 +620,17 @@ def file_section(f: ResultFile) -> str:
     if data["policies"]:
         parts.append("Policies:\n\n" + "\n".join(_policy_line(label, p) for label, p in data["policies"].items()))
     parts.append(markdown_report(data))
+    trees = tree_table(data)
+    if trees:
+        parts.append(
+            "Token trees against chains: each method that drafted token trees, beside the same policy with "
+            "trees off in the same run (its `(chain)` run; `-` when the run has none). *Tree steps* are the "
+            "verify steps whose draft was a tree (share of all steps); *accepted off the first branch*, those "
+            f"whose accepted path left the tree's first branch, where a chain would have stopped sooner.\n\n{trees}"
+        )
+    auto = auto_lines(data)
+    if auto:
+        parts.append(f"What `auto` chose:\n\n{auto}")
     divergences = divergence_table(data)
     if divergences:
         parts.append(f"Where greedy output differs from HF `generate`:\n\n{divergences}")
