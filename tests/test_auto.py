@@ -146,10 +146,18 @@ def _costs(draft: dict[int, float], verify: dict[int, float] | None = None) -> D
     return DraftCosts(1.0, verify, draft)
 
 
-def test_padding_follows_the_verify_curve() -> None:
-    slow_small = _costs({0: 0.2}, {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.2, 8: 1.5})
+def _state(costs: DraftCosts) -> AutoState:
+    return AutoState.start(costs, SkipPolicy.auto_choice().draft)
+
+
+def test_padding_follows_the_verify_curve_and_what_it_measures() -> None:
+    slow_small = _state(_costs({0: 0.2}, {1: 1.0, 2: 1.6, 3: 1.7, 4: 1.2, 8: 1.5}))
     assert [slow_small.padded(n) for n in (1, 2, 3, 4, 5, 8)] == [1, 4, 4, 4, 5, 8]
-    flat = _costs({0: 0.2})
+    assert slow_small.verify_seconds(2) == pytest.approx(1.2)  # priced as the block it is padded to
+    for _ in range(30):  # a 4-row verify turns out slow while generating: padding to it stops
+        slow_small.observe_verify(4, 2.0)
+    assert slow_small.padded(2) != 4
+    flat = _state(_costs({0: 0.2}))
     assert [flat.padded(n) for n in (2, 3, 4)] == [2, 3, 4]
 
 
@@ -167,7 +175,8 @@ def test_expected_tokens_and_rate() -> None:
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 3) == 4.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     costs = _costs({0: 0.1})
-    assert best_skip_rate(0.9, 0.1, costs, 8) > best_skip_rate(0.3, 0.1, costs, 8)
+    verify = _state(costs).verify_seconds
+    assert best_skip_rate(0.9, 0.1, verify, 8) > best_skip_rate(0.3, 0.1, verify, 8)
 
 
 def test_converged_policy_from_auto_is_a_fixed_policy() -> None:

@@ -26,22 +26,24 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from layerskip.drafts.base import BaseDrafter, Draft, Drafter, DraftRequest
-from layerskip.drafts.costs import DraftCosts, expected_tokens
+from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import CONFIDENCE_BINS, WARM_UP_STEPS, DraftLengthByCost
 from layerskip.drafts.lookup import RankedRunLengths, match_lookups, tree_draft
 from layerskip.drafts.policy import DraftSettings
-from layerskip.drafts.tree_shape import Candidate, Shape, chain_candidates, merged_paths, shape_tree
+from layerskip.drafts.tree_shape import Shape, merged_paths, shape_tree
 from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import ROOT, Sampling
-from layerskip.stats import GenerationStats
+from layerskip.stats import DeviceClock, GenerationStats
 
+VERIFY_SMOOTHING = 0.2  # weight of the newest verify timing in the running curve
+PAD_MARGIN = 0.97  # a longer block is padded to only when it is at least this much cheaper
 SKIP_PRIOR = 0.8  # skip-draft acceptance assumed before any is measured
 SKIP_PRIOR_WEIGHT = 10  # as that many drafted tokens
 CARRY_OVER = 0.5  # weight of earlier generations' counts when a new one starts (a short memory)
@@ -118,10 +120,35 @@ class AutoState:
     step_cost: float = 0.0
     head_rows: int = -1  # the head size in use (0 = full); -1 before the first choice
     measured_at_rows: int = -1  # the head size the acceptance counts were gathered with
+    # Seconds of a verify per block length, unpadded: the calibration's, then every verify timed
+    # while generating folded in (a calibration made during a busy spell is corrected as it runs).
+    verify: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def start(cls, costs: DraftCosts, settings: DraftSettings) -> AutoState:
-        return cls(costs, settings, HeadCoverage(tuple(sorted(costs.draft_step))))
+        state = cls(costs, settings, HeadCoverage(tuple(sorted(costs.draft_step))))
+        state.verify = {b: block_cost(costs.verify, b) for b in range(1, settings.node_budget + 2)}
+        return state
+
+    # --- the verify curve ------------------------------------------------------------------
+
+    def observe_verify(self, block: int, seconds: float) -> None:
+        if block in self.verify:
+            self.verify[block] = (1 - VERIFY_SMOOTHING) * self.verify[block] + VERIFY_SMOOTHING * seconds
+
+    def padded(self, block: int) -> int:
+        """The block length to verify ``block`` positions as: the cheapest known length from
+        ``block`` up (some CPUs run a 2-3-row product slower than a 4-row one); ties go short."""
+        if block < 2 or block not in self.verify:
+            return block
+        own = self.verify[block]
+        cheaper = [(s, b) for b, s in self.verify.items() if b > block and s < PAD_MARGIN * own]
+        return min(cheaper)[1] if cheaper else block
+
+    def verify_seconds(self, block: int) -> float:
+        """A verify of ``block`` positions as the engine runs it (padded)."""
+        padded = self.padded(block)
+        return self.verify[padded] if padded in self.verify else block_cost(self.verify, padded)
 
     # --- choices ---------------------------------------------------------------------------
 
@@ -133,7 +160,8 @@ class AutoState:
         best, best_rate = self.head_rows, -1.0
         for size in self.coverage.sizes:
             acceptance = base * self.coverage.share(size)
-            rate = best_skip_rate(acceptance, self.costs.draft_step[size], self.costs, self.settings.max_draft_tokens)
+            cap = self.settings.max_draft_tokens
+            rate = best_skip_rate(acceptance, self.costs.draft_step[size], self.verify_seconds, cap)
             if rate > best_rate:
                 best, best_rate = size, rate
         self.head_rows = best
@@ -154,7 +182,7 @@ class AutoState:
         blocks = range(2, self.settings.node_budget + 2)
         cap = self.settings.max_draft_tokens
         rule = DraftLengthByCost(
-            cap, 0, draft_cost=draft_seconds, verify_cost={b: self.costs.verify_seconds(b) for b in blocks}
+            cap, 0, draft_cost=draft_seconds, verify_cost={b: self.verify_seconds(b) for b in blocks}
         )
         rule.reached = [round(CARRY_OVER * n) for n in self.confidence_reached]
         rule.right = [min(round(CARRY_OVER * r), n) for r, n in zip(self.confidence_right, rule.reached)]
@@ -197,11 +225,9 @@ class AutoState:
         self.sibling_right *= CARRY_OVER
 
 
-def best_skip_rate(acceptance: float, draft_seconds: float, costs: DraftCosts, cap: int) -> float:
-    """Expected tokens per second of the best skip-draft length up to ``cap``."""
-    return max(
-        expected_tokens(acceptance, g) / (g * draft_seconds + costs.verify_seconds(g + 1)) for g in range(1, cap + 1)
-    )
+def best_skip_rate(acceptance: float, draft_seconds: float, verify: Callable[[int], float], cap: int) -> float:
+    """Expected tokens per second of the best skip-draft length up to ``cap`` (``verify``: seconds per block)."""
+    return max(expected_tokens(acceptance, g) / (g * draft_seconds + verify(g + 1)) for g in range(1, cap + 1))
 
 
 class AutoDrafter(BaseDrafter):
@@ -223,6 +249,7 @@ class AutoDrafter(BaseDrafter):
         self.vocab_size = vocab_size
         self.sampling = sampling
         self.skip: Drafter | None = None
+        self.clock: DeviceClock | None = None
         self.length: DraftLengthByCost | None = None
         self.ranks = state.run_lengths()
         self.lookup_seconds = 1e-4  # running time of one lookup match (a Python scan of the history)
@@ -230,12 +257,14 @@ class AutoDrafter(BaseDrafter):
         self._earlier: set[int] = set()
         self._known = 0  # history tokens already counted for coverage
         self.kinds: dict[str, int] = {}
+        self._matches: list[tuple[list[int], list[float]]] = []  # this step's lookup runs and their chances
 
     # --- the choice ----------------------------------------------------------------------------
 
     def propose(self, request: DraftRequest) -> Draft:
         history = request.history
         if self.skip is None:
+            self.clock = DeviceClock(request.device)
             rows = self.state.choose_head(history)
             self.length = self.state.length_rule(self.state.costs.draft_step[rows])
             self.skip = self.make_skip(rows, self.length)
@@ -258,7 +287,7 @@ class AutoDrafter(BaseDrafter):
             return "skip"
         if plan is not None and plan.rate >= skip_rate:
             return "lookup"
-        plain_rate = 1.0 / self.state.costs.verify_seconds(1)
+        plain_rate = 1.0 / self.state.verify_seconds(1)
         return "skip" if skip_rate >= plain_rate else "none"
 
     def _skip_rate(self, budget: int) -> float:
@@ -281,9 +310,10 @@ class AutoDrafter(BaseDrafter):
         matches = match_lookups(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap, s.tree_matches)
         self.ranks.track(matches, len(request.history))
         self.lookup_seconds = 0.7 * self.lookup_seconds + 0.3 * (time.perf_counter() - start)
+        self._matches = [(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)]
         if not matches:
             return None
-        candidates = merged_paths([(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)])
+        candidates = merged_paths(self._matches)
         shape = shape_tree(candidates, self.length.verify_price, self.lookup_seconds, s.node_budget)
         return shape if len(shape.tree) else None
 
@@ -297,22 +327,31 @@ class AutoDrafter(BaseDrafter):
         reach = [1.0]
         for a in accept:
             reach.append(reach[-1] * a)
-        candidates = chain_candidates(draft.tokens, reach[1:])
+        paths: list[tuple[list[int], list[float]]] = [(list(draft.tokens), reach[1:])]
         sibling = self.state.sibling_chance()
         for t, token in enumerate(draft.tokens):
             probs = draft.top_probs[t]
             if probs.shape[0] < 2 or float(probs[0] - probs[1]) >= s.tree_margin:
                 continue
             alternative = int(draft.top_tokens[t, 1])
-            if alternative != token:
-                chance = reach[t] * (1 - accept[t]) * sibling
-                candidates.append(Candidate(ROOT if t == 0 else t - 1, alternative, chance))
-        shape = shape_tree(candidates, self.length.verify_price, draft.seconds, s.node_budget)
-        if not len(shape.tree):
+            if alternative != token:  # the chain up to t, then the draft's second choice
+                paths.append(
+                    ([*draft.tokens[:t], alternative], [*reach[1 : t + 1], reach[t] * (1 - accept[t]) * sibling])
+                )
+        # This step's lookup matches too, as branches: free to propose, cheap to verify.
+        paths.extend(self._matches)
+        shape = shape_tree(merged_paths(paths), self.length.verify_price, draft.seconds, s.node_budget)
+        tree = shape.tree
+        kept = 0  # the chain's tokens the tree kept: its first branch
+        while kept < len(tree) and kept < len(draft.tokens) and tree.parents[kept] == kept - 1:
+            kept += 1
+        if not kept:
             return draft
-        if shape.tree.is_chain:
-            return replace(draft, tokens=list(shape.tree.tokens))
-        return replace(draft, tokens=list(shape.tree.tokens), tree=shape.tree, chain=list(draft.tokens))
+        # What the length rule learns from must be what was verified: the kept chain only.
+        chain = replace(draft, tokens=draft.tokens[:kept], confidence=draft.confidence[:kept])
+        if tree.is_chain:
+            return chain
+        return replace(chain, tokens=list(tree.tokens), tree=tree, chain=list(chain.tokens))
 
     def _observe(self, history: list[int]) -> None:
         """Score earlier lookup matches and head sizes against the tokens produced since."""
@@ -337,8 +376,15 @@ class AutoDrafter(BaseDrafter):
                 self.state.sibling_reached += 1  # the chain failed where the tree had a sibling
                 self.state.sibling_right += accepted > run
 
-    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
-        return self.skip.watch_verify(block) if self.skip is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def watch_verify(self, block: int) -> Iterator[None]:
+        if self.skip is None or self.clock is None:  # the prefill: nothing drafted yet
+            yield
+            return
+        start = self.clock.now()
+        with self.skip.watch_verify(block):
+            yield
+        self.state.observe_verify(block, self.clock.now() - start)
 
     def around_verify(
         self, cache: RollbackCache, start: int, block: torch.Tensor

@@ -195,7 +195,7 @@ class PreparedDraft:
         """How many positions to verify a block of ``positions`` as: padded with fillers to the
         policy's ``min_verify_block`` where a drafted block is shorter (some CPUs run a few-row
         matmul slower than a 4-row one), never past the model's position limit."""
-        pad_to = self.auto.costs.padded(positions) if self.auto is not None else self.policy.draft.min_verify_block
+        pad_to = self.auto.padded(positions) if self.auto is not None else self.policy.draft.min_verify_block
         if positions < 2 or positions >= pad_to:
             return positions
         if self._max_positions is not None and committed + pad_to > self._max_positions:
@@ -212,7 +212,7 @@ class PreparedDraft:
             return policy
         costs = self.auto.costs
         rows = self.auto.head_rows if self.auto.head_rows >= 0 else self.auto.choose_head([])
-        pad = costs.padded(2) if costs.padded(2) > 2 else 0
+        pad = self.auto.padded(2) if self.auto.padded(2) > 2 else 0
         draft = replace(policy.draft, draft_vocab_size=rows, min_verify_block=pad)
         provenance = {**policy.provenance, "source": "auto", "calibration": costs.info}
         return replace(policy, draft=draft, auto=None, provenance=provenance)

@@ -49,24 +49,6 @@ class DraftCosts:
     draft_step: dict[int, float]
     info: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
 
-    @property
-    def longest_block(self) -> int:
-        return max(self.verify)
-
-    def verify_seconds(self, block: int) -> float:
-        """A verify of ``block`` positions as the engine runs it: padded where a longer block is cheaper."""
-        return block_cost(self.verify, self.padded(block))
-
-    def padded(self, block: int) -> int:
-        """The block length to verify ``block`` positions as: the cheapest measured length from
-        ``block`` up (some CPUs run a 2-3-row product slower than a 4-row one); ties go short."""
-        if block < 2 or block >= self.longest_block:
-            return block
-        own = block_cost(self.verify, block)
-        longer = [(seconds, size) for size, seconds in self.verify.items() if size > block]
-        best_seconds, best_size = min(longer, default=(own, block))
-        return best_size if best_seconds < 0.97 * own else block
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "plain_step": self.plain_step,

@@ -29,7 +29,7 @@ from torch import nn
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.policy import SkipPolicy
-from layerskip.engine.latency import draft_step_seconds, measure_latency
+from layerskip.engine.latency import head_size_timings, measure_latency
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
@@ -121,10 +121,7 @@ def _measure(
     context = list(context) if context else own_text(model)
     latency = measure_latency(model, context, VERIFY_BLOCKS, progress, PLAIN_REPEATS, VERIFY_REPEATS)
     draft_model = models.for_policy(policy, all_sublayers=True)
-    draft: dict[int, float] = {}
-    for size in key["head_sizes"]:
-        rows = range(size) if size else None
-        draft[size] = draft_step_seconds(draft_model, context, (), (), rows, DRAFT_REPEATS)
+    draft = head_size_timings(draft_model, context, key["head_sizes"], DRAFT_REPEATS)
     info: dict[str, Any] = {"machine": key["machine"], "measured_at": latency.measured_at}
     if latency.warning is not None:
         info["warning"] = latency.warning

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import capturing_layer_output, fill_adapter_cache
+from layerskip.drafts.head import DraftHead
 from layerskip.drafts.model import DraftModel
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.hf import adapters
@@ -103,6 +104,34 @@ def draft_step_seconds(
 
 
 @torch.inference_mode()
+def head_size_timings(
+    draft_model: DraftModel, context: Sequence[int], sizes: Sequence[int], repeats: int
+) -> dict[int, float]:
+    """Median seconds of one draft token (nothing bypassed) for each head size (its first rows;
+    0 = every row), the sizes timed in turn each round, as ``curve_timings`` times blocks."""
+    cache, device = prefilled_cache(draft_model.model, context)
+    length = len(context)
+    token = torch.tensor([[context[-1]]], device=device)
+    steps = {}
+    for size in sizes:
+        rows = None if not size else torch.tensor(sorted({*range(size), *context}), dtype=torch.long)
+        head = draft_model.head(rows)
+
+        def step(head: DraftHead = head) -> None:
+            with draft_model.active((), ()):
+                draft_model.logits(token, cache, length, head)
+            cache.rollback(length)
+
+        steps[size] = step
+        _time_once(step, device)  # warm-up
+    seconds: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(repeats):
+        for size, step in steps.items():
+            seconds[size].append(_time_once(step, device))
+    return {size: statistics.median(values) for size, values in seconds.items()}
+
+
+@torch.inference_mode()
 def verify_timings(
     model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
 ) -> list[float]:
@@ -123,6 +152,32 @@ def verify_timings(
         cache.rollback(length)
 
     return timings(step, device, repeats)
+
+
+@torch.inference_mode()
+def curve_timings(
+    model: nn.Module, context: Sequence[int], blocks: Sequence[int], repeats: int, greedy: VerifyHead
+) -> dict[int, list[float]]:
+    """Seconds of ``repeats`` greedy verifies of each block length after ``context``, interleaved:
+    every round times each length once, so a load that comes and goes touches them all alike
+    (timed one length after another, a busy spell would bend the curve)."""
+    cache, device = prefilled_cache(model, context)
+    length = len(context)
+    steps = {}
+    for block in blocks:
+        tokens = torch.tensor([[context[-1]] * block], device=device)
+
+        def step(tokens: torch.Tensor = tokens, block: int = block) -> None:
+            greedy.argmax(full_hidden(model, tokens, cache, length, keep=block))
+            cache.rollback(length)
+
+        steps[block] = step
+        _time_once(step, device)  # warm-up
+    seconds: dict[int, list[float]] = {block: [] for block in blocks}
+    for _ in range(repeats):
+        for block, step in steps.items():
+            seconds[block].append(_time_once(step, device))
+    return seconds
 
 
 def verify_seconds(
@@ -198,10 +253,9 @@ def measure_latency(
     plain = verify_timings(model, context, 1, plain_repeats)
     bar.update()
     greedy = engine_verify_head(model)
-    verify: dict[int, float] = {}
-    for block in [1, *blocks]:
-        verify[block] = statistics.median(verify_timings(model, context, block, verify_repeats, greedy))
-        bar.update()
+    curve = curve_timings(model, context, [1, *blocks], verify_repeats, greedy)
+    verify = {block: statistics.median(seconds) for block, seconds in curve.items()}
+    bar.update(1 + len(blocks))
     bar.close()
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return Latency(statistics.median(plain), verify, plain, busy_warning(plain), now)
