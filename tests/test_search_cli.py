@@ -368,7 +368,8 @@ def test_on_the_fly_set_seeds_a_study(run_search, run_generate, tiny_llama, tmp_
     """generate.py --policy on-the-fly --save-policy writes the set it ended on; search --warm-start runs it first."""
     saved, db, out = tmp_path / "otf.json", tmp_path / "w.db", tmp_path / "p.json"
     common = ["--model", str(tiny_llama), "--no-chat", "--prompt", "Write a short story about a robot.", "--json"]
-    assert_bad_input(run_generate(*common, "--save-policy", str(saved)), "--save-policy needs an on-the-fly policy")
+    refused = run_generate(*common, "--policy", "plain", "--save-policy", str(saved))
+    assert_bad_input(refused, "--save-policy needs a policy that chooses while generating")
     assert not saved.exists()
     report = json.loads(
         ok(
