@@ -42,6 +42,8 @@ SPACE_FLAGS: dict[str, str] = {
     "lookup_confidence_choices": "--lookup-confidence",
     "lookup_min_ngram_choices": "--lookup-min",
     "verify_pad_choices": "--verify-pad",
+    "tree_match_choices": "--tree-matches",
+    "tree_sibling_choices": "--tree-siblings",
     "precision_choices": "--draft-precision",
     "require_skip_draft": "--require-skip-draft",
     "exit_threshold_choices": "--exit-thresholds",
@@ -66,6 +68,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     _at_least("--lookup-tokens", args.lookup_tokens, 1)
     _at_least("--lookup-min", args.lookup_min, 1)
     _at_least("--verify-pad", args.verify_pad, 0, "0 = no padding")
+    _at_least("--tree-matches", args.tree_matches, 1, "1 = a chain")
+    _at_least("--tree-siblings", args.tree_siblings, 0, "0 = none")
+    _at_most("--tree-matches", args.tree_matches, 16)
+    _at_most("--tree-siblings", args.tree_siblings, 8)
     _at_least("--never-skip", args.never_skip, 0)
     # A policy drafts at most MAX_DRAFT_TOKENS tokens (drafts/policy.py): a larger choice would fail every trial.
     _at_most("--draft-tokens", args.draft_tokens, MAX_DRAFT_TOKENS)
@@ -154,6 +160,8 @@ def requested_space(args: argparse.Namespace) -> dict[str, Any]:
         "lookup_confidence_choices": list(args.lookup_confidence),
         "lookup_min_ngram_choices": list(args.lookup_min),
         "verify_pad_choices": list(args.verify_pad),
+        "tree_match_choices": list(args.tree_matches),
+        "tree_sibling_choices": list(args.tree_siblings),
         "precision_choices": list(args.draft_precision),
         "require_skip_draft": bool(args.require_skip_draft),
         "exit_threshold_choices": list(args.exit_thresholds),

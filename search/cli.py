@@ -201,6 +201,18 @@ def _add_draft_arguments(parser: argparse.ArgumentParser) -> None:
         help="choices for padding short verify blocks to N tokens (0 = never), e.g. 0,4",
     )
     parser.add_argument(
+        "--tree-matches",
+        type=int_list,
+        default=(1,),
+        help="token-tree choices: lookup continuations verified at once (1 = a chain), e.g. 1,4",
+    )
+    parser.add_argument(
+        "--tree-siblings",
+        type=int_list,
+        default=(0,),
+        help="token-tree choices: the draft's next choices added where it hesitates (0 = none), e.g. 0,1",
+    )
+    parser.add_argument(
         "--draft-precision",
         type=str_list,
         default=("model",),
@@ -229,8 +241,9 @@ def _add_bypass_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="policy JSON to try first (repeatable), e.g. the set on-the-fly selection ended on "
-        "(generate.py --policy on-the-fly --save-policy PATH); in the ranked space a new study's order "
-        "starts with its bypassed sublayers",
+        "(generate.py --policy on-the-fly --save-policy PATH), or 'auto': what --policy auto chooses here "
+        "after generating from the calibration prompts; in the ranked space a new study's order starts with "
+        "its bypassed sublayers",
     )
     parser.add_argument(
         "--exit-adapters",

@@ -32,7 +32,9 @@ from layerskip.cli.common import check_fits, check_policies
 from layerskip.data import Prompt, load_prompts
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.policy import SkipPolicy, is_policy_file
+from layerskip.drafts.policy_spec import AUTO
 from layerskip.drafts.vocab import DraftVocabulary
+from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
 from layerskip.hf import adapters
@@ -149,7 +151,8 @@ def check_inputs(args: argparse.Namespace, command: str) -> Inputs:
         seed=args.seed,
         categories=args.categories,
     )
-    seeds = {path: SkipPolicy.load(path) for path in args.warm_start}  # bad files fail before the model loads
+    # Bad files fail before the model loads; "auto" becomes auto's choices once it has run (check_model).
+    seeds = {path: SkipPolicy.auto_choice() if path == AUTO else SkipPolicy.load(path) for path in args.warm_start}
     exit_choices = read_exit_choices(args.exit_adapters)
     if not args.exit_thresholds or not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
         raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
@@ -160,6 +163,16 @@ def check_inputs(args: argparse.Namespace, command: str) -> Inputs:
     if args.plots:
         check_output_dir(args.plots, "--plots")
     return Inputs(args, command, prompts, seeds, exit_choices, study_name, out)
+
+
+def auto_choices(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int, name: str) -> SkipPolicy:
+    """``--warm-start auto``: what auto chooses on this machine (its skip set, head size, padding,
+    lookup and tree settings) after generating from the calibration prompts, as a fixed policy."""
+    decoder = Decoder.for_policy(model, SkipPolicy.auto_choice(next(model.parameters()).device))
+    for ids in prompt_ids:
+        decoder.decode(ids, DecodeSettings(max_new_tokens=max_new_tokens))
+    assert decoder.draft is not None
+    return decoder.draft.fixed_policy().with_model(model, name)
 
 
 def default_study_name(model: str, suffix: str) -> str:
@@ -192,6 +205,8 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in inputs.prompts]
     for prompt, ids in zip(inputs.prompts, prompt_ids):
         check_fits(model, len(ids), max(args.reference_tokens, args.max_new_tokens), f"calibration prompt {prompt.id}")
+    if AUTO in inputs.seeds:
+        inputs.seeds[AUTO] = auto_choices(model, prompt_ids, args.max_new_tokens, loaded.name)
     calibration_info = {
         "source": args.prompts,
         "prompts": [p.id for p in inputs.prompts],
@@ -219,6 +234,8 @@ def space_from_flags(args: argparse.Namespace, num_layers: int, exit_choices: tu
         lookup_confidence_choices=args.lookup_confidence,
         lookup_min_ngram_choices=args.lookup_min,
         verify_pad_choices=args.verify_pad,
+        tree_match_choices=args.tree_matches,
+        tree_sibling_choices=args.tree_siblings,
         precision_choices=args.draft_precision,
         require_skip_draft=args.require_skip_draft,
         exit_choices=exit_choices,

@@ -53,6 +53,10 @@ class SearchSpace:
     lookup_min_ngram_choices: tuple[int, ...] = (2,)  # shortest n-gram a lookup may match
     verify_pad_choices: tuple[int, ...] = (0,)  # pad short verify blocks to this length (0 = never)
     precision_choices: tuple[str, ...] = ("model",)  # the draft's weight precision (drafts/precision.py)
+    # Token trees: lookup continuations per verify (1 = a chain) and the draft's siblings (0 = none).
+    # The cheap score replays chains; trees are told apart by the confirmation's real generation.
+    tree_match_choices: tuple[int, ...] = (1,)
+    tree_sibling_choices: tuple[int, ...] = (0,)
     # Ranked space: sublayers ordered from the least to the most needed (single-sublayer
     # agreement); a trial bypasses the first ``skip_count`` of them. Empty: one switch per sublayer.
     sublayer_order: tuple[tuple[int, str], ...] = ()
@@ -174,9 +178,12 @@ class SearchSpace:
             use_skip = trial.suggest_categorical("use_skip_draft", [True, False])
         pad = _pick(trial, "min_verify_block", self.verify_pad_choices)
         precision = _pick(trial, "precision", self.precision_choices) if use_skip else "model"
-        return draft_settings(
+        settings = draft_settings(
             k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram, pad, precision, by_cost
         )
+        matches = _pick(trial, "tree_matches", self.tree_match_choices) if lookup else 1
+        siblings = _pick(trial, "tree_siblings", self.tree_sibling_choices) if use_skip else 0
+        return replace(settings, tree_matches=matches, tree_siblings=siblings)
 
     def params_for(
         self,
@@ -214,7 +221,11 @@ class SearchSpace:
         if len(self.verify_pad_choices) > 1:
             params["min_verify_block"] = self.verify_pad_choices[0]
         params["lookup_max_ngram"] = lookup if lookup in self.lookup_ngram_choices else self.lookup_ngram_choices[0]
+        if len(self.tree_sibling_choices) > 1 and use_skip_draft:
+            params["tree_siblings"] = self.tree_sibling_choices[0]
         if params["lookup_max_ngram"]:
+            if len(self.tree_match_choices) > 1:
+                params["tree_matches"] = self.tree_match_choices[0]
             if self.lookup_token_choices:
                 params["lookup_max_tokens"] = max(self.lookup_token_choices)
             if len(self.lookup_confidence_choices) > 1:
@@ -278,6 +289,10 @@ class SearchSpace:
             params["lookup_confidence"] = nearest(d.lookup_confidence, self.lookup_confidence_choices)
         if "lookup_min_ngram" in params:
             params["lookup_min_ngram"] = nearest(d.lookup_min_ngram, self.lookup_min_ngram_choices)
+        if "tree_matches" in params:
+            params["tree_matches"] = nearest(d.tree_matches, self.tree_match_choices)
+        if "tree_siblings" in params:
+            params["tree_siblings"] = nearest(d.tree_siblings, self.tree_sibling_choices)
         # What a trial with these parameters evaluates, built as the study builds it.
         evaluated = self.suggest(optuna.trial.FixedTrial(params))
         if evaluated.draft.use_skip_draft:
@@ -361,7 +376,8 @@ def _differences(label: str, wanted: DraftSettings, evaluated: DraftSettings) ->
     the evaluated draft does not use are left out: lookup's when lookup is off, and so on)."""
     unused: set[str] = set()
     if not evaluated.lookup_max_ngram:
-        unused |= {"lookup_min_ngram", "lookup_max_tokens", "lookup_confidence"}
+        unused |= {"lookup_min_ngram", "lookup_max_tokens", "lookup_confidence", "tree_matches"}
+    unused |= {"tree_margin", "tree_nodes"}  # not searched: a trial keeps the defaults
     if not evaluated.use_skip_draft:
         unused |= {"draft_vocab_size", "precision", "adaptive", "initial_threshold", "target_acceptance"}
         unused |= {"length_by_cost"}

@@ -233,3 +233,24 @@ def test_the_plugin_drafts_with_auto_by_default() -> None:
     assert ours.tolist() == plain.tolist()
     (decoder,) = model.__dict__["_layerskip_decoders"].values()
     assert decoder.draft is not None and decoder.draft.auto is not None
+
+
+def test_a_search_starts_from_autos_choices(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """search --warm-start auto: auto generates from the calibration prompts, and its choices (as a
+    fixed policy) are the study's first trial."""
+    from search_fixtures import load_study, search_in_process
+
+    from search.space import trial_policy
+
+    db, out = tmp_path / "w.db", tmp_path / "p.json"
+    args = ["--n-trials", "3", "--storage", f"sqlite:///{db}", "--study-name", "w", "--out", str(out)]
+    space = ["--lookup", "0,3", "--draft-tokens", "3,10", "--draft-precision", "model,int4"]
+    space += ["--tree-matches", "1,4", "--tree-siblings", "0,1", "--lookup-tokens", "8,16"]
+    result = search_in_process(capsys, tiny_llama, *args, *space, "--warm-start", "auto")
+    assert result.returncode == 0, result.stderr
+    study = load_study(f"sqlite:///{db}", "w")
+    first = trial_policy(study, study.trials[0])
+    assert first.auto is None and first.on_the_fly is None and first.draft.length_by_cost
+    assert (first.draft.tree_matches, first.draft.tree_siblings, first.draft.lookup_max_ngram) == (4, 1, 3)
