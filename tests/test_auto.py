@@ -44,6 +44,7 @@ def _repetitive_prompt(length: int = 24) -> list[int]:
 def test_auto_is_a_policy_name() -> None:
     label, policy = load_policy("auto")
     assert label == "auto" and policy.auto is not None and policy.on_the_fly is not None
+    assert not policy.draft.uses_trees and load_policy("auto-trees")[1].draft.uses_trees
     assert policy.draft.lookup_max_ngram and policy.draft.length_by_cost and policy.draft.precision == "int4"
     again = SkipPolicy.from_dict(policy.to_dict())
     assert again.auto == policy.auto  # a file can hold it too
@@ -108,7 +109,7 @@ def test_auto_greedy_is_lossless_with_lookup_and_skip_steps_mixed(arch: str, mon
     model = _model(arch)
     prompt = _repetitive_prompt()
     reference, logits = hf_greedy(model, prompt, NEW_TOKENS)
-    decoder = Decoder.for_policy(model, SkipPolicy.auto_choice())
+    decoder = Decoder.for_policy(model, SkipPolicy.auto_trees())  # trees on: every kind of block
     runs = []
     for _ in range(2):  # the second generation starts from what the first one learned
         tokens, stats = decoder.decode(prompt, DecodeSettings(max_new_tokens=NEW_TOKENS))
@@ -117,6 +118,7 @@ def test_auto_greedy_is_lossless_with_lookup_and_skip_steps_mixed(arch: str, mon
         runs.append(stats)
     total = GenerationStats.combined(runs)
     assert total.lookup_steps > 0 and total.head_rows, f"{arch}: lookup {total.lookup_steps}, skip {total.head_rows}"
+    assert total.tree_steps > 0, f"{arch}: no token tree was verified"
     assert total.accepted > 0
     assert total.calibration["cached"] in (True, False) and total.calibration["seconds"] >= 0
 
@@ -253,4 +255,4 @@ def test_a_search_starts_from_autos_choices(
     study = load_study(f"sqlite:///{db}", "w")
     first = trial_policy(study, study.trials[0])
     assert first.auto is None and first.on_the_fly is None and first.draft.length_by_cost
-    assert (first.draft.tree_matches, first.draft.tree_siblings, first.draft.lookup_max_ngram) == (4, 1, 3)
+    assert (first.draft.tree_matches, first.draft.tree_siblings, first.draft.lookup_max_ngram) == (1, 0, 3)

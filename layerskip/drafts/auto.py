@@ -37,6 +37,7 @@ from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import CONFIDENCE_BINS, WARM_UP_STEPS, DraftLengthByCost
 from layerskip.drafts.lookup import RankedRunLengths, match_lookups, tree_draft
 from layerskip.drafts.policy import DraftSettings
+from layerskip.drafts.token_tree import TokenTree
 from layerskip.drafts.tree_shape import Shape, merged_paths, shape_tree
 from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import ROOT, Sampling
@@ -275,7 +276,8 @@ class AutoDrafter(BaseDrafter):
         self.since_skip = 0 if kind == "skip" else self.since_skip + 1
         if kind == "lookup":
             assert plan is not None
-            return tree_draft(plan.tree, "lookup", 0, self.vocab_size, self.sampling, request.device)
+            tree = self._lookup_tree(plan)
+            return tree_draft(tree, "lookup", 0, self.vocab_size, self.sampling, request.device)
         if kind == "none":
             return Draft([], source="none")
         return self._branched(self.skip.propose(request))
@@ -301,8 +303,9 @@ class AutoDrafter(BaseDrafter):
         return rate
 
     def _lookup(self, request: DraftRequest) -> Shape | None:
-        """The lookup tree (a chain with one match) with the highest expected tokens per second:
-        each match's runs cut, and lower-ranked matches added, only where they pay for their verify."""
+        """The best match's run, cut where the expected tokens per second peak: what lookup is
+        weighed by against the skip draft (as a chain would be; other matches join as branches
+        only once lookup is chosen, ``_lookup_tree``)."""
         assert self.length is not None
         s = self.state.settings
         start = time.perf_counter()
@@ -313,9 +316,16 @@ class AutoDrafter(BaseDrafter):
         self._matches = [(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)]
         if not matches:
             return None
-        candidates = merged_paths(self._matches)
-        shape = shape_tree(candidates, self.length.verify_price, self.lookup_seconds, s.node_budget)
+        shape = shape_tree(merged_paths(self._matches[:1]), self.length.verify_price, self.lookup_seconds, cap)
         return shape if len(shape.tree) else None
+
+    def _lookup_tree(self, plan: Shape) -> TokenTree:
+        """The chosen run, whole, with the other matches added as branches where they pay."""
+        if len(self._matches) < 2:
+            return plan.tree
+        assert self.length is not None
+        price, spent, budget = self.length.verify_price, self.lookup_seconds, self.state.settings.node_budget
+        return shape_tree(merged_paths(self._matches), price, spent, budget, required=len(plan.tree)).tree
 
     def _branched(self, draft: Draft) -> Draft:
         """A greedy skip draft with the draft's next choices as siblings where they pay (a token
@@ -340,7 +350,10 @@ class AutoDrafter(BaseDrafter):
                 )
         # This step's lookup matches too, as branches: free to propose, cheap to verify.
         paths.extend(self._matches)
-        shape = shape_tree(merged_paths(paths), self.length.verify_price, draft.seconds, s.node_budget)
+        # The chain's length was decided token by token as it was drafted: the tree keeps all of it
+        # (merged_paths puts it first) and adds only the branches that pay.
+        price, spent = self.length.verify_price, draft.seconds
+        shape = shape_tree(merged_paths(paths), price, spent, s.node_budget, required=len(draft.tokens))
         tree = shape.tree
         kept = 0  # the chain's tokens the tree kept: its first branch
         while kept < len(tree) and kept < len(draft.tokens) and tree.parents[kept] == kept - 1:

@@ -346,13 +346,13 @@ class SkipPolicy:
 
     @classmethod
     def auto_choice(cls, device: str | torch.device = "cpu") -> SkipPolicy:
-        """``--policy auto``: no study and no file. Prompt lookup (n-grams of 2-3, runs up to 16, up
-        to 4 matches in a token tree) or the skip draft (up to 10 tokens, its length by cost, its
-        next choices as tree siblings where it hesitates, its skip set chosen on the fly from
+        """``--policy auto``: no study and no file. Prompt lookup (n-grams of 2-3, runs up to 16) or
+        the skip draft (up to 10 tokens, its length by cost, its skip set chosen on the fly from
         nothing bypassed), whichever is expected to give more tokens per second at each step,
-        with the tree's shape, the verify padding and the draft head's size priced by a
-        calibration of this machine. On a CPU the draft runs from an int4 copy; elsewhere from
-        the model's own weights."""
+        with the verify padding and the draft head's size priced by a calibration of this
+        machine. On a CPU the draft runs from an int4 copy; elsewhere from the model's own
+        weights. Every draft is a chain: token trees cost more verify and drafting time than they
+        returned on the CPUs measured (``auto_trees`` turns them on, shaped by the same costs)."""
         precision = "int4" if torch.device(device).type == "cpu" else "model"
         draft = DraftSettings(
             max_draft_tokens=10,
@@ -361,11 +361,16 @@ class SkipPolicy:
             lookup_min_ngram=2,
             lookup_max_tokens=16,
             precision=precision,
-            tree_matches=4,
-            tree_siblings=1,
             tree_nodes=24,
         )
         return cls(draft=draft, on_the_fly=OnTheFlySettings(), auto=AutoSettings(), provenance={"source": "auto"})
+
+    @classmethod
+    def auto_trees(cls, device: str | torch.device = "cpu") -> SkipPolicy:
+        """``auto`` drafting token trees: up to 4 lookup matches per verify, the skip draft's next
+        choice where it hesitates, each branch added only where its expected tokens pay for it."""
+        auto = cls.auto_choice(device)
+        return replace(auto, draft=replace(auto.draft, tree_matches=4, tree_siblings=1))
 
     # -- checks -------------------------------------------------------------------------
     def ablations(self) -> dict[str, SkipPolicy]:

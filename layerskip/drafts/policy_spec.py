@@ -1,9 +1,10 @@
 """The policy argument shared by ``--policy`` and the plug-in's ``skip_policy=``.
 
 A value is a policy file; ``auto`` (every drafting choice made while generating, priced by a
-calibration of this machine: no study, no file); ``on-the-fly`` (skip sets chosen while generating, from nothing
-bypassed, with the default draft for the device); or ``on-the-fly:PATH`` (chosen while
-generating, starting from that file's skip sets and drafting with its settings).
+calibration of this machine: no study, no file); ``auto-trees`` (the same, drafting token
+trees); ``on-the-fly`` (skip sets chosen while generating, from nothing bypassed, with the
+default draft for the device); or ``on-the-fly:PATH`` (chosen while generating, starting from
+that file's skip sets and drafting with its settings).
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ from layerskip.errors import LayerskipError
 
 ON_THE_FLY = "on-the-fly"
 AUTO = "auto"
+AUTO_TREES = "auto-trees"  # auto drafting token trees
 PLAIN = "plain"  # the command line's name for no draft at all (plain decoding)
 
 
 def load_policy(spec: str, device: str | torch.device = "cpu") -> tuple[str, SkipPolicy]:
-    """``(label, policy)`` for a ``--policy`` value: a policy file; ``auto``; ``on-the-fly`` (skip sets chosen
-    while generating, from nothing bypassed, with the default draft for ``device``); or
+    """``(label, policy)`` for a ``--policy`` value: a policy file; ``auto``; ``auto-trees``;
+    ``on-the-fly`` (skip sets chosen while generating, from nothing bypassed, with the default
+    draft for ``device``); or
     ``on-the-fly:PATH`` (chosen while generating, starting from that file's skip sets and drafting
     with its settings)."""
     if spec == AUTO:
         return AUTO, SkipPolicy.auto_choice(device)
+    if spec == AUTO_TREES:
+        return AUTO_TREES, SkipPolicy.auto_trees(device)
     if spec == ON_THE_FLY:
         return ON_THE_FLY, SkipPolicy.adaptive_selection(device=device)
     if spec.startswith(ON_THE_FLY + ":"):

@@ -38,14 +38,20 @@ class Shape:
 
 
 def choose_nodes(
-    candidates: Sequence[Candidate], verify_price: Callable[[int], float], spent: float, budget: int
+    candidates: Sequence[Candidate],
+    verify_price: Callable[[int], float],
+    spent: float,
+    budget: int,
+    required: int = 0,
 ) -> tuple[list[int], float, float]:
-    """The candidates to verify (indices, in the order given), their expected tokens and cost."""
-    order = sorted(range(len(candidates)), key=lambda i: (-candidates[i].chance, i))
-    chosen: set[int] = set()
-    taken: list[int] = []
-    tokens = 1.0
-    best = ([], 1.0, spent + verify_price(1))
+    """The candidates to verify (indices, in the order given), their expected tokens and cost.
+    The first ``required`` candidates are always taken (a draft chain whose length was already
+    decided token by token); the others only where they raise the ratio."""
+    taken = list(range(min(required, len(candidates), budget)))
+    chosen: set[int] = set(taken)
+    tokens = 1.0 + sum(candidates[i].chance for i in taken)
+    order = sorted((i for i in range(len(candidates)) if i not in chosen), key=lambda i: (-candidates[i].chance, i))
+    best = (list(taken), tokens, spent + verify_price(len(taken) + 1))
     # A node is ready once its parent is in; most likely first (a child never beats its parent).
     pending = list(order)
     while pending and len(taken) < budget:
@@ -68,11 +74,12 @@ def shape_tree(
     spent: float,
     budget: int,
     q_rows: object = None,
+    required: int = 0,
 ) -> Shape:
     """The tree of the chosen candidates, built in the given order (the first candidate's branch is
     the block's first positions, as a chain's would be). ``q_rows`` (``[m, V]``) are the proposal
-    rows that sampled candidates' ``Proposal.q_row`` index."""
-    keep, tokens, seconds = choose_nodes(candidates, verify_price, spent, budget)
+    rows that sampled candidates' ``Proposal.q_row`` index; ``required``: see ``choose_nodes``."""
+    keep, tokens, seconds = choose_nodes(candidates, verify_price, spent, budget, required)
     builder = TreeBuilder(len(keep))
     if q_rows is not None:
         builder.add_q(q_rows)
