@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-prompts", type=int, help="cap on the number of prompts")
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling prompts per category")
     parser.add_argument("--methods", default="hf-ar,ar,self-spec", help=f"comma-separated, from: {', '.join(METHODS)}")
-    parser.add_argument("--policy", action="append", default=[], help="policy JSON for self-spec (repeat for several)")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        help="for self-spec (repeat for several): a policy JSON, 'auto', 'auto-trees', 'on-the-fly' or 'on-the-fly:PATH'",
+    )
     parser.add_argument(
         "--ablate",
         nargs="?",

@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default=AUTO,
         help="'auto' (the default: every drafting choice made while generating, priced by a calibration of "
-        "this machine), a skip policy JSON, 'on-the-fly' (skip sets chosen while generating), "
-        "'on-the-fly:PATH' (chosen while generating, starting from PATH), or 'plain' (no draft)",
+        "this machine), 'auto-trees' (the same, verifying token trees), a skip policy JSON, 'on-the-fly' "
+        "(skip sets chosen while generating), 'on-the-fly:PATH' (chosen while generating, starting from "
+        "PATH), or 'plain' (no draft)",
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
@@ -69,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--save-policy",
         metavar="PATH",
-        help="with an on-the-fly policy: write the skip sets it ended on as a fixed policy JSON "
-        "(reuse it, or seed a study with search.py --warm-start PATH)",
+        help="with auto or an on-the-fly policy: write what it chose (skip sets, and auto's head size and "
+        "padding) as a fixed policy JSON (reuse it, or seed a study with search.py --warm-start PATH)",
     )
     parser.add_argument("--force", action="store_true", help="let --save-policy replace a file that is not a policy")
     return parser
