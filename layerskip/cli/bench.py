@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         action="append",
         default=[],
-        help="for self-spec (repeat for several): a policy JSON, 'auto', 'auto-trees', 'on-the-fly' or 'on-the-fly:PATH'",
+        help="for self-spec (repeat for several): a policy JSON, 'auto', 'auto-trees', 'on-the-fly' or "
+        "'on-the-fly:PATH'",
     )
     parser.add_argument(
         "--ablate",
