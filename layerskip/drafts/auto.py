@@ -49,7 +49,13 @@ SKIP_PRIOR = 0.8  # skip-draft acceptance assumed before any is measured
 SKIP_PRIOR_WEIGHT = 10  # as that many drafted tokens
 CARRY_OVER = 0.5  # weight of earlier generations' counts when a new one starts (a short memory)
 EXPLORE_EVERY = 16  # steps without a skip draft after which one is tried anyway (its estimates age)
-PROMPT_PRIOR_WEIGHT = 32.0  # pseudo-observations a prompt's coverage counts for, before any text
+PROMPT_PRIOR_WEIGHT = 16.0  # pseudo-observations a prompt's coverage counts for, before any text
+# Before any text, a truncated head is assumed to hold most next tokens (its rows are the most
+# frequent ones plus every token of the context): as many observations of this share. A prompt's
+# own tokens (chat markup, rare words the answer may never use) are a weak witness, so without
+# this prior one odd prompt would send the first generation to the full head's cost.
+COVERAGE_PRIOR = 0.95
+COVERAGE_PRIOR_WEIGHT = 16.0
 COVERAGE_DECAY = 0.995  # per token: coverage follows the text being generated
 
 
@@ -69,7 +75,8 @@ class HeadCoverage:
     def share(self, size: int) -> float:
         if size == 0:
             return 1.0
-        return (self.covered.get(size, 0.0) + 1.0) / (self.seen + 2.0)
+        prior = COVERAGE_PRIOR * COVERAGE_PRIOR_WEIGHT
+        return (self.covered.get(size, 0.0) + prior) / (self.seen + COVERAGE_PRIOR_WEIGHT)
 
     def observe(self, token: int, earlier: set[int], rank: Sequence[int] | None = None) -> None:
         """One token the model produced after the tokens in ``earlier``."""
