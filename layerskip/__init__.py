@@ -1,9 +1,16 @@
 """layerskip: lossless self-speculative decoding by bypassing decoder sublayers.
 
-The public names, re-exported from the packages that hold them (see the README's Layout).
+The public names, re-exported from the packages that hold them (see docs/contributing.md).
 """
 
-from layerskip.drafts.builder import DraftModels, DraftRun, PreparedDraft, build_drafter, prepare_draft
+from layerskip.drafts.builder import (
+    DraftModels,
+    DraftRun,
+    PreparedDraft,
+    build_drafter,
+    check_policy_fits,
+    prepare_draft,
+)
 from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
 from layerskip.drafts.policy import AutoSettings, DraftSettings, ExitSettings, OnTheFlySettings, SkipPolicy
 from layerskip.engine.decoding import (
@@ -39,6 +46,7 @@ __all__ = [
     "SelfSpeculativeOutput",
     "SkipPolicy",
     "build_drafter",
+    "check_policy_fits",
     "custom_generate_path",
     "decode",
     "decode_autoregressive",

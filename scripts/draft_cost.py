@@ -32,7 +32,7 @@ import torch
 
 from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
 from layerskip.data import builtin_prompts
-from layerskip.drafts.builder import DraftModels
+from layerskip.drafts.builder import DraftModels, head_rows
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.engine.verify_head import engine_verify_head
@@ -151,14 +151,14 @@ def _main(argv: list[str] | None) -> int:
     for name, policy in {**candidate_policies(adapters.num_layers(model), cpu), **extra}.items():
         precision = policy.draft.precision
         draft_model = draft_models.for_policy(policy, all_sublayers=True)
-        head_rows = policy.head_rows(head.shape[0])
-        args_ = (draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows)
+        head_ids = head_rows(policy, head.shape[0])
+        args_ = (draft_model, context, policy.skip_attention, policy.skip_mlp, head_ids)
         seconds = draft_step_seconds(*args_, repeats=args.repeats)
-        read = draft_bytes_read(draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows)
+        read = draft_bytes_read(draft_model, context, policy.skip_attention, policy.skip_mlp, head_ids)
         # Compute per token: the layers' weights plus the head rows scored (embedding lookups are free).
         layer_weights = sum(attn) + sum(mlp)
         kept = layer_weights - sum(attn[i] for i in policy.skip_attention) - sum(mlp[i] for i in policy.skip_mlp)
-        scored = head.shape[0] if head_rows is None else len(set(head_rows) | set(context))
+        scored = head.shape[0] if head_ids is None else len(set(head_ids) | set(context))
         row = {
             "policy": name,
             "precision": precision,

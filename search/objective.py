@@ -19,7 +19,7 @@ from typing import Any
 import optuna
 from torch import nn
 
-from layerskip.drafts.builder import DraftModels
+from layerskip.drafts.builder import DraftModels, head_rows
 from layerskip.drafts.costs import block_cost
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import draft_step_seconds, measure_latency
@@ -149,13 +149,13 @@ class CheapObjective:
         draft_cost = draft = 0.0
         timed_by = None
         draft_model = self.draft_models.for_policy(policy, all_sublayers=True)
-        head_rows = policy.head_rows(adapters.lm_head(self.model).weight.shape[0])
+        rows = head_rows(policy, adapters.lm_head(self.model).weight.shape[0])
         attention, mlp = policy.skip_attention, policy.skip_mlp
         if policy.draft.use_skip_draft:
             context, repeats = cal.latency_context, self.latency_repeats
             timing = self.draft_timings.seconds(
-                draft_key(self.model, policy, head_rows, context, repeats),
-                lambda: draft_step_seconds(draft_model, context, attention, mlp, head_rows, repeats),
+                draft_key(self.model, policy, rows, context, repeats),
+                lambda: draft_step_seconds(draft_model, context, attention, mlp, rows, repeats),
                 trial,
             )
             draft, timed_by = timing.seconds, timing.trial
@@ -165,7 +165,7 @@ class CheapObjective:
         for step, reference in enumerate(cal.references):
             predictor = None
             if policy.draft.use_skip_draft:
-                view = TeacherForcedDraft(draft_model, reference, attention, mlp, head_rows)
+                view = TeacherForcedDraft(draft_model, reference, attention, mlp, rows)
                 m, n = view.agreement()
                 matches, total = matches + m, total + n
                 predictor = view.predict

@@ -30,6 +30,7 @@ from torch import nn
 
 from layerskip.cli.common import check_fits, check_policies
 from layerskip.data import Prompt, load_prompts
+from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.policy import SkipPolicy, is_policy_file
 from layerskip.drafts.policy_spec import AUTO
@@ -355,7 +356,7 @@ def open_search_study(
     args, model = inputs.args, target.model
     seed_params = []
     for path, policy in inputs.seeds.items():
-        policy.validate_for(model)
+        check_policy_fits(model, policy)
         params, notes = space.params_for_policy(policy, f"--warm-start {path}")
         for note in notes:
             print(note, file=sys.stderr)

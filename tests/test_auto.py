@@ -15,7 +15,7 @@ from search_fixtures import generate_in_process
 from tiny_models import ARCHS, random_prompt, save_checkpoint, tiny_model
 
 from layerskip.drafts.auto import AutoDrafter, AutoState, HeadCoverage, best_skip_rate
-from layerskip.drafts.builder import DraftModels, prepare_draft
+from layerskip.drafts.builder import DraftModels, check_policy_fits, prepare_draft
 from layerskip.drafts.costs import DraftCosts, expected_tokens
 from layerskip.drafts.policy import AutoSettings, SkipPolicy
 from layerskip.drafts.policy_spec import load_policy
@@ -188,7 +188,7 @@ def test_converged_policy_from_auto_is_a_fixed_policy() -> None:
     assert decoder.draft is not None
     fixed = decoder.draft.fixed_policy()
     assert fixed.auto is None and fixed.on_the_fly is None and fixed.draft.lookup_max_ngram
-    fixed.with_model(model).validate_for(model)
+    check_policy_fits(model, fixed.with_model(model))
     tokens, _ = Decoder.for_policy(model, fixed).decode(random_prompt(), DecodeSettings(max_new_tokens=16))
     assert tokens == hf_greedy(model, random_prompt(), 16)[0]
 

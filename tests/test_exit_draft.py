@@ -16,6 +16,7 @@ from compare import assert_same_tokens, hf_greedy
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _exact_laws, tv
 from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model
 
+from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
 from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings, decode_speculative
@@ -163,12 +164,13 @@ def test_exit_policy_checks(tmp_path: Path) -> None:
     model = _model("llama")
     policy = exit_policy(model, tmp_path, "linear")
     with pytest.raises(LayerskipError, match="must bypass layers"):
-        replace(policy, skip_attention=()).validate_for(model)
+        check_policy_fits(model, replace(policy, skip_attention=()))
     with pytest.raises(LayerskipError, match="reuse_kv"):
         replace(policy, exit=replace(policy.exit, reuse_kv=True), draft=replace(policy.draft, precision="int4"))
-        replace(
-            policy, exit=replace(policy.exit, reuse_kv=True), draft=replace(policy.draft, precision="int4")
-        ).validate_for(model)
+        check_policy_fits(
+            model,
+            replace(policy, exit=replace(policy.exit, reuse_kv=True), draft=replace(policy.draft, precision="int4")),
+        )
     assert set(policy.ablations()) >= {"no-adapter"}
     assert policy.ablations()["no-adapter"].exit is None
 

@@ -11,6 +11,7 @@ import pytest
 from tiny_models import LAYERS, tiny_model
 
 from layerskip import fileio
+from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.policy import FORMAT, VERSION, DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 
@@ -56,7 +57,7 @@ def test_save_load_round_trip(tmp_path: Path, llama) -> None:
     loaded = SkipPolicy.load(path)
     assert loaded == policy
     assert SkipPolicy.from_dict(policy.to_dict()) == policy
-    loaded.validate_for(llama)
+    check_policy_fits(llama, loaded)
     # Overwriting keeps one file, no temporaries left beside it.
     SkipPolicy(skip_mlp=(1,)).save(path)
     assert SkipPolicy.load(path).skip_mlp == (1,)
@@ -156,50 +157,50 @@ def test_unknown_top_level_key_is_named() -> None:
         SkipPolicy.from_dict(_with(skip_atention=[1]))
 
 
-def test_validate_for_vocabulary_rows_out_of_range(llama) -> None:
+def test_check_policy_fits_vocabulary_rows_out_of_range(llama) -> None:
     rows = llama.get_output_embeddings().weight.shape[0]
-    SkipPolicy(
-        skip_attention=(1,), draft=DraftSettings(draft_vocab_size=2), draft_vocabulary=(0, rows - 1)
-    ).validate_for(llama)
+    check_policy_fits(
+        llama, SkipPolicy(skip_attention=(1,), draft=DraftSettings(draft_vocab_size=2), draft_vocabulary=(0, rows - 1))
+    )
     policy = SkipPolicy(skip_attention=(1,), draft=DraftSettings(draft_vocab_size=2), draft_vocabulary=(0, rows))
     with pytest.raises(LayerskipError, match=rf"token id\(s\) \[{rows}\] but this model's head has {rows} rows"):
-        policy.validate_for(llama)
+        check_policy_fits(llama, policy)
 
 
-# -- validate_for ----------------------------------------------------------------------------------
+# -- check_policy_fits-------------------------------------------------------------------------------
 
 
-def test_validate_for_accepts_a_matching_or_anonymous_policy(llama) -> None:
-    _full_policy(llama).validate_for(llama)
-    SkipPolicy(skip_attention=(0,)).validate_for(llama)  # no model identity: only indices are checked
-    SkipPolicy.early_exit(LAYERS, 1).validate_for(llama)
-    SkipPolicy(skip_attention=tuple(range(LAYERS)), skip_mlp=(0, 1, 2)).validate_for(llama)  # one MLP left
+def test_check_policy_fits_accepts_a_matching_or_anonymous_policy(llama) -> None:
+    check_policy_fits(llama, _full_policy(llama))
+    check_policy_fits(llama, SkipPolicy(skip_attention=(0,)))  # no model identity: only indices are checked
+    check_policy_fits(llama, SkipPolicy.early_exit(LAYERS, 1))
+    check_policy_fits(llama, SkipPolicy(skip_attention=tuple(range(LAYERS)), skip_mlp=(0, 1, 2)))  # one MLP left
 
 
-def test_validate_for_another_architecture(llama) -> None:
+def test_check_policy_fits_another_architecture(llama) -> None:
     gpt2 = tiny_model("gpt2")
     policy = SkipPolicy(skip_mlp=(1,)).with_model(gpt2, "tiny-gpt2")
     with pytest.raises(LayerskipError, match="'gpt2' model .*'llama'"):
-        policy.validate_for(llama)
+        check_policy_fits(llama, policy)
 
 
-def test_validate_for_another_layer_count(llama) -> None:
+def test_check_policy_fits_another_layer_count(llama) -> None:
     deeper = tiny_model("llama", num_hidden_layers=6)
     policy = SkipPolicy(skip_mlp=(1,)).with_model(deeper)
     with pytest.raises(LayerskipError, match="6-layer model .* has 4 layers"):
-        policy.validate_for(llama)
+        check_policy_fits(llama, policy)
     written = SkipPolicy(skip_mlp=(1,), model=ModelIdentity(architecture="llama", num_layers=7))
     with pytest.raises(LayerskipError, match="7-layer"):
-        written.validate_for(llama)
+        check_policy_fits(llama, written)
 
 
-def test_validate_for_another_fingerprint(llama) -> None:
+def test_check_policy_fits_another_fingerprint(llama) -> None:
     wider = tiny_model("llama", intermediate_size=96)  # same architecture and depth, other shapes
     policy = SkipPolicy(skip_mlp=(1,)).with_model(wider)
     with pytest.raises(LayerskipError, match="weight shapes differ"):
-        policy.validate_for(llama)
+        check_policy_fits(llama, policy)
     # Same shapes, other weights: the fingerprint does not hash weights, so it matches.
-    SkipPolicy(skip_mlp=(1,)).with_model(tiny_model("llama", seed=5)).validate_for(llama)
+    check_policy_fits(llama, SkipPolicy(skip_mlp=(1,)).with_model(tiny_model("llama", seed=5)))
 
 
 @pytest.mark.parametrize(
@@ -207,22 +208,22 @@ def test_validate_for_another_fingerprint(llama) -> None:
     [SkipPolicy(skip_attention=(LAYERS,)), SkipPolicy(skip_mlp=(99,)), SkipPolicy(skip_attention=(-1,))],
     ids=["attention-4", "mlp-99", "negative"],
 )
-def test_validate_for_index_out_of_range(llama, policy: SkipPolicy) -> None:
+def test_check_policy_fits_index_out_of_range(llama, policy: SkipPolicy) -> None:
     with pytest.raises(LayerskipError, match=r"valid 0\.\.3"):
-        policy.validate_for(llama)
+        check_policy_fits(llama, policy)
 
 
-def test_validate_for_everything_bypassed(llama) -> None:
+def test_check_policy_fits_everything_bypassed(llama) -> None:
     with pytest.raises(LayerskipError, match="every sublayer"):
-        SkipPolicy.early_exit(LAYERS, 0).validate_for(llama)
+        check_policy_fits(llama, SkipPolicy.early_exit(LAYERS, 0))
     with pytest.raises(LayerskipError, match="every sublayer"):
-        SkipPolicy.skip_layers(list(range(LAYERS))).with_model(llama).validate_for(llama)
+        check_policy_fits(llama, SkipPolicy.skip_layers(list(range(LAYERS))).with_model(llama))
 
 
-def test_validate_for_checks_draft_settings(llama) -> None:
+def test_check_policy_fits_checks_draft_settings(llama) -> None:
     policy = SkipPolicy(skip_mlp=(1,), draft=DraftSettings(max_draft_tokens=0))
     with pytest.raises(LayerskipError, match="max_draft_tokens"):
-        policy.validate_for(llama)
+        check_policy_fits(llama, policy)
 
 
 # -- DraftSettings ---------------------------------------------------------------------------------
@@ -356,29 +357,33 @@ def test_head_values_are_checked_against_the_model(llama) -> None:
     rows = llama.get_output_embeddings().weight.shape[0]
     skip = dict(skip_attention=(1,))
     with pytest.raises(LayerskipError, match=f"draft_vocab_size {rows + 1} is more than this model's {rows}"):
-        SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=rows + 1)).validate_for(llama)
-    SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=rows)).validate_for(llama)  # the full head
+        check_policy_fits(llama, SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=rows + 1)))
+    check_policy_fits(llama, SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=rows)))  # the full head
     # The on-the-fly default head size is chosen per device before any model is known.
     on_the_fly = SkipPolicy.adaptive_selection(DraftSettings(draft_vocab_size=rows + 1))
-    on_the_fly.validate_for(llama)
+    check_policy_fits(llama, on_the_fly)
     # Fixed for this model (generate --save-policy), that size is the full head it means.
     assert replace(on_the_fly, on_the_fly=None).with_model(llama).draft.draft_vocab_size == 0
     assert SkipPolicy(draft=DraftSettings(draft_vocab_size=8)).with_model(llama).draft.draft_vocab_size == 8
     few_ids = SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=8), draft_vocabulary=(1, 2, 3))
     with pytest.raises(LayerskipError, match="lists 3 token ids but draft.draft_vocab_size is 8"):
-        few_ids.validate_for(llama)
+        check_policy_fits(llama, few_ids)
     repeated = SkipPolicy(**skip, draft=DraftSettings(draft_vocab_size=4), draft_vocabulary=(1, 2, 2, 3))
     with pytest.raises(LayerskipError, match=r"repeats token id\(s\) \[2\]"):
-        repeated.validate_for(llama)
+        check_policy_fits(llama, repeated)
 
 
 def test_a_million_bad_entries_make_a_short_error(tmp_path: Path, llama) -> None:
     many = list(range(1000, 1000 + 10**6))
     cases = [
-        (_with(skip_attention=many), lambda policy: policy.validate_for(llama), "and 999995 more"),
+        (_with(skip_attention=many), lambda policy: check_policy_fits(llama, policy), "and 999995 more"),
         (_with(draft_vocabulary=[-1] * 10**6), lambda policy: None, "and 999995 more"),
         (_with(draft_vocabulary=[7] * 10**6), lambda policy: None, "and 999994 more"),
-        (_with(draft_vocabulary=many, draft={"draft_vocab_size": 2}), lambda p: p.validate_for(llama), "999995 more"),
+        (
+            _with(draft_vocabulary=many, draft={"draft_vocab_size": 2}),
+            lambda p: check_policy_fits(llama, p),
+            "999995 more",
+        ),
     ]
     for data, use, fragment in cases:
         path = tmp_path / "many.json"

@@ -19,6 +19,7 @@ from compare import assert_same_tokens, hf_greedy
 from tiny_models import VOCAB, random_prompt, tiny_model, tiny_tokenizer
 
 from layerskip.drafts import base, skip
+from layerskip.drafts.builder import head_rows
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.drafts.vocab import DraftVocabulary
@@ -196,10 +197,10 @@ def test_policy_head_rows() -> None:
     def policy(size: int, ranked: tuple[int, ...] = ()) -> SkipPolicy:
         return SkipPolicy(**SKIP, draft=DraftSettings(draft_vocab_size=size), draft_vocabulary=ranked)
 
-    assert policy(0).head_rows(VOCAB) is None
-    assert policy(VOCAB).head_rows(VOCAB) is None and policy(VOCAB + 5).head_rows(VOCAB) is None  # K >= V: full
-    assert policy(4).head_rows(VOCAB) == (0, 1, 2, 3)  # no ranking: the lowest ids
-    assert policy(3, (50, 7, 9, 11)).head_rows(VOCAB) == (50, 7, 9)
+    assert head_rows(policy(0), VOCAB) is None
+    assert head_rows(policy(VOCAB), VOCAB) is None and head_rows(policy(VOCAB + 5), VOCAB) is None  # K >= V: full
+    assert head_rows(policy(4), VOCAB) == (0, 1, 2, 3)  # no ranking: the lowest ids
+    assert head_rows(policy(3, (50, 7, 9, 11)), VOCAB) == (50, 7, 9)
 
 
 # -- sampling with a truncated head: synthetic distributions ---------------------------------------------

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import AUTO, ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
 from layerskip.engine.threads import available_cpus
@@ -127,7 +128,7 @@ def check_policies(policies: dict[str, SkipPolicy | None], model: object) -> Non
         if policy is None:
             continue
         try:
-            policy.validate_for(model)
+            check_policy_fits(model, policy)
         except LayerskipError as exc:
             raise LayerskipError(f"policy {label}: {exc}") from None
 

@@ -35,9 +35,9 @@ from layerskip.drafts.hybrid import HybridDrafter
 from layerskip.drafts.lookup import LookupDrafter
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
-from layerskip.drafts.policy import ExitSettings, SkipPolicy
+from layerskip.drafts.policy import ExitSettings, SkipPolicy, check_vocabulary_ids
 from layerskip.drafts.skip import SkipDrafter
-from layerskip.errors import LayerskipError
+from layerskip.errors import LayerskipError, few
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling
 
@@ -70,6 +70,119 @@ def kept_sublayers(policy: SkipPolicy, model: nn.Module) -> frozenset[tuple[int,
         for kind, skipped in (("attention", policy.skip_attention), ("mlp", policy.skip_mlp))
         if i not in skipped
     )
+
+
+def check_policy_fits(model: nn.Module, policy: SkipPolicy) -> None:
+    """Raise LayerskipError unless ``policy`` can drive ``model``: its own settings, the model it
+    names, its layer indices, its truncated head and its exit."""
+    policy.draft.validate()
+    check_vocabulary_ids(policy.draft_vocabulary)
+    if policy.on_the_fly is not None:
+        policy.on_the_fly.validate()
+        if not policy.draft.use_skip_draft:
+            raise LayerskipError("on-the-fly selection needs a skip draft; set draft.use_skip_draft to true")
+    if policy.auto is not None:
+        policy.auto.validate()
+        if policy.on_the_fly is None or policy.exit is not None or not policy.draft.lookup_max_ngram:
+            raise LayerskipError(
+                "auto chooses between prompt lookup and an on-the-fly skip draft without an exit adapter; "
+                "give it on_the_fly settings and lookup_max_ngram > 0, and no exit"
+            )
+    count = adapters.num_layers(model)
+    _check_identity(model, policy, count)
+    adapters.check_indices(model, policy.skip_attention, policy.skip_mlp)
+    _check_head(policy, adapters.lm_head(model).weight.shape[0])
+    if policy.exit is not None:
+        _check_exit(policy, count)
+    if len(policy.skip_attention) == count and len(policy.skip_mlp) == count:
+        raise LayerskipError(
+            "policy bypasses every sublayer, so the draft would ignore the input; keep at least one layer"
+        )
+
+
+def _check_identity(model: nn.Module, policy: SkipPolicy, count: int) -> None:
+    """The model the policy says it was made for, where it says: architecture, layers, weights."""
+    ident = policy.model
+    arch = adapters.architecture_of(model)
+    if ident.architecture and ident.architecture != arch:
+        raise LayerskipError(
+            f"policy was made for a '{ident.architecture}' model ({ident.name or 'unnamed'}) but this model is "
+            f"'{arch}'; load the model the policy names or search a policy for this one"
+        )
+    if ident.num_layers and ident.num_layers != count:
+        raise LayerskipError(
+            f"policy was made for a {ident.num_layers}-layer model ({ident.name or 'unnamed'}) but this model has "
+            f"{count} layers; use a policy made for this model"
+        )
+    if ident.fingerprint and ident.fingerprint != adapters.weights_fingerprint(model):
+        raise LayerskipError(
+            f"policy was made for another model ({ident.name or 'unnamed'}: weight shapes differ); "
+            "use a policy made for this model"
+        )
+
+
+def _check_head(policy: SkipPolicy, rows: int) -> None:
+    """The truncated head's size and rows against a head of ``rows`` rows."""
+    size, vocabulary = policy.draft.draft_vocab_size, policy.draft_vocabulary
+    too_large = [t for t in vocabulary if t >= rows]
+    if too_large:
+        raise LayerskipError(
+            f"draft_vocabulary holds token id(s) {few(too_large)} but this model's head has {rows} rows "
+            f"(ids 0..{rows - 1}); use a policy made for this model"
+        )
+    # An on-the-fly policy's size is the device's default, chosen before the model is known (a
+    # size past the vocabulary is the full head there); any other is a number someone wrote.
+    if size > rows and policy.on_the_fly is None:
+        raise LayerskipError(
+            f"draft.draft_vocab_size {size} is more than this model's {rows} vocabulary rows; "
+            f"use 0 (the full head) or a size below {rows}"
+        )
+    if vocabulary and 0 < size < rows and len(vocabulary) < size:
+        raise LayerskipError(
+            f"draft_vocabulary lists {len(vocabulary)} token ids but draft.draft_vocab_size is {size}; "
+            "list at least that many distinct ids, or lower draft_vocab_size"
+        )
+
+
+def _check_exit(policy: SkipPolicy, count: int) -> None:
+    """An exit adapter's layer against the model's depth and the policy's skip lists."""
+    exit, draft = policy.exit, policy.draft
+    assert exit is not None
+    exit.validate()
+    if draft.uses_trees:
+        raise LayerskipError(
+            "token trees do not combine with an exit adapter (its verify reuses a chain's layers); "
+            "set draft.tree_matches to 1 and draft.tree_siblings to 0"
+        )
+    layer = exit.layer
+    if not draft.use_skip_draft:
+        raise LayerskipError("an exit adapter needs a skip draft; set draft.use_skip_draft to true")
+    if layer >= count - 1:
+        raise LayerskipError(f"exit.layer {layer} leaves no layer to bypass in a {count}-layer model")
+    deep = set(range(layer + 1, count))
+    if not deep <= set(policy.skip_attention) or not deep <= set(policy.skip_mlp):
+        raise LayerskipError(
+            f"a policy exiting after layer {layer} must bypass layers {layer + 1}..{count - 1} in both skip lists"
+        )
+    if layer in policy.skip_attention and layer in policy.skip_mlp:
+        raise LayerskipError(f"the exit layer {layer} is bypassed whole; exit after a layer the draft runs")
+    if exit.reuse_kv:
+        shallow = [i for i in (*policy.skip_attention, *policy.skip_mlp) if i <= layer]
+        if shallow or draft.precision != "model" or policy.on_the_fly is not None:
+            raise LayerskipError(
+                "exit.reuse_kv needs the draft to run layers 0..exit with the model's own weights "
+                "(precision 'model', nothing bypassed up to the exit, no on-the-fly selection); "
+                "set reuse_kv to false"
+            )
+
+
+def head_rows(policy: SkipPolicy, vocab_size: int) -> tuple[int, ...] | None:
+    """The vocabulary rows ``policy``'s truncated draft head starts from (None: the full head)."""
+    size = policy.draft.draft_vocab_size
+    if not size or size >= vocab_size:
+        return None
+    ranked = policy.draft_vocabulary or range(size)
+    return tuple(t for t in ranked[:size] if t < vocab_size)
 
 
 class DraftModels:
@@ -160,18 +273,17 @@ class PreparedDraft:
         models: DraftModels | None = None,
         costs: DraftCosts | None = None,
     ) -> None:
-        policy.validate_for(model)
+        check_policy_fits(model, policy)
         self.model = model
         self.policy = policy
         self.vocab_size = adapters.lm_head(model).weight.shape[0]
         self.models = models if models is not None else DraftModels(model)
         self.exit = self.models.exit_adapter(policy)
-        self.selection = SelectionState.start(policy, model) if policy.on_the_fly is not None else None
         self.draft_model: DraftModel | None = None
         if policy.draft.use_skip_draft:
             self.draft_model = self.models.for_policy(policy)
         if vocab_rows is None:
-            rows = policy.head_rows(self.vocab_size)
+            rows = head_rows(policy, self.vocab_size)
             vocab_rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
         self.vocab_rows = vocab_rows
         self._max_positions = adapters.max_positions(model)
@@ -183,6 +295,7 @@ class PreparedDraft:
                     "Decoder.for_policy(model, policy), which measures (or reads) one"
                 )
             self.auto = AutoState.start(costs, policy.draft)
+        self.selection = SelectionState.start(policy, model) if policy.on_the_fly is not None else None
 
     def cache_windows(self) -> list[int | None]:
         """Per cache layer, its sliding window: the model's layers, and a layer exit adapter's own."""

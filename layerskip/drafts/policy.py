@@ -422,113 +422,6 @@ class SkipPolicy:
     def bypasses_anything(self) -> bool:
         return bool(self.skip_attention or self.skip_mlp)
 
-    def validate_for(self, model: nn.Module) -> None:
-        """Raise LayerskipError unless this policy can drive ``model``."""
-        self.draft.validate()
-        if self.on_the_fly is not None:
-            self.on_the_fly.validate()
-            if not self.draft.use_skip_draft:
-                raise LayerskipError("on-the-fly selection needs a skip draft; set draft.use_skip_draft to true")
-        if self.auto is not None:
-            self.auto.validate()
-            if self.on_the_fly is None or self.exit is not None or not self.draft.lookup_max_ngram:
-                raise LayerskipError(
-                    "auto chooses between prompt lookup and an on-the-fly skip draft without an exit adapter; "
-                    "give it on_the_fly settings and lookup_max_ngram > 0, and no exit"
-                )
-        count = adapters.num_layers(model)
-        arch = adapters.architecture_of(model)
-        ident = self.model
-        if ident.architecture and ident.architecture != arch:
-            raise LayerskipError(
-                f"policy was made for a '{ident.architecture}' model ({ident.name or 'unnamed'}) but this model is "
-                f"'{arch}'; load the model the policy names or search a policy for this one"
-            )
-        if ident.num_layers and ident.num_layers != count:
-            raise LayerskipError(
-                f"policy was made for a {ident.num_layers}-layer model ({ident.name or 'unnamed'}) but this model has "
-                f"{count} layers; use a policy made for this model"
-            )
-        if ident.fingerprint and ident.fingerprint != adapters.weights_fingerprint(model):
-            raise LayerskipError(
-                f"policy was made for another model ({ident.name or 'unnamed'}: weight shapes differ); "
-                "use a policy made for this model"
-            )
-        adapters.check_indices(model, self.skip_attention, self.skip_mlp)
-        self._validate_head(adapters.lm_head(model).weight.shape[0])
-        if self.exit is not None:
-            self._validate_exit(count)
-        if len(self.skip_attention) == count and len(self.skip_mlp) == count:
-            raise LayerskipError(
-                "policy bypasses every sublayer, so the draft would ignore the input; keep at least one layer"
-            )
-
-    def _validate_head(self, rows: int) -> None:
-        """The truncated head's size and rows against a head of ``rows`` rows."""
-        self._check_vocabulary_ids()
-        size, vocabulary = self.draft.draft_vocab_size, self.draft_vocabulary
-        too_large = [t for t in vocabulary if t >= rows]
-        if too_large:
-            raise LayerskipError(
-                f"draft_vocabulary holds token id(s) {few(too_large)} but this model's head has {rows} rows "
-                f"(ids 0..{rows - 1}); use a policy made for this model"
-            )
-        # An on-the-fly policy's size is the device's default, chosen before the model is known (a
-        # size past the vocabulary is the full head there); any other is a number someone wrote.
-        if size > rows and self.on_the_fly is None:
-            raise LayerskipError(
-                f"draft.draft_vocab_size {size} is more than this model's {rows} vocabulary rows; "
-                f"use 0 (the full head) or a size below {rows}"
-            )
-        if vocabulary and 0 < size < rows and len(vocabulary) < size:
-            raise LayerskipError(
-                f"draft_vocabulary lists {len(vocabulary)} token ids but draft.draft_vocab_size is {size}; "
-                "list at least that many distinct ids, or lower draft_vocab_size"
-            )
-
-    def _check_vocabulary_ids(self) -> None:
-        """Each ranked head row once: a repeated id would take a row of the head twice."""
-        seen: set[int] = set()
-        repeated = []
-        for token in self.draft_vocabulary:
-            if token in seen:
-                repeated.append(token)
-            seen.add(token)
-        if repeated:
-            raise LayerskipError(
-                f"draft_vocabulary repeats token id(s) {few(repeated)}; list each id once (the search writes it "
-                "ranked, most useful first)"
-            )
-
-    def _validate_exit(self, count: int) -> None:
-        assert self.exit is not None
-        self.exit.validate()
-        if self.draft.uses_trees:
-            raise LayerskipError(
-                "token trees do not combine with an exit adapter (its verify reuses a chain's layers); "
-                "set draft.tree_matches to 1 and draft.tree_siblings to 0"
-            )
-        layer = self.exit.layer
-        if not self.draft.use_skip_draft:
-            raise LayerskipError("an exit adapter needs a skip draft; set draft.use_skip_draft to true")
-        if layer >= count - 1:
-            raise LayerskipError(f"exit.layer {layer} leaves no layer to bypass in a {count}-layer model")
-        deep = set(range(layer + 1, count))
-        if not deep <= set(self.skip_attention) or not deep <= set(self.skip_mlp):
-            raise LayerskipError(
-                f"a policy exiting after layer {layer} must bypass layers {layer + 1}..{count - 1} in both skip lists"
-            )
-        if layer in self.skip_attention and layer in self.skip_mlp:
-            raise LayerskipError(f"the exit layer {layer} is bypassed whole; exit after a layer the draft runs")
-        if self.exit.reuse_kv:
-            shallow = [i for i in (*self.skip_attention, *self.skip_mlp) if i <= layer]
-            if shallow or self.draft.precision != "model" or self.on_the_fly is not None:
-                raise LayerskipError(
-                    "exit.reuse_kv needs the draft to run layers 0..exit with the model's own weights "
-                    "(precision 'model', nothing bypassed up to the exit, no on-the-fly selection); "
-                    "set reuse_kv to false"
-                )
-
     def exit_adapter_path(self) -> Path:
         """Where the exit adapter file is (``exit.adapter`` resolved against the policy's directory)."""
         assert self.exit is not None
@@ -572,14 +465,6 @@ class SkipPolicy:
         if self.on_the_fly is not None:
             parts.append(f"skip sets chosen on the fly (at most {self.on_the_fly.max_fraction:.0%} of sublayers)")
         return ", ".join(parts)
-
-    def head_rows(self, vocab_size: int) -> tuple[int, ...] | None:
-        """The vocabulary rows the truncated draft head starts from (None: the full head)."""
-        size = self.draft.draft_vocab_size
-        if not size or size >= vocab_size:
-            return None
-        ranked = self.draft_vocabulary or range(size)
-        return tuple(t for t in ranked[:size] if t < vocab_size)
 
     # -- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -644,7 +529,7 @@ class SkipPolicy:
             ) from None
         try:
             policy.draft.validate()
-            policy._check_vocabulary_ids()
+            check_vocabulary_ids(policy.draft_vocabulary)
             if policy.on_the_fly is not None:
                 policy.on_the_fly.validate()
             if policy.exit is not None:
@@ -748,3 +633,18 @@ def _dataclass_from(cls: type, data: Any) -> Any:
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise TypeError(f"{cls.__name__}.{key} must be {expected.__name__}")
     return cls(**data)
+
+
+def check_vocabulary_ids(vocabulary: tuple[int, ...]) -> None:
+    """Each ranked head row once: a repeated id would take a row of the head twice."""
+    seen: set[int] = set()
+    repeated = []
+    for token in vocabulary:
+        if token in seen:
+            repeated.append(token)
+        seen.add(token)
+    if repeated:
+        raise LayerskipError(
+            f"draft_vocabulary repeats token id(s) {few(repeated)}; list each id once (the search writes it "
+            "ranked, most useful first)"
+        )

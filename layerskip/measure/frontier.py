@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from layerskip.drafts.builder import head_rows
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
@@ -41,8 +42,8 @@ def measure_exit_cost(
     """Time one draft step of ``policy`` (its draft model carries the exit adapter) and verifies of 1..9 tokens."""
     model = draft_model.model
     plain = verify_seconds(model, context, 1, repeats)
-    head_rows = policy.head_rows(vocab_size)
-    draft = draft_step_seconds(draft_model, context, policy.skip_attention, policy.skip_mlp, head_rows, repeats)
+    rows = head_rows(policy, vocab_size)
+    draft = draft_step_seconds(draft_model, context, policy.skip_attention, policy.skip_mlp, rows, repeats)
     greedy = engine_verify_head(model)  # the verify as the engine runs it (its head certified on CPU)
     verify = {n: verify_seconds(model, context, n, repeats, greedy) / plain for n in range(1, 10)}
     return ExitCost(draft / plain, verify, 1000 * plain)
