@@ -336,7 +336,7 @@ class AutoDrafter(BaseDrafter):
 
     def _branched(self, draft: Draft) -> Draft:
         """A greedy skip draft with the draft's next choices as siblings where they pay (a token
-        tree; the chain stays its first branch). Shaping may also cut the chain's unlikely tail."""
+        tree; the chain stays its first branch, whole unless the node budget is shorter)."""
         s = self.state.settings
         if draft.top_tokens is None or draft.top_probs is None or not draft.confidence or self.length is None:
             return draft
