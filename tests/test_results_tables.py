@@ -37,9 +37,11 @@ from layerskip.measure.results import (
     publish,
     read_draft_cost,
     read_result_file,
+    read_tree_ceilings,
     rendered,
     results_page,
     summary_table,
+    tree_ceiling_section,
     tree_table,
 )
 
@@ -434,3 +436,23 @@ def test_result_files_from_before_auto_and_trees_still_render() -> None:
     assert "Token trees" not in page and "What `auto` chose" not in page
     for f in _committed():  # every committed run renders as before
         assert tree_table(f.data) == "" or any(name.endswith(" (chain)") for name in f.data["methods"])
+
+
+def test_tree_ceiling_files_are_on_the_results_page(tmp_path: Path) -> None:
+    ceilings = read_tree_ceilings(REPO / RESULTS_DIR)
+    assert {c.name for c in ceilings} >= {"smollm2-135m-fp32", "gemma3-270m-bf16"}
+    section = tree_ceiling_section(ceilings)
+    assert '<a id="tree-ceiling"></a>' in section
+    assert section in (REPO / "docs" / "results.md").read_text()
+    one = ceilings[0]
+    extra = one.data["extra_tokens_per_step"]["every tree candidate"]
+    assert f"+{extra:.2f} ({extra / one.data['tau_chain']:.1%})" in section
+    assert tree_ceiling_section([]) == ""
+    folder = tmp_path / "tree-ceiling" / "broken"
+    folder.mkdir(parents=True)
+    (folder / "tree_ceiling.json").write_text(json.dumps({**one.data, "tau_chain": "high"}))
+    with pytest.raises(LayerskipError, match="no float 'tau_chain'"):
+        read_tree_ceilings(tmp_path)
+    (folder / "tree_ceiling.json").write_text("{")
+    with pytest.raises(LayerskipError, match="cannot read tree-ceiling file"):
+        read_tree_ceilings(tmp_path)
