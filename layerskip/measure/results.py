@@ -402,9 +402,9 @@ def tree_ceiling_section(ceilings: list[DraftCostFile]) -> str:
     if not ceilings:
         return ""
     table = [
-        "| run | CPU | τ, chain | siblings (width 8) | other lookup matches (4 in 24 nodes) | every candidate, no node limit "
-        "| siblings carrying the next step's draft | longer lookup runs (a chain) | verify rows / one "
-        "| draft rows / one |",
+        "| run | CPU | τ, chain | siblings (width 8) | other lookup matches (4 in 24 nodes) "
+        "| every candidate, no node limit | siblings carrying the next step's draft "
+        "| longer lookup runs (a chain) | verify rows / one | draft rows / one |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in ceilings:
