@@ -362,9 +362,7 @@ class AutoDrafter(BaseDrafter):
         price, spent = self.length.verify_price, draft.seconds
         shape = shape_tree(merged_paths(paths), price, spent, s.node_budget, required=len(draft.tokens))
         tree = shape.tree
-        kept = 0  # the chain's tokens the tree kept: its first branch
-        while kept < len(tree) and kept < len(draft.tokens) and tree.parents[kept] == kept - 1:
-            kept += 1
+        kept = min(tree.first_branch_length, len(draft.tokens))  # the chain's tokens the tree kept
         if not kept:
             return draft
         # What the length rule learns from must be what was verified: the kept chain only.

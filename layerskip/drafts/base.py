@@ -114,6 +114,30 @@ class BaseDrafter:
         return contextlib.nullcontext()
 
 
+class WrappingDrafter(BaseDrafter):
+    """A drafter that changes what ``inner`` proposes (or records it) and passes everything else on."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+
+    def propose(self, request: DraftRequest) -> Draft:
+        return self.inner.propose(request)
+
+    def update(self, draft: Draft, accepted: int) -> None:
+        self.inner.update(draft, accepted)
+
+    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
+        return self.inner.watch_verify(block)
+
+    def around_verify(
+        self, cache: RollbackCache, start: int, block: torch.Tensor
+    ) -> contextlib.AbstractContextManager[object]:
+        return self.inner.around_verify(cache, start, block)
+
+    def report(self, stats: GenerationStats) -> None:
+        self.inner.report(stats)
+
+
 class NoDrafter(BaseDrafter):
     """Plain decoding: nothing proposed, so every step verifies just the pending token."""
 

@@ -16,17 +16,14 @@ Inputs are plain tensors recorded while drafting, one row per chain position:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from layerskip.drafts.base import BaseDrafter, Draft, Drafter, DraftRequest
+from layerskip.drafts.base import Draft, Drafter, DraftRequest, WrappingDrafter
 from layerskip.drafts.token_tree import ChainNodes, TreeBuilder
-from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import DETERMINISTIC, ROOT, Proposal
-from layerskip.stats import GenerationStats
 
 
 @dataclass(frozen=True)
@@ -118,28 +115,14 @@ def branched_draft(draft: Draft, margin: float, width: int, budget: int) -> Draf
     return replace(draft, tokens=list(tree.tokens), tree=tree, chain=list(draft.tokens))
 
 
-class BranchingDrafter(BaseDrafter):
+class BranchingDrafter(WrappingDrafter):
     """A skip drafter whose greedy drafts become token trees (``branched_draft``)."""
 
     def __init__(self, inner: Drafter, margin: float, width: int, budget: int) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.margin = margin
         self.width = width
         self.budget = budget
 
     def propose(self, request: DraftRequest) -> Draft:
         return branched_draft(self.inner.propose(request), self.margin, self.width, self.budget)
-
-    def update(self, draft: Draft, accepted: int) -> None:
-        self.inner.update(draft, accepted)
-
-    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
-        return self.inner.watch_verify(block)
-
-    def around_verify(
-        self, cache: RollbackCache, start: int, block: torch.Tensor
-    ) -> contextlib.AbstractContextManager[object]:
-        return self.inner.around_verify(cache, start, block)
-
-    def report(self, stats: GenerationStats) -> None:
-        self.inner.report(stats)

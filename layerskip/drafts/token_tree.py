@@ -41,6 +41,15 @@ class TokenTree:
         """One child per node: the block is a plain chain's (a causal mask would do)."""
         return all(parent == node - 1 for node, parent in enumerate(self.parents))
 
+    @property
+    def first_branch_length(self) -> int:
+        """Nodes of the first branch, the chain the tree was built around (depth-first order puts it
+        at nodes ``0..length-1``)."""
+        length = 0
+        while length < len(self.parents) and self.parents[length] == length - 1:
+            length += 1
+        return length
+
     def children(self, node: int = ROOT) -> list[int]:
         return [child for child, parent in enumerate(self.parents) if parent == node]
 

@@ -281,22 +281,35 @@ class DraftCostFile:
         return min(rows, key=lambda r: r["relative_to_plain_step"]) if rows else None
 
 
-_DRAFT_COST_KEYS = {"command": str, "model": str, "dtype": str, "machine": str, "rows": list, "verify_curves": dict}
+_DRAFT_COST_KEYS: dict[str, type | tuple[type, ...]] = {
+    "plain_step_ms": (int, float),
+    "command": str,
+    "model": str,
+    "dtype": str,
+    "machine": str,
+    "rows": list,
+    "verify_curves": dict,
+}
+
+
+def _checked_json(path: Path, what: str, keys: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """A script's JSON output with every key the results page reads; a one-line error names what is
+    wrong (``what``: ``draft-cost`` for a draft_cost.json)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LayerskipError(f"cannot read {what} file {path}: {exc}") from None
+    for key, kind in keys.items():
+        if not isinstance(data, dict) or not isinstance(data.get(key), kind):
+            name = "number" if isinstance(kind, tuple) else kind.__name__
+            raise LayerskipError(f"{what} file {path} has no {name} '{key}'; pass a {what.replace('-', '_')}.json")
+    return data
 
 
 def read_draft_cost(path: str | Path) -> DraftCostFile:
     """A draft_cost.json, checked for what the results page reads; a one-line error names what is wrong."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LayerskipError(f"cannot read draft-cost file {path}: {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("plain_step_ms"), (int, float)):
-        raise LayerskipError(f"draft-cost file {path} has no number 'plain_step_ms'; pass a draft_cost.json")
-    for key, kind in _DRAFT_COST_KEYS.items():
-        if not isinstance(data.get(key), kind):
-            raise LayerskipError(f"draft-cost file {path} has no {kind.__name__} '{key}'; pass a draft_cost.json")
-    return DraftCostFile(path.parent.name, data)
+    return DraftCostFile(path.parent.name, _checked_json(path, "draft-cost", _DRAFT_COST_KEYS))
 
 
 def load_draft_costs(directory: str | Path = RESULTS_DIR) -> list[DraftCostFile]:
@@ -361,7 +374,7 @@ def draft_cost_section(costs: list[DraftCostFile]) -> str:
     )
 
 
-_TREE_CEILING_KEYS = {
+_TREE_CEILING_KEYS: dict[str, type | tuple[type, ...]] = {
     "command": str,
     "model": str,
     "dtype": str,
@@ -375,18 +388,10 @@ _TREE_CEILING_KEYS = {
 
 def read_tree_ceilings(directory: str | Path = RESULTS_DIR) -> list[DraftCostFile]:
     """Every ``tree-ceiling/NAME/tree_ceiling.json`` under ``directory`` (checked), by model, then name."""
-    files = []
-    for path in sorted(Path(directory).glob(TREE_CEILING_GLOB)):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise LayerskipError(f"cannot read tree-ceiling file {path}: {exc}") from None
-        for key, kind in _TREE_CEILING_KEYS.items():
-            if not isinstance(data, dict) or not isinstance(data.get(key), kind):
-                raise LayerskipError(
-                    f"tree-ceiling file {path} has no {kind.__name__} '{key}'; pass a tree_ceiling.json"
-                )
-        files.append(DraftCostFile(path.parent.name, data))  # the same shape: a name and its data
+    files = [
+        DraftCostFile(path.parent.name, _checked_json(path, "tree-ceiling", _TREE_CEILING_KEYS))  # a name and its data
+        for path in sorted(Path(directory).glob(TREE_CEILING_GLOB))
+    ]
     return sorted(files, key=lambda f: (f.data["model"], f.name))
 
 

@@ -32,18 +32,13 @@ included that candidate: a ceiling on the extra tokens per step, not a forecast.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-
-from layerskip.drafts.base import BaseDrafter, Draft, Drafter, DraftRequest
+from layerskip.drafts.base import Draft, Drafter, DraftRequest, WrappingDrafter
 from layerskip.drafts.lookup import LookupMatch, match_lookups
 from layerskip.drafts.token_tree import TreeBuilder
-from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import ROOT
-from layerskip.stats import GenerationStats
 
 
 @dataclass
@@ -60,17 +55,15 @@ def first_branch(draft: Draft) -> Draft:
     the skip draft's kept chain), which the verify then checks as a chain."""
     if draft.tree is None:
         return draft
-    length = 0
-    while length < len(draft.tree) and draft.tree.parents[length] == length - 1:
-        length += 1
+    length = draft.tree.first_branch_length
     return replace(draft, tokens=list(draft.tree.tokens[:length]), tree=None, chain=[], path=None)
 
 
-class RecordingDrafter(BaseDrafter):
+class RecordingDrafter(WrappingDrafter):
     """Drafts as ``inner`` does, cut to chains, and records every step (``StepRecord``)."""
 
     def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.records: list[StepRecord] = []
         self._proposed: Draft | None = None  # the last draft handed out, until its verify is reported
 
@@ -89,17 +82,6 @@ class RecordingDrafter(BaseDrafter):
             self.records[-1].accepted = accepted
             self._proposed = None
         self.inner.update(draft, accepted)
-
-    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
-        return self.inner.watch_verify(block)
-
-    def around_verify(
-        self, cache: RollbackCache, start: int, block: torch.Tensor
-    ) -> contextlib.AbstractContextManager[object]:
-        return self.inner.around_verify(cache, start, block)
-
-    def report(self, stats: GenerationStats) -> None:
-        self.inner.report(stats)
 
 
 def agreement(candidate: Sequence[int], truth: Sequence[int]) -> int:
