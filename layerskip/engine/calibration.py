@@ -32,7 +32,7 @@ from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import head_size_timings, measure_latency
 from layerskip.fileio import write_json_atomic
 from layerskip.hf import adapters
-from layerskip.hf.cache import RollbackCache
+from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import full_logits
 from layerskip.hf.models import cache_dir
 from layerskip.hf.prompting import first_token_id
@@ -134,7 +134,7 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
     continuation of its first token, repeated (its head's certified argmax then costs what it
     costs on real text, unlike on random ids)."""
     device = next(model.parameters()).device
-    cache = RollbackCache(adapters.sliding_windows(model))
+    cache = model_cache(model)
     ids = [first_token_id(model)]
     for position in range(tokens):
         block = torch.tensor([ids[-1:]] if position else [ids], device=device)

@@ -28,7 +28,7 @@ from layerskip.engine.verifiers import LogitsHook, verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.hf.cache import RollbackCache
+from layerskip.hf.cache import RollbackCache, model_cache
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
@@ -224,10 +224,8 @@ class Decoder:
             generator = _generator(settings.seed, self.device)
             drafter = drafter or self._drafter(len(prompt), settings, generator)
             verifier = verifier_for(self.head, settings.sampling, generator, logits_hook)
-            stepper = Stepper(
-                self.model, RollbackCache(self.cache_windows()), drafter, verifier, self.draft, self.threads, clock,
-                self.device,
-            )  # fmt: skip
+            cache = model_cache(self.model, self.cache_windows())
+            stepper = Stepper(self.model, cache, drafter, verifier, self.draft, self.threads, clock, self.device)
             fallbacks_before = self.head.stats.fallbacks
             stats = GenerationStats()
             first = stepper.prefill(prompt)

@@ -25,7 +25,7 @@ from layerskip.drafts.head import DraftHead
 from layerskip.drafts.model import DraftModel
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.hf import adapters
-from layerskip.hf.cache import RollbackCache
+from layerskip.hf.cache import RollbackCache, model_cache
 from layerskip.hf.forward import full_hidden, full_logits
 
 PLAIN_REPEATS = 15  # plain-step timings: their spread tells whether the machine was busy
@@ -67,7 +67,7 @@ def prefilled_cache(
     windows = adapters.sliding_windows(model)
     if exit is not None and exit.uses_cache:
         windows.append(windows[exit.spec.layer])
-    cache = RollbackCache(windows)
+    cache = model_cache(model, windows)
     block = torch.tensor([list(context)], device=device)
     if exit is None or not exit.uses_cache:
         full_logits(model, block, cache, 0, keep=1)

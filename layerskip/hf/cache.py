@@ -16,9 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-_MIN_CAPACITY = 256
+from layerskip.hf import adapters
+
+_MIN_CAPACITY = 256  # positions a layer's buffer starts with (a test passes a few to cross growths)
 
 
 class RollbackLayer(DynamicLayer):
@@ -26,10 +29,20 @@ class RollbackLayer(DynamicLayer):
 
     _layer_type = None  # never register in transformers' layer-type mapping
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        sliding_window: int | None = None,
+        dtype: torch.dtype | None = None,
+        initial_capacity: int | None = None,
+    ) -> None:
         super().__init__()
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
+        # What the buffer stores, fixed for its life: the model's dtype. A draft in another
+        # precision (bf16 or int4 products) writes into it too; its K/V are cast on write, and
+        # growing the buffer never changes what it holds (None: the first writer's dtype).
+        self.dtype = dtype
+        self.initial_capacity = max(1, initial_capacity or _MIN_CAPACITY)
         self.length = 0
         # Tokens whose K/V in the buffer are still valid: rolling back keeps them, so a layer
         # hidden for one forward can be revealed again (``reveal``); a write past ``length``
@@ -39,14 +52,17 @@ class RollbackLayer(DynamicLayer):
         self._value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self._allocate(key_states, value_states, max(_MIN_CAPACITY, 2 * key_states.shape[-2]))
+        self.dtype = self.dtype or key_states.dtype
+        self.device = key_states.device
+        # A prompt longer than the initial capacity fills its buffer exactly: the first token after
+        # it grows the buffer (doubling), once, like any later growth.
+        self._allocate(key_states, value_states, max(self.initial_capacity, key_states.shape[-2]))
         self.is_initialized = True
 
     def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
         def grow(old: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
             shape = (*like.shape[:-2], capacity, like.shape[-1])
-            new = like.new_empty(shape)
+            new = like.new_empty(shape, dtype=self.dtype)
             if old is not None and self.length:
                 new[..., : self.length, :] = old[..., : self.length, :]
             return new
@@ -140,9 +156,14 @@ class RollbackCache(DynamicCache):
     layer 0's attention is bypassed.
     """
 
-    def __init__(self, sliding_windows: list[int | None]) -> None:
+    def __init__(
+        self,
+        sliding_windows: list[int | None],
+        dtype: torch.dtype | None = None,
+        initial_capacity: int | None = None,
+    ) -> None:
         super().__init__()
-        self.layers = [RollbackLayer(window) for window in sliding_windows]
+        self.layers = [RollbackLayer(window, dtype, initial_capacity) for window in sliding_windows]
         self.layer_class_to_replicate = None
 
     @property
@@ -204,3 +225,10 @@ class RollbackCache(DynamicCache):
         """
         for index in layers:
             self.layers[index].reveal(length)
+
+
+def model_cache(model: nn.Module, windows: list[int | None] | None = None) -> RollbackCache:
+    """An empty cache for ``model``: one layer per window (the model's own by default), storing
+    the model's dtype whatever precision a draft writes in."""
+    windows = adapters.sliding_windows(model) if windows is None else windows
+    return RollbackCache(windows, dtype=next(model.parameters()).dtype)

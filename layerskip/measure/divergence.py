@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from layerskip.hf import adapters
-from layerskip.hf.cache import RollbackCache
+from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import positions
 from layerskip.integration.baselines import hf_greedy_logits
 
@@ -351,7 +351,7 @@ class DivergenceCheck:
         input hold the method's own later tokens: they shape the block, never the row's value."""
         target = len(prefix) - 1
         sequence = [*prompt, *tokens]  # equal to ``prefix`` up to the target row
-        cache = RollbackCache(adapters.sliding_windows(self.model))
+        cache = model_cache(self.model)
         found: dict[str, float] = {}
         for index, (start, width) in enumerate(schedule):
             if start > target:
@@ -412,7 +412,7 @@ class DivergenceCheck:
         filler = [*after, prefix[-1]]  # tokens after the position: they shape the block, never its row's value
         for q in self.block_sizes:
             # The cache's history: the prompt's prefill, then the generated tokens in q-row blocks.
-            cache = RollbackCache(windows)
+            cache = model_cache(model, windows)
             adapters.stack_hidden(
                 model, torch.tensor([prompt], device=self.device), cache, positions(0, len(prompt), self.device)
             )
