@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from layerskip.errors import LayerskipError
+from layerskip.fileio import MAX_JSON_BYTES, JsonProblem, check_regular_file, parse_json, read_text
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 DATASETS_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -61,29 +63,19 @@ def _packaged(name: str, label: str) -> list[Prompt]:
     return _from_spec_bench_rows([json.loads(line) for line in text.splitlines() if line.strip()], label)
 
 
-def _check_utf8(path: Path) -> None:
-    """Text prompt files must be UTF-8; the error names the line, before any parser sees the file."""
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise LayerskipError(f"prompts file {path} is not UTF-8 text (line {line}); save it as UTF-8") from None
-
-
-def _read_jsonl(path: Path) -> list[dict] | None:
+def _read_jsonl(path: Path, text: str) -> list[dict] | None:
     """Rows of a JSONL file if it is one whose rows have 'turns'; None if it is another format."""
     rows = []
-    text = path.read_text(encoding="utf-8")
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+            row = parse_json(line, expect=None)
+        except JsonProblem as problem:
             if number == 1 and _is_json_document(text):
                 return None  # one JSON document (e.g. a pretty-printed list) named .jsonl: datasets reads it
-            raise LayerskipError(f"{path} line {number} is not valid JSON; fix or remove that line") from None
+            reason = "is not valid JSON" if problem.reason.startswith("not valid JSON") else problem.reason
+            raise LayerskipError(f"{path} line {number} {reason}; fix or remove that line") from None
         if not isinstance(row, dict):
             raise LayerskipError(f"{path} line {number} is not a JSON object")
         rows.append((number, row))
@@ -97,8 +89,8 @@ def _read_jsonl(path: Path) -> list[dict] | None:
 
 def _is_json_document(text: str) -> bool:
     try:
-        json.loads(text)
-    except json.JSONDecodeError:
+        parse_json(text, expect=None)
+    except JsonProblem:
         return False
     return True
 
@@ -155,14 +147,17 @@ def load_prompts(
     if source in PACKAGED_PROMPTS:
         prompts = PACKAGED_PROMPTS[source]()
     else:
+        fix = "pass an existing path, 'builtin' or 'code'"
         path = Path(source).expanduser()
-        if not path.is_file():
-            raise LayerskipError(f"prompts file {path} not found; pass an existing path, 'builtin' or 'code'")
+        parquet = path.suffix.lower() == ".parquet"
+        # A regular file only: a FIFO would hang the reader, /dev/zero would never end. Text is read
+        # here (at most fileio's size cap); a parquet file is datasets' to read, whatever its size.
+        check_regular_file(path, "prompts file", fix, limit=sys.maxsize if parquet else MAX_JSON_BYTES)
         if path.stat().st_size == 0:
             raise LayerskipError(f"prompts file {path} is empty")
-        if path.suffix.lower() != ".parquet":
-            _check_utf8(path)
-        rows = _read_jsonl(path) if path.suffix.lower() == ".jsonl" and text_field is None else None
+        text = None if parquet else read_text(path, "prompts file", fix)  # UTF-8, the bad line named
+        jsonl = text is not None and path.suffix.lower() == ".jsonl" and text_field is None
+        rows = _read_jsonl(path, text) if jsonl else None
         prompts = _from_spec_bench_rows(rows, str(path)) if rows is not None else _read_with_datasets(path, text_field)
         if not prompts:
             raise LayerskipError(f"prompts file {path} holds no non-empty prompt")

@@ -1,21 +1,73 @@
-"""Atomic file writes (a reader sees the old file or the whole new one, never half of it), and
-checks, made before any work, that an output path can be written."""
+"""Reading and writing the project's files, one way each.
+
+Reading: every JSON file the project reads goes through ``load_json`` (a JSONL file:
+``read_text``, then ``parse_json`` per line; ``read_json_file`` to recognise a file): a regular
+file only (a FIFO would hang the reader, a link to /dev/zero would read until memory runs out),
+at most a size cap, UTF-8, JSON nested at most ``MAX_JSON_DEPTH`` deep, of the type the caller
+expects; anything else is one ``LayerskipError`` line that names the file, the problem and the fix.
+
+Writing: atomic (a reader sees the old file or the whole new one, never half of it), and only
+over a regular file or a new path, checked before any work (``check_output_file``,
+``check_output_dir``) and again at the moment of writing.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from layerskip.errors import LayerskipError
 
+MAX_JSON_BYTES = 256 * 2**20  # far above any file the project writes; a bound on what a reader holds
+MAX_JSON_DEPTH = 100  # the project's files nest a few levels; deeper is damage (and recursion for every reader)
+NOT_REGULAR = "is not a regular file (a FIFO, device or socket)"
+
+
+class NotRegularFile(LayerskipError):
+    """An output path holds something other than a regular file: it is left as it is."""
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+
+def _special(path: Path) -> bool:
+    """Whether ``path`` exists (through links) as something other than a regular file or a directory."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False  # absent, or a dangling link: writing makes a new file there
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _refuse_special(path: Path, flag: str | None = None) -> None:
+    if _special(path):
+        named = f"{flag} {path}" if flag else str(path)
+        raise NotRegularFile(f"{named} {NOT_REGULAR}; it is left as it is: name a regular file or a new path")
+
+
+def replace_file(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Move the finished file ``source`` onto ``path`` (a rename: atomic), unless ``path`` is a
+    FIFO, device or socket, which is never replaced (``source`` is then removed)."""
+    path = Path(path)
+    try:
+        _refuse_special(path)
+    except NotRegularFile:
+        Path(source).unlink(missing_ok=True)
+        raise
+    os.replace(source, path)
+    return path
+
 
 def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes) -> Path:
     path = Path(path)
+    _refuse_special(path)  # before the temporary exists: nothing to clean up
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -25,7 +77,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+        replace_file(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -72,13 +124,17 @@ def _check_creatable(path: Path, flag: str) -> None:
 
 
 def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
-    """Raise LayerskipError unless a file can be written at ``path``; creates nothing.
+    """Raise LayerskipError unless a file can be written at ``path``: a new path, or a regular
+    file to replace (never a FIFO, device or socket); creates nothing.
 
     Called before the work starts, so a run never spends minutes and then fails to save.
     """
+    if not str(path).strip():
+        raise LayerskipError(f"{flag} is empty; name the file to write")
     path = Path(path).expanduser()
     if path.is_dir():
         raise LayerskipError(f"{flag} {path} is a directory; name a file, e.g. {path / 'policy.json'}")
+    _refuse_special(path, flag)
     if path.exists():
         # Replaced atomically (a new file in the same directory), so the directory must be writable too.
         if not _writable(path.parent):
@@ -88,14 +144,21 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
     return path
 
 
-def check_output_dir(path: str | os.PathLike[str], flag: str) -> Path:
-    """Raise LayerskipError unless files can be written into directory ``path``; creates nothing."""
+def check_output_dir(path: str | os.PathLike[str], flag: str, files: Iterable[str] = ()) -> Path:
+    """Raise LayerskipError unless ``files`` can be written into directory ``path`` (each a new
+    path or a regular file to replace); creates nothing."""
+    if not str(path).strip():
+        raise LayerskipError(f"{flag} is empty; name the directory to write into")
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise LayerskipError(f"{flag} {path} is a file; name a directory")
     if path.is_dir():
         if not _writable(path):
             raise LayerskipError(f"{flag} directory {path} is not writable; choose another path")
+        for name in files:
+            if (path / name).is_dir():
+                raise LayerskipError(f"{flag} {path} holds a directory {name} where a file goes; choose another path")
+            _refuse_special(path / name, flag)
         return path
     _check_creatable(path, flag)
     return path
@@ -113,26 +176,18 @@ def check_replaceable(
     raise LayerskipError(f"{flag} {path} exists and is not {what}; pass --force to replace it, or choose another path")
 
 
-def read_json_file(path: Path, limit: int = 256 * 2**20) -> object:
-    """The JSON document in ``path`` (UTF-8, an optional byte-order mark), or None if it is not one
-    or is larger than ``limit`` bytes: for recognising files, not for loading them."""
-    try:
-        if path.stat().st_size > limit:
-            return None
-        return json.loads(path.read_text(encoding="utf-8-sig"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-
-
 def write_file_set(directory: str | os.PathLike[str], payloads: dict[str, bytes]) -> list[Path]:
     """Write several files into ``directory`` as a set.
 
     Every payload is already computed, so a failure to produce one leaves the directory as it
     was. They are first written whole into a staging directory beside it, then each is renamed
     into place (a rename within one file system does not fail half-way), so an earlier run's
-    files are replaced together or not at all.
+    files are replaced together or not at all. A FIFO, device or socket in the way stops the
+    set before any file moves.
     """
     directory = Path(directory)
+    for name in payloads:
+        _refuse_special(directory / name)
     directory.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-", dir=directory.parent))
     try:
@@ -148,3 +203,179 @@ def write_file_set(directory: str | os.PathLike[str], payloads: dict[str, bytes]
         return written
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+class UnreadableFile(LayerskipError):
+    """A file a reader refused: ``cannot read WHAT PATH: REASON; FIX``. A cache that rebuilds a
+    refused entry says ``reason`` in its own words."""
+
+    def __init__(self, what: str, path: Path, reason: str, fix: str) -> None:
+        super().__init__(f"cannot read {what} {path}: {reason}; {fix}")
+        self.path = path
+        self.reason = reason
+
+
+def _unreadable(what: str, path: Path, reason: str, fix: str) -> UnreadableFile:
+    return UnreadableFile(what, path, reason, fix)
+
+
+def _path_problem(path: Path, error: OSError) -> str:
+    """Why opening ``path`` failed, in words: links that lead nowhere are named as such."""
+    if error.errno == errno.ELOOP:
+        return "it is a loop of symbolic links"
+    if path.is_symlink() and error.errno == errno.ENOENT:
+        return f"it is a symbolic link to {os.readlink(path)}, which does not exist"
+    if error.errno == errno.ENOENT:
+        return "not found"
+    return error.strerror or str(error)
+
+
+def check_regular_file(path: str | os.PathLike[str], what: str, fix: str, limit: int = MAX_JSON_BYTES) -> Path:
+    """``path`` if it is a regular file (through links) of at most ``limit`` bytes; else one line.
+    Opens nothing: a FIFO or a device is refused before any read could block or run forever."""
+    path = Path(path).expanduser()
+    try:
+        info = path.stat()
+    except OSError as error:
+        raise _unreadable(what, path, _path_problem(path, error), fix) from None
+    _check_kind(path, info, what, fix, limit)
+    return path
+
+
+def _check_kind(path: Path, info: os.stat_result, what: str, fix: str, limit: int) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise _unreadable(what, path, "it is a directory", fix)
+    if not stat.S_ISREG(info.st_mode):
+        raise _unreadable(what, path, f"it {NOT_REGULAR}", fix)
+    if info.st_size > limit:
+        raise _unreadable(what, path, f"it is larger than {limit / 2**20:g} MiB", fix)
+
+
+def read_file_bytes(path: str | os.PathLike[str], what: str, fix: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of the regular file at ``path`` (at most ``limit``); anything else is one line
+    (``what`` names the file, ``fix`` says what to pass instead)."""
+    path = check_regular_file(path, what, fix, limit)
+    try:
+        # Non-blocking: should the path have become a FIFO since the check, opening it does not wait.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        raise _unreadable(what, path, _path_problem(path, error), fix) from None
+    with os.fdopen(fd, "rb") as handle:
+        _check_kind(path, os.fstat(fd), what, fix, limit)  # what was opened, not what was checked
+        try:
+            data = handle.read(limit + 1)
+        except OSError as error:
+            raise _unreadable(what, path, error.strerror or str(error), fix) from None
+    if len(data) > limit:  # grew since it was checked
+        raise _unreadable(what, path, f"it is larger than {limit / 2**20:g} MiB", fix)
+    return data
+
+
+class JsonProblem(ValueError):
+    """Why a text is not the JSON a reader accepts, in words, and the fix when it is not the reader's."""
+
+    def __init__(self, reason: str, fix: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.fix = fix
+
+
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different: with a key given twice, json keeps the last
+    copy and the other is silently lost."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _RepeatedKey(key)
+        data[key] = value
+    return data
+
+
+def json_depth(value: Any) -> int:
+    """How deep ``value`` nests (a scalar: 0), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            return depth
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null"}
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "a number"
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def parse_json(text: str, expect: type | None = dict, unique_keys: bool = False) -> Any:
+    """The JSON value in ``text``: at most ``MAX_JSON_DEPTH`` deep, of type ``expect`` (None: any);
+    ``unique_keys``: an object giving a key twice is refused. JsonProblem says what is wrong."""
+    try:
+        value = json.loads(text, object_pairs_hook=_without_repeated_keys if unique_keys else None)
+    except _RepeatedKey as error:
+        raise JsonProblem(f"it gives key '{error.key}' twice in one object", "keep the one you mean") from None
+    except json.JSONDecodeError as error:
+        raise JsonProblem(f"not valid JSON ({error.msg}: line {error.lineno} column {error.colno})") from None
+    except RecursionError:
+        raise JsonProblem(f"it nests deeper than {MAX_JSON_DEPTH} levels") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise JsonProblem(f"it nests deeper than {MAX_JSON_DEPTH} levels")
+    if expect is not None and not isinstance(value, expect):
+        raise JsonProblem(f"it holds {_json_type(value)}, not {_JSON_TYPES.get(expect, expect.__name__)}")
+    return value
+
+
+def read_text(path: str | os.PathLike[str], what: str, fix: str, limit: int = MAX_JSON_BYTES) -> str:
+    """The UTF-8 text (an optional byte-order mark dropped) of the regular file at ``path``."""
+    data = read_file_bytes(path, what, fix, limit)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        reason = f"it is not UTF-8 text (line {line}, byte {error.start})"
+        raise _unreadable(what, Path(path).expanduser(), reason, "save it as UTF-8") from None
+
+
+def load_json(
+    path: str | os.PathLike[str],
+    what: str,
+    fix: str,
+    expect: type | None = dict,
+    unique_keys: bool = False,
+    limit: int = MAX_JSON_BYTES,
+) -> Any:
+    """The JSON document in the file at ``path``, the one way the project reads one: a regular
+    file of at most ``limit`` bytes, UTF-8, valid JSON at most ``MAX_JSON_DEPTH`` deep, of type
+    ``expect``. Anything else is one line: ``cannot read WHAT PATH: REASON; FIX``."""
+    text = read_text(path, what, fix, limit)
+    try:
+        return parse_json(text, expect, unique_keys)
+    except JsonProblem as problem:
+        raise _unreadable(what, Path(path).expanduser(), problem.reason, problem.fix or fix) from None
+
+
+def read_json_file(path: Path, limit: int = MAX_JSON_BYTES) -> object:
+    """The JSON document in ``path``, or None if it is not one (or not a regular file, or larger
+    than ``limit`` bytes): for recognising files, not for loading them."""
+    try:
+        return load_json(path, "file", "", expect=None, limit=limit)
+    except LayerskipError:
+        return None

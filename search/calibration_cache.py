@@ -30,8 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerskip.drafts.costs import DraftCosts
 from layerskip.engine.latency import PLAIN_REPEATS, VERIFY_PATH, VERIFY_REPEATS, Latency
-from layerskip.fileio import write_json_atomic
+from layerskip.errors import LayerskipError
+from layerskip.fileio import UnreadableFile, load_json, write_json_atomic
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference
 from search.log import Log, to_stderr
@@ -98,14 +100,18 @@ class CalibrationCache:
 
     def _load(self, kind: str, key: dict[str, Any], check: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
         path = self.path(kind, key)
-        if not (self.enabled and self.read) or not path.exists():
+        if not (self.enabled and self.read) or not (path.exists() or path.is_symlink()):
             return None
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
+            # The project's one JSON reader: a FIFO, a link to /dev/zero or deep nesting is refused, never a hang.
+            data = load_json(path, "search cache", "it is rebuilt")
+            if data.get("key") != json.loads(json.dumps(key)):
                 raise ValueError("it was made for other inputs")
             check(data)
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        except UnreadableFile as error:
+            self.log(f"warning: ignoring damaged search cache {path} ({error.reason}); rebuilding it")
+            return None
+        except (ValueError, KeyError, TypeError) as error:
             self.log(f"warning: ignoring damaged search cache {path} ({error}); rebuilding it")
             return None
         return data
@@ -116,7 +122,7 @@ class CalibrationCache:
         path = self.path(kind, key)
         try:
             write_json_atomic(path, {"key": key, **payload})
-        except OSError as error:  # a read-only cache costs time, never the search
+        except (OSError, LayerskipError) as error:  # read-only, or a FIFO in its place: costs time, never the search
             self.log(f"warning: could not write search cache {path} ({error})")
             return None
         return path
@@ -209,11 +215,13 @@ class CalibrationCache:
         key = self._latency_key(context, blocks)
 
         def check(data: dict[str, Any]) -> None:
-            if not float(data["plain_step_seconds"]) > 0:
-                raise ValueError("plain step seconds not positive")
-            verify = {int(b): float(s) for b, s in data["verify_seconds"].items()}
-            if sorted(verify) != sorted({1, *blocks}) or not all(s > 0 for s in verify.values()):
-                raise ValueError("verify seconds do not cover the block lengths")
+            # The checks a cached calibration of auto gets: finite positive seconds, exactly these blocks.
+            DraftCosts.from_dict(
+                {"plain_step": data["plain_step_seconds"], "verify": data["verify_seconds"], "draft_step": {"0": 1.0}},
+                blocks=[1, *blocks],
+            )
+            if not all(isinstance(t, (int, float)) for t in data.get("plain_timings", [])):
+                raise ValueError("plain timings are not numbers")
 
         data = self._load("latency", key, check)
         if data is None:

@@ -153,7 +153,10 @@ def check_inputs(args: argparse.Namespace, command: str) -> Inputs:
         categories=args.categories,
     )
     # Bad files fail before the model loads; "auto" becomes auto's choices once it has run (check_model).
-    seeds = {path: SkipPolicy.auto_choice() if path == AUTO else SkipPolicy.load(path) for path in args.warm_start}
+    seeds = {
+        path: SkipPolicy.auto_choice() if path == AUTO else SkipPolicy.load(path, "--warm-start")
+        for path in args.warm_start
+    }
     exit_choices = read_exit_choices(args.exit_adapters)
     if not args.exit_thresholds or not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
         raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")

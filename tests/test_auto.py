@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -98,6 +101,113 @@ def test_a_damaged_cache_entry_is_measured_again(tmp_path: Path, monkeypatch: py
     (entry,) = tmp_path.glob("costs-*.json")
     entry.write_text('{"key": ', encoding="utf-8")
     assert calibration.calibrate(model, policy, DraftModels(model), root=tmp_path).info["cached"] is False
+
+
+def _damage_costs(change: str) -> Callable[[dict], None]:
+    """A change to a cached entry's costs (``{"verify": ..., "draft_step": ...}``) by name."""
+    changes: dict[str, Callable[[dict], None]] = {
+        "verify-block-0": lambda costs: costs.update(verify={"0": 0.05}),
+        "verify-blocks-negative": lambda costs: costs.update(verify={"-3": 0.05, "-1": 0.01}),
+        "verify-block-missing": lambda costs: costs["verify"].pop("17"),
+        "verify-key-not-a-number": lambda costs: costs["verify"].update({"abc": 0.01}),
+        "infinite-draft-step": lambda costs: costs["draft_step"].update({"0": float("inf")}),
+        "infinite-plain-step": lambda costs: costs.update(plain_step=float("inf")),
+        "nan-verify": lambda costs: costs["verify"].update({"2": float("nan")}),
+        "zero-plain-step": lambda costs: costs.update(plain_step=0),
+        "cost-is-a-string": lambda costs: costs["verify"].update({"2": "fast"}),
+        "cost-is-a-bool": lambda costs: costs["draft_step"].update({"0": True}),
+        "head-sizes-not-in-key": lambda costs: costs.update(draft_step={"7": 1e-4, "-5": 1e-4, "9999999": 1e-4}),
+        "extra-head-size": lambda costs: costs["draft_step"].update({"7": 1e-5}),
+        "verify-a-list": lambda costs: costs.update(verify=[1, 2]),
+    }
+    return changes[change]
+
+
+DAMAGES = [
+    "verify-block-0",
+    "verify-blocks-negative",
+    "verify-block-missing",
+    "verify-key-not-a-number",
+    "infinite-draft-step",
+    "infinite-plain-step",
+    "nan-verify",
+    "zero-plain-step",
+    "cost-is-a-string",
+    "cost-is-a-bool",
+    "head-sizes-not-in-key",
+    "extra-head-size",
+    "verify-a-list",
+]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_cached_costs_are_checked_against_their_key_and_measured_again(
+    damage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache entry whose key matches but whose costs would divide by zero, leave the verify curve,
+    price a head size never measured, or are not finite seconds: never used, measured again and
+    replaced, so the next load reads a sound entry."""
+    monkeypatch.setattr(engine_latency, "BUSY_SPREAD", float("inf"))
+    model = _model("llama")
+    policy = SkipPolicy.auto_choice()
+    calibration.calibrate(model, policy, DraftModels(model), root=tmp_path)
+    (entry,) = tmp_path.glob("costs-*.json")
+    data = json.loads(entry.read_text())
+    _damage_costs(damage)(data["costs"])
+    entry.write_text(json.dumps(data))  # inf and nan as JSON's Infinity and NaN, which Python reads back
+    again = calibration.calibrate(model, policy, DraftModels(model), root=tmp_path)
+    assert again.info["cached"] is False
+    assert set(again.draft_step) == {0} and min(again.verify) == 1
+    assert calibration.calibrate(model, policy, DraftModels(model), root=tmp_path).info["cached"] is True
+
+
+def test_auto_generates_after_a_cache_that_would_divide_by_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole path a user takes: the damaged entry in the cache directory, then ``auto`` generates."""
+    monkeypatch.setattr(engine_latency, "BUSY_SPREAD", float("inf"))
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    model = _model("llama")
+    Decoder.for_policy(model, SkipPolicy.auto_choice())
+    (entry,) = tmp_path.glob("costs-*.json")
+    data = json.loads(entry.read_text())
+    data["costs"]["verify"] = {"0": 0.05}
+    entry.write_text(json.dumps(data))
+    decoder = Decoder.for_policy(model, SkipPolicy.auto_choice())
+    tokens, stats = decoder.decode(_repetitive_prompt(), DecodeSettings(max_new_tokens=12))
+    assert len(tokens) == 12 and stats.calibration["cached"] is False
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero", "nested-deep", "a-list", "not-utf8"])
+def test_a_cache_entry_that_is_no_json_file_is_measured_again_without_hanging(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO would block the reader forever and /dev/zero would read until memory ran out; deep
+    nesting would end in RecursionError on every load. Each is passed by, and measured again; a
+    FIFO or device is left where it is (the new calibration is then not cached)."""
+    monkeypatch.setattr(engine_latency, "BUSY_SPREAD", float("inf"))
+    model = _model("llama")
+    policy = SkipPolicy.auto_choice()
+    calibration.calibrate(model, policy, DraftModels(model), root=tmp_path)
+    (entry,) = tmp_path.glob("costs-*.json")
+    entry.unlink()
+    if kind == "fifo":
+        os.mkfifo(entry)
+    elif kind == "link-to-dev-zero":
+        entry.symlink_to("/dev/zero")
+    elif kind == "nested-deep":
+        entry.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "a-list":
+        entry.write_text("[1, 2]")
+    else:
+        entry.write_bytes(b'{"key": "\xff"}')
+    costs = calibration.calibrate(model, policy, DraftModels(model), root=tmp_path)
+    assert costs.info["cached"] is False and set(costs.draft_step) == {0}
+    if kind in ("fifo", "link-to-dev-zero"):
+        assert "not a regular file" in costs.info["not_cached"]
+        assert entry.is_symlink() or stat.S_ISFIFO(entry.stat().st_mode)  # left as it was
+    else:
+        assert calibration.calibrate(model, policy, DraftModels(model), root=tmp_path).info["cached"] is True
 
 
 @pytest.mark.parametrize("arch", ARCHS)

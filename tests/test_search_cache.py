@@ -7,6 +7,8 @@ directory; ``build_references`` and ``measure_latency`` are wrapped to count how
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,38 @@ def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(search, counted, tmp_pa
     assert f"warning: ignoring damaged search cache {latency}" in result.stderr
     assert json.loads(references.read_text())["references"]  # replaced by a whole entry
     assert search() and counted == {"references": 2, "latency": 2}
+
+
+@pytest.mark.parametrize("kind", ["nested-deep", "fifo", "link-to-dev-zero", "latency-infinite"])
+def test_a_cache_entry_that_no_reader_should_take_is_passed_by(search, counted, tmp_path: Path, kind: str) -> None:
+    """Deep nesting (RecursionError on every run), a FIFO (a reader that never returns), a link to
+    /dev/zero (a read without end) and infinite seconds: each is a warning, and the search rebuilds.
+    A FIFO or a device is not ours to replace: it stays, and the fresh entry is not cached."""
+    search()
+    [references] = cache_files(tmp_path, "references")
+    [latency] = cache_files(tmp_path, "latency")
+    if kind == "latency-infinite":
+        data = json.loads(latency.read_text())
+        data["plain_step_seconds"] = float("inf")
+        latency.write_text(json.dumps(data))
+        assert "using cached calibration" not in search().stderr and counted["latency"] == 2
+        return
+    references.unlink()
+    if kind == "nested-deep":
+        references.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "fifo":
+        os.mkfifo(references)
+    else:
+        references.symlink_to("/dev/zero")
+    result = search()
+    assert counted["references"] == 2 and "Traceback" not in result.stderr
+    assert f"warning: ignoring damaged search cache {references}" in result.stderr
+    if kind == "nested-deep":
+        assert "nests deeper than" in result.stderr
+        assert json.loads(references.read_text())["references"]  # replaced by a whole entry
+    else:
+        assert "not a regular file" in result.stderr
+        assert references.is_symlink() or stat.S_ISFIFO(references.stat().st_mode)
 
 
 @pytest.mark.parametrize(

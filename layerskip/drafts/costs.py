@@ -8,8 +8,13 @@ step yields ``(1 - a^(g+1)) / (1 - a)`` tokens on average and costs ``g * c + v(
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from layerskip.errors import few
 
 
 def block_cost(seconds: dict[int, float], block: int) -> float:
@@ -58,15 +63,54 @@ class DraftCosts:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DraftCosts:
-        """Back from ``to_dict``; KeyError, TypeError or ValueError for anything else."""
+    def from_dict(
+        cls, data: Any, head_sizes: Sequence[int] | None = None, blocks: Sequence[int] | None = None
+    ) -> DraftCosts:
+        """Back from ``to_dict``, checked before anything prices a draft with it: every cost a
+        finite number of seconds above 0 (and below ``MAX_SECONDS``), verify block lengths positive
+        integers, head sizes integers >= 0 (0: the full head); with ``head_sizes`` and ``blocks``
+        (what the calibration was made for) exactly those. ValueError says what is wrong: a cost
+        of 0 or a block of 0 would divide by zero where auto prices a step, a negative block would
+        send its interpolation off the curve, and a head size the key does not hold was never
+        measured for this model."""
+        if not isinstance(data, dict):
+            raise ValueError("the costs are not an object")
+        info = data.get("info", {})
+        if not isinstance(info, dict):
+            raise ValueError("info is not an object")
         costs = cls(
-            float(data["plain_step"]),
-            {int(k): float(v) for k, v in data["verify"].items()},
-            {int(k): float(v) for k, v in data["draft_step"].items()},
-            dict(data.get("info", {})),
+            _seconds("plain_step", data.get("plain_step")),
+            _curve("verify", data.get("verify"), low=1),
+            _curve("draft_step", data.get("draft_step"), low=0),
+            dict(info),
         )
-        values = [costs.plain_step, *costs.verify.values(), *costs.draft_step.values()]
-        if not costs.verify or not costs.draft_step or not all(v > 0 for v in values):
-            raise ValueError("costs must be positive and cover at least one block and one head size")
+        if blocks is not None and set(costs.verify) != set(blocks):
+            raise ValueError(f"its verify blocks {few(sorted(costs.verify))} are not the calibrated {sorted(blocks)}")
+        if head_sizes is not None and set(costs.draft_step) != set(head_sizes):
+            measured = few(sorted(costs.draft_step))
+            raise ValueError(f"its head sizes {measured} are not the calibrated {sorted(head_sizes)}")
         return costs
+
+
+MAX_SECONDS = 600.0  # one forward of one block: anything longer is not a measurement to price drafts by
+
+
+def _seconds(name: str, value: Any) -> float:
+    """``value`` as seconds: a number (not a bool) in (0, MAX_SECONDS]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} is not a number of seconds")
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise ValueError(f"{name} is {value} s, not in (0, {MAX_SECONDS:g}]")
+    return float(value)
+
+
+def _curve(name: str, values: Any, low: int) -> dict[int, float]:
+    """``{"n": seconds}`` back as ``{n: seconds}``: at least one entry, each key a decimal integer >= ``low``."""
+    if not isinstance(values, dict) or not values:
+        raise ValueError(f"{name} is not a non-empty object")
+    curve = {}
+    for key, value in values.items():
+        if not (isinstance(key, str) and re.fullmatch(r"[0-9]{1,9}", key)) or int(key) < low:
+            raise ValueError(f"{name} has key {key!r}, not an integer >= {low}")
+        curve[int(key)] = _seconds(f"{name}[{key}]", value)
+    return curve

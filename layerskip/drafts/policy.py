@@ -18,8 +18,6 @@ both sublayers of every layer >= d.
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -31,7 +29,7 @@ from torch import nn
 from layerskip.drafts.exit_adapter import KINDS
 from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError, few
-from layerskip.fileio import read_json_file, write_json_atomic
+from layerskip.fileio import load_json, read_json_file, write_json_atomic
 from layerskip.hf import adapters
 from layerskip.machine import Machine
 
@@ -550,25 +548,12 @@ class SkipPolicy:
         return write_json_atomic(path, data)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> SkipPolicy:
+    def load(cls, path: str | os.PathLike[str], flag: str = "--policy") -> SkipPolicy:
+        """The policy file at ``path``; ``flag`` is the option that named it, for the fix a refusal
+        suggests (``--warm-start`` names its own)."""
         path = Path(path)
-        _check_policy_path(path)
-        try:
-            # utf-8-sig: an editor that saves UTF-8 with a byte-order mark still gives a policy.
-            text = path.read_text(encoding="utf-8-sig")
-            data = json.loads(text, object_pairs_hook=_without_repeated_keys)
-        except OSError as exc:
-            raise LayerskipError(f"cannot read policy file {path}: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise LayerskipError(f"policy file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-        except _RepeatedKey as exc:
-            raise LayerskipError(
-                f"policy file {path} gives key '{exc.key}' twice in one object; keep the one you mean"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise LayerskipError(
-                f"policy file {path} is not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})"
-            ) from None
+        # A key given twice is refused: json would keep the last copy and silently lose the other.
+        data = load_json(path, "policy file", f"pass an existing policy JSON file to {flag}", unique_keys=True)
         policy = cls.from_dict(data, source=f"policy file {path}")
         return replace(policy, root=str(path.resolve().parent)) if policy.exit is not None else policy
 
@@ -577,46 +562,6 @@ def is_policy_file(path: Path) -> bool:
     """Whether ``path`` holds a layerskip policy (by its format marker; the values may be anything)."""
     data = read_json_file(path)
     return isinstance(data, dict) and data.get("format") == FORMAT
-
-
-def _check_policy_path(path: Path) -> None:
-    """A policy path must lead to a file: a loop of links or a dangling link is named as one."""
-    try:
-        path.stat()
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise LayerskipError(
-                f"policy path {path} is a loop of symbolic links; point it at a policy JSON file"
-            ) from None
-        if path.is_symlink():
-            target = os.readlink(path)
-            raise LayerskipError(
-                f"policy path {path} is a symbolic link to {target}, which does not exist; pass an existing policy"
-            ) from None
-        if exc.errno != errno.ENOENT:
-            raise LayerskipError(f"cannot read policy file {path}: {exc.strerror}") from None
-        raise LayerskipError(f"policy file {path} not found; pass an existing --policy path") from None
-    if path.is_dir():
-        raise LayerskipError(f"policy path {path} is a directory; pass a policy JSON file")
-    if not path.is_file():
-        raise LayerskipError(f"policy path {path} is not a regular file; pass a policy JSON file")
-
-
-class _RepeatedKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are all different: with a key given twice, json keeps the last
-    copy and the other is silently lost."""
-    data: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in data:
-            raise _RepeatedKey(key)
-        data[key] = value
-    return data
 
 
 def _dataclass_from(cls: type, data: Any) -> Any:

@@ -30,7 +30,8 @@ from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import head_size_timings, measure_latency
-from layerskip.fileio import write_json_atomic
+from layerskip.errors import LayerskipError
+from layerskip.fileio import load_json, write_json_atomic
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import full_logits
@@ -107,6 +108,8 @@ def calibrate(
             write_json_atomic(path, {"key": key, "costs": costs.to_dict()})
         except OSError as error:  # a read-only cache costs time at the next load, never this one
             costs.info["not_cached"] = f"could not write {path}: {error.strerror}"
+        except LayerskipError as error:  # a FIFO or device in the cache's place is left as it is
+            costs.info["not_cached"] = str(error)
     return costs
 
 
@@ -148,12 +151,13 @@ def _digest(key: dict[str, Any]) -> str:
 
 
 def _read(path: Path, key: dict[str, Any]) -> DraftCosts | None:
-    """The cached costs at ``path`` if they were made for ``key``; None for anything else
-    (missing, damaged, or made for another model, dtype or machine)."""
+    """The cached costs at ``path`` if they were made for ``key`` and hold what it asked for; None
+    for anything else (missing, not a regular file, damaged, costs out of range or for other head
+    sizes or blocks, or made for another model, dtype or machine): ``calibrate`` then measures again."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key)):
+        data = load_json(path, "calibration cache", "it is measured again")
+        if data.get("key") != json.loads(json.dumps(key)):
             return None
-        return DraftCosts.from_dict(data["costs"])
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return DraftCosts.from_dict(data.get("costs"), key["head_sizes"], [1, *key["blocks"]])
+    except (LayerskipError, ValueError):
         return None
