@@ -22,6 +22,7 @@ from typing import Any
 from layerskip.data import Prompt
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS
 from layerskip.errors import LayerskipError, few
+from layerskip.fileio import Items, Obj, load_json
 from search.confirmation import MIN_ROUNDS
 from search.space import ExitChoice
 
@@ -102,19 +103,19 @@ def _check_counts(args: argparse.Namespace) -> None:
         raise LayerskipError("--draft-tokens must list integers >= 1")
 
 
+# What a layerskip-train-exit report.json holds of each exit it trained (what a search reads of it).
+_REPORT = Obj(required={"exits": Items(Obj(required={"adapter": str, "layer": int, "kind": str, "sha256": str}))})
+
+
 def read_exit_choices(directories: list[str]) -> tuple[ExitChoice, ...]:
     """The exit adapters listed in each layerskip-train-exit output directory's report.json."""
     choices: dict[str, ExitChoice] = {}
     for directory in directories:
         report_path = Path(directory) / "report.json"
-        try:
-            report = json.loads(report_path.read_text(encoding="utf-8"))
-            exits = report["exits"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            raise LayerskipError(
-                f"--exit-adapters {directory} holds no readable report.json; "
-                "pass a layerskip-train-exit --out directory"
-            ) from None
+        report = load_json(
+            report_path, "--exit-adapters report", "pass a layerskip-train-exit --out directory", shape=_REPORT
+        )
+        exits = report["exits"]
         for entry in exits:
             path = (Path(directory) / entry["adapter"]).resolve()
             if not path.is_file():

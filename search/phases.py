@@ -58,7 +58,7 @@ from search.export import export_policy, summary, verdict
 from search.journal import repair_journal
 from search.log import phase
 from search.objective import Calibration, CheapObjective, prepare_calibration
-from search.plots import write_plots
+from search.plots import PLOT_FILES, write_plots
 from search.space import RANKING_ATTR, ExitChoice, SearchSpace
 from search.study import (
     check_local_storage,
@@ -165,7 +165,7 @@ def check_inputs(args: argparse.Namespace, command: str) -> Inputs:
     check_output_file(out, "--out")
     check_replaceable(out, "--out", is_policy_file, "a layerskip policy", args.force)  # a resume re-exports
     if args.plots:
-        check_output_dir(args.plots, "--plots")
+        check_output_dir(args.plots, "--plots", PLOT_FILES)
     return Inputs(args, command, prompts, seeds, exit_choices, study_name, out)
 
 

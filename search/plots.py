@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -12,7 +13,18 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
+from layerskip.fileio import write_bytes_atomic  # noqa: E402
 from search.space import trial_policy  # noqa: E402
+
+PLOT_FILES = ("pareto.png", "history.png", "skip_frequency.png")  # what write_plots writes into --plots
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    """``fig`` as a PNG at ``path``, atomically (never over a FIFO or device: savefig would block on one)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return write_bytes_atomic(path, buffer.getvalue())
 
 
 def _complete(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -36,9 +48,7 @@ def plot_pareto(study: optuna.Study, path: Path) -> Path:
     ax.set_ylabel("teacher-forced acceptance")
     ax.set_title(f"{study.study_name}: acceptance vs draft latency")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_history(study: optuna.Study, path: Path) -> Path:
@@ -55,9 +65,7 @@ def plot_history(study: optuna.Study, path: Path) -> Path:
     ax.set_title(f"{study.study_name}: optimisation history")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def skip_frequency(study: optuna.Study, top_fraction: float = 0.25) -> np.ndarray:
@@ -84,16 +92,11 @@ def plot_importance(study: optuna.Study, path: Path) -> Path:
     ax.set_title("skipped among best 25%\nof skip-draft trials", fontsize=9)
     fig.colorbar(image, ax=ax, label="fraction of trials")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_plots(study: optuna.Study, directory: str | Path) -> list[Path]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return [
-        plot_pareto(study, directory / "pareto.png"),
-        plot_history(study, directory / "history.png"),
-        plot_importance(study, directory / "skip_frequency.png"),
-    ]
+    pareto, history, frequency = (directory / name for name in PLOT_FILES)
+    return [plot_pareto(study, pareto), plot_history(study, history), plot_importance(study, frequency)]

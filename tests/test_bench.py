@@ -549,6 +549,29 @@ def test_cli_from_results_bad_file(bench_cli, tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("kind", ["nested-deep", "fifo"])
+def test_cli_from_results_that_no_reader_should_take(bench_cli, tmp_path: Path, kind: str) -> None:
+    """Deep nesting used to end in RecursionError; a FIFO would block the reader for good."""
+    bad = tmp_path / "results.json"
+    if kind == "fifo":
+        os.mkfifo(bad)
+    else:
+        bad.write_text("[" * 100_000 + "]" * 100_000)
+    reason = "nests deeper" if kind == "nested-deep" else "not a regular file"
+    assert_bad_input(bench_cli("--from-results", str(bad), "--out", str(tmp_path / "o")), "--from-results", reason)
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_out_holding_a_fifo_where_a_report_goes(bench_cli, tmp_path: Path) -> None:
+    """The report files are replaced as a set; a FIFO among them is refused before any work, and stays."""
+    source = tmp_path / "source.json"
+    source.write_text("[1]")
+    (tmp_path / "o").mkdir()
+    os.mkfifo(tmp_path / "o" / "results.md")
+    assert_bad_input(bench_cli("--from-results", str(source), "--out", str(tmp_path / "o")), "not a regular file")
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["results.md"]
+
+
 def test_cli_unknown_method(bench_cli, cli_inputs: dict[str, str], tmp_path: Path) -> None:
     result = bench_cli("--model", cli_inputs["model"], "--methods", "ar,turbo", "--out", str(tmp_path))
     assert_bad_input(result, "unknown method", "turbo")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -148,7 +150,7 @@ def test_add_refuses_to_overwrite_and_bad_files_in_one_line(root: Path, tmp_path
         publish(FIXTURE, root / "docs" / "results", "../escape")
     data = json.loads(FIXTURE.read_text())
     for broken, message in (
-        ({k: v for k, v in data.items() if k != "command"}, "no str 'command'"),
+        ({k: v for k, v in data.items() if k != "command"}, "has no 'command'"),
         ({**data, "environment": {"device": "cpu"}}, "records no CPU model"),
         ({**data, "methods": {"ar": data["methods"]["hf-pld"]}}, "no hf-ar method"),
     ):
@@ -288,7 +290,7 @@ def test_draft_cost_files_are_on_the_results_page(tmp_path: Path) -> None:
     assert "no int4 draft measured" in draft_cost_section([no_int4])
     broken = tmp_path / "draft_cost.json"
     broken.write_text(json.dumps({**xeon.data, "plain_step_ms": "fast"}))
-    with pytest.raises(LayerskipError, match="no number 'plain_step_ms'"):
+    with pytest.raises(LayerskipError, match="plain_step_ms is a string, not a number above 0"):
         read_draft_cost(broken)
     broken.write_text("{")
     with pytest.raises(LayerskipError, match="cannot read draft-cost file"):
@@ -451,8 +453,102 @@ def test_tree_ceiling_files_are_on_the_results_page(tmp_path: Path) -> None:
     folder = tmp_path / "tree-ceiling" / "broken"
     folder.mkdir(parents=True)
     (folder / "tree_ceiling.json").write_text(json.dumps({**one.data, "tau_chain": "high"}))
-    with pytest.raises(LayerskipError, match="no float 'tau_chain'"):
+    with pytest.raises(LayerskipError, match="tau_chain is a string, not a number above 0"):
         read_tree_ceilings(tmp_path)
     (folder / "tree_ceiling.json").write_text("{")
     with pytest.raises(LayerskipError, match="cannot read tree-ceiling file"):
         read_tree_ceilings(tmp_path)
+
+
+def _with(data: dict, path: tuple, value: object) -> dict:
+    """A deep copy of ``data`` with the value at ``path`` (keys and list indices) replaced;
+    ``DROP`` removes it."""
+    data = copy.deepcopy(data)
+    where = data
+    for key in path[:-1]:
+        where = where[key]
+    if value is DROP:
+        del where[path[-1]]
+    else:
+        where[path[-1]] = value
+    return data
+
+
+DROP = object()
+_COST = ("draft-cost", "smollm2-135m-fp32", "draft_cost.json")
+_CEILING = ("tree-ceiling", "smollm2-135m-fp32", "tree_ceiling.json")
+_RESULT = ("smollm2-135m-float32-avx512bf16.json",)
+# A committed file with one nested value damaged (as the fault probe found them), and what the
+# one-line error names. Each used to end --check in a traceback.
+NESTED_DAMAGE = {
+    "tau-chain-0": (_CEILING, ("tau_chain",), 0, "tau_chain is 0, not a number above 0"),
+    "extra-tokens-strings": (
+        _CEILING,
+        ("extra_tokens_per_step", "every tree candidate"),
+        "many",
+        "extra_tokens_per_step['every tree candidate'] is a string",
+    ),
+    "verify-rows-key-abc": (_CEILING, ("verify_rows_cost",), {"abc": 1}, "verify_rows_cost has key 'abc'"),
+    "verify-curves-a-number": (_COST, ("verify_curves",), {"float32": 5}, "verify_curves.float32 is a number"),
+    "rows-of-numbers": (_COST, ("rows",), [1, 2], "rows[0] is a number, not an object"),
+    "row-without-ratio": (_COST, ("rows", 0, "relative_to_plain_step"), DROP, "has no 'relative_to_plain_step'"),
+    "per-prompt-numbers": (_RESULT, ("per_prompt",), [1, 2, 3], "per_prompt[0] is a number, not an object"),
+    "policy-a-string": (_RESULT, ("policies",), {"x": "x"}, "policies.x is a string, not an object"),
+    "cpu-flags-a-number": (_RESULT, ("environment", "cpu_flags"), 5, "environment.cpu_flags is a number"),
+    "speedup-a-string": (_RESULT, ("methods", "hf-ar", "overall", "speedup"), "2x", "speedup is a string"),
+    "category-without-speedup": (
+        _RESULT,
+        ("methods", "hf-ar", "by_category"),
+        {"qa": {}},
+        "by_category.qa has no 'speedup'",
+    ),
+    "histogram-keys": (
+        _RESULT,
+        ("methods", "hf-ar", "overall", "draft_lengths"),
+        {"four": 1},
+        "draft_lengths has key 'four', not an integer",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(NESTED_DAMAGE))
+def test_nested_values_are_checked_when_a_file_is_read(name: str, tmp_path: Path) -> None:
+    where, path, value, fragment = NESTED_DAMAGE[name]
+    shutil.copytree(REPO / RESULTS_DIR, tmp_path / RESULTS_DIR)
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    target = tmp_path / RESULTS_DIR / Path(*where)
+    target.write_text(json.dumps(_with(json.loads(target.read_text()), path, value)))
+    line = assert_bad_input(run_script("results_tables.py", "--root", str(tmp_path), "--check"), fragment)
+    assert str(target) in line and "; pass a " in line
+
+
+@pytest.mark.parametrize("where", [_RESULT, _COST, _CEILING], ids=["result", "draft-cost", "tree-ceiling"])
+@pytest.mark.parametrize("kind", ["nested-deep", "fifo", "a-list"])
+def test_a_result_file_that_is_no_json_object_is_one_line(
+    where: tuple, kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Deep nesting used to end in RecursionError; a FIFO would block the reader for good."""
+    shutil.copytree(REPO / RESULTS_DIR, tmp_path / RESULTS_DIR)
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    target = tmp_path / RESULTS_DIR / Path(*where)
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.write_text("[" * 100_000 + "]" * 100_000 if kind == "nested-deep" else "[1, 2]")
+    assert main(["--root", str(tmp_path), "--check"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(target) in lines[0], lines
+    reason = {"nested-deep": "nests deeper than", "fifo": "not a regular file", "a-list": "holds a list"}[kind]
+    assert reason in lines[0]
+
+
+def test_a_fifo_in_place_of_an_output_is_left_and_nothing_is_written(tmp_path: Path) -> None:
+    shutil.copytree(REPO / RESULTS_DIR, tmp_path / RESULTS_DIR)
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    (tmp_path / RESULTS_DIR / "figures.csv").unlink()
+    (tmp_path / "docs" / "results.md").unlink(missing_ok=True)
+    os.mkfifo(tmp_path / RESULTS_DIR / "figures.csv")
+    assert_bad_input(run_script("results_tables.py", "--root", str(tmp_path)), "figures.csv", "not a regular file")
+    assert stat.S_ISFIFO((tmp_path / RESULTS_DIR / "figures.csv").stat().st_mode)
+    assert not (tmp_path / "docs" / "results.md").exists()  # refused before anything was written

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import sqlite3
+import stat
 from pathlib import Path
 
 import optuna
@@ -360,6 +361,8 @@ PROMPT_FILES = {
     "malformed-line-1": (b'{"turns": ["a"]\n{"turns": ["b"]}\n', ["line 1 is not valid JSON"]),
     "row-without-turns": (b'{"turns": ["a"]}\n{"text": "b"}\n', ["line 2 has no 'turns'"]),
     "no-text-column": (b'{"body": "a"}\n', ["no 'turns'", "--text-field", "body"]),
+    "nested-deep-line": (b'{"turns": ["a"]}\n' + b"[" * 100_000 + b"]" * 100_000 + b"\n", ["line 2", "nests deeper"]),
+    "nested-deep-document": (b"[" * 100_000 + b"]" * 100_000, ["line 1", "nests deeper"]),
 }
 
 
@@ -372,6 +375,42 @@ def test_prompt_file_problems_are_one_clear_line(case: str, tmp_path: Path, caps
     line = assert_bad_input(search_in_process(capsys, NO_MODEL, *args), *fragments)
     assert "unknown model" not in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero"])
+def test_a_prompts_path_that_is_no_regular_file_is_refused_without_reading(kind: str, tmp_path: Path, capsys) -> None:
+    """A FIFO would block the reader for good, /dev/zero would never end: refused before any read."""
+    prompts = tmp_path / "prompts.jsonl"
+    if kind == "fifo":
+        os.mkfifo(prompts)
+    else:
+        prompts.symlink_to("/dev/zero")
+    args = ["--prompts", str(prompts), "--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "p.json")]
+    assert_bad_input(search_in_process(capsys, NO_MODEL, *args), "prompts file", "not a regular file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]
+
+
+def test_a_missing_warm_start_names_its_own_option(tmp_path: Path, capsys) -> None:
+    args = ["--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "p.json")]
+    line = assert_bad_input(search_in_process(capsys, NO_MODEL, *args, "--warm-start", "nope.json"), "not found")
+    assert "--warm-start" in line and "--policy" not in line
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert_bad_input(search_in_process(capsys, NO_MODEL, *args, "--warm-start", str(deep)), "nests deeper")
+
+
+@pytest.mark.parametrize("flag", ["--out", "--plots"])
+def test_an_output_that_is_a_fifo_is_refused_before_the_work_and_left(flag: str, tmp_path: Path, capsys) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "plots").mkdir()
+    os.mkfifo(tmp_path / "plots" / "pareto.png")
+    target = str(fifo) if flag == "--out" else str(tmp_path / "plots")
+    out = [] if flag == "--out" else ["--out", str(tmp_path / "p.json")]
+    args = ["--storage", f"sqlite:///{tmp_path / 's.db'}", *out, flag, target]
+    assert_bad_input(search_in_process(capsys, NO_MODEL, *args), flag, "not a regular file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "plots"]  # no study, nothing replaced
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and stat.S_ISFIFO((tmp_path / "plots" / "pareto.png").stat().st_mode)
 
 
 def test_a_json_document_named_jsonl_is_still_read(tmp_path: Path) -> None:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
-from pathlib import Path
 
 from layerskip.cli.common import (
     THREADS_HELP,
@@ -22,7 +20,7 @@ from layerskip.cli.common import (
 from layerskip.data import load_prompts
 from layerskip.drafts.policy import ABLATIONS, SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.fileio import check_output_dir
+from layerskip.fileio import check_output_dir, load_json
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.measure.bench import (
@@ -38,7 +36,7 @@ from layerskip.measure.bench import (
     tuning_categories,
 )
 from layerskip.measure.load import busy_processes
-from layerskip.measure.report import check_outputs_replaceable, markdown_report, write_outputs
+from layerskip.measure.report import OUTPUT_FILES, check_outputs_replaceable, markdown_report, write_outputs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,12 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_results(path: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise LayerskipError(f"{path} not found; pass --from-results a results.json that bench wrote") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise LayerskipError(f"cannot read {path} as JSON ({error}); pass a results.json that bench wrote") from None
+    data = load_json(path, "--from-results file", "pass a results.json that bench wrote", expect=None)
     if not isinstance(data, dict):
         raise LayerskipError(f"{path} is not a layerskip-bench results.json; pass the file bench wrote")
     return data
@@ -157,7 +150,7 @@ def _tuned_on(rows: list, policies: dict[str, SkipPolicy]) -> dict[str, frozense
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    check_output_dir(args.out, "--out")  # before any work: a run that cannot be saved is not started
+    check_output_dir(args.out, "--out", OUTPUT_FILES)  # before any work: a run that cannot be saved is not started
     check_outputs_replaceable(args.out, args.force)
     if args.from_results:
         results = resummarise(read_results(args.from_results))

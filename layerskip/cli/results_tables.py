@@ -15,7 +15,7 @@ from pathlib import Path
 
 from layerskip.cli.common import run_cli
 from layerskip.errors import LayerskipError
-from layerskip.fileio import write_text_atomic
+from layerskip.fileio import check_output_file, write_text_atomic
 from layerskip.measure.results import RESULTS_DIR, publish, rendered
 
 
@@ -54,6 +54,8 @@ def _main(argv: list[str] | None) -> int:
         if stale:
             print("run: python scripts/results_tables.py", file=sys.stderr)
         return 1 if stale else 0
+    for path in stale:  # every output checked before the first is written: all of them, or none
+        check_output_file(path, "output")
     for path, text in stale.items():
         write_text_atomic(path, text)
         print(f"wrote {path}", file=sys.stderr)

@@ -27,7 +27,17 @@ from typing import Any
 
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.fileio import write_json_atomic
+from layerskip.fileio import (
+    SCALAR,
+    Items,
+    Maybe,
+    Number,
+    Obj,
+    Table,
+    Where,
+    load_json,
+    write_json_atomic,
+)
 from layerskip.measure.bench import BASELINE
 from layerskip.measure.report import markdown_report
 
@@ -64,17 +74,6 @@ KINDS = (
     ("quick", "`--preset quick`"),
     ("hf-pld", "HF prompt lookup"),
 )
-_REQUIRED = {
-    "command": str,
-    "model": str,
-    "dtype": str,
-    "max_new_tokens": int,
-    "prompts": dict,
-    "policies": dict,
-    "methods": dict,
-    "per_prompt": list,
-    "environment": dict,
-}
 DTYPE_ORDER = {"float32": 0, "bfloat16": 1}
 # ``bench --tree-ablation`` runs each tree-drafting policy again with trees off, named METHOD + this.
 CHAIN_SUFFIX = " (chain)"
@@ -85,6 +84,130 @@ SPEC_BENCH = (
     "[Spec-Bench](https://github.com/hemingkx/Spec-Bench)'s `data/spec_bench/question.jsonl` (Xia et al., "
     "Findings of ACL 2024; Apache-2.0; its prompts come from MT-bench, WMT14 DE-EN, CNN/DailyMail, Natural "
     "Questions and GSM8K, which keep their own terms)"
+)
+
+
+# What the tables read of each file, nested values included (``fileio.check_shape``): a file
+# that does not fit is refused in one line when it is read, never a traceback while rendering.
+_FLAGS = Maybe(Items(str))
+_MACHINE = Obj(optional={"cpu_model": Maybe(str), "cpu_flags": _FLAGS, "device": str})
+_POLICY = Obj(
+    optional={
+        "provenance": Maybe(Obj(optional={"machine": Maybe(_MACHINE), "source": Maybe(str), "method": Maybe(str)})),
+        "draft": Maybe(Obj(optional={"use_skip_draft": bool, "lookup_max_ngram": int})),
+        "draft_vocabulary": Maybe(list),
+    }
+)
+_COUNTS = Maybe(Table(SCALAR, int_keys=True))  # a histogram: {"4": 10, ...}
+_AUTO = Obj(
+    optional={
+        "lookup_share": Maybe(Number()),
+        "skip_share": Maybe(Number()),
+        "draft_lengths": _COUNTS,
+        "head_rows": _COUNTS,
+        "skip_changes": Maybe(int),
+        "skip_sets": Maybe(dict),
+        "calibration": Maybe(
+            Obj(optional={"seconds": Number(), "draft_build_seconds": Maybe(Number()), "warning": Maybe(str)})
+        ),
+    }
+)
+_DIVERGENCE = Obj(
+    optional={"fp32_gap": Maybe(Number()), "top2_logit_gap": Maybe(Number()), "error_bound": Maybe(Number())}
+)
+_PROFILE = Obj(
+    required={key: Maybe(Number()) for key in ("total_ms", "prefill_ms", "draft_ms", "verify_ms", "other_ms")},
+    optional={"verify_ms_per_step": Maybe(Number()), "lookup_share": Maybe(Number())},
+)
+_CLASSES = ("n_identical", "n_rounding", "n_defect")  # the divergence check's counts: all of them or none
+_OVERALL = Where(
+    Obj(
+        required={
+            "identical_fraction": Number(),
+            "n_prompts": int,
+            **{key: Maybe(Number()) for key in ("speedup", "tokens_per_second", "mean_accepted", "acceptance_rate")},
+        },
+        optional={
+            **{key: int for key in _CLASSES},
+            "n_unclassified": Maybe(int),
+            "divergences": Maybe(Items(_DIVERGENCE)),
+            "draft_lengths": Maybe(Table(int, int_keys=True)),
+            "tree_steps": Maybe(int),
+            "off_branch_steps": Maybe(int),
+            "auto": Maybe(_AUTO),
+            "profile": Maybe(_PROFILE),
+        },
+    ),
+    lambda figures: sum(key in figures for key in _CLASSES) in (0, len(_CLASSES)),
+    f"holds some of {', '.join(_CLASSES)} but not all",
+)
+_SPLIT = Obj(required={"tuned": Maybe(dict), "held_out": Maybe(dict), "tuned_categories": Items(str)})
+_METHOD = Obj(
+    required={"overall": _OVERALL, "by_category": Table(Obj(required={"speedup": Maybe(Number())}))},
+    optional={"split": Maybe(_SPLIT)},
+)
+_PROMPT_ROW = Obj(
+    required={"method": str, "prompt_id": SCALAR},
+    optional={"divergence": Maybe(Obj(optional={"fp32_gap": Maybe(Number()), "error_bound": Maybe(Number())}))},
+)
+RESULT_SHAPE = Obj(
+    required={
+        "command": str,
+        "model": str,
+        "dtype": str,
+        "max_new_tokens": int,
+        "prompts": Obj(optional={"n": int, "source": str, "categories": Items(str)}),
+        "policies": Table(_POLICY),
+        "methods": Table(_METHOD),
+        "per_prompt": Items(_PROMPT_ROW),
+        "environment": Obj(
+            optional={
+                "device": str,
+                "device_name": str,
+                "cpu_model": Maybe(str),
+                "cpu_flags": _FLAGS,
+                "cpu_threads": SCALAR,
+                "versions": Table(SCALAR),
+                "date": Maybe(str),
+            }
+        ),
+    },
+    optional={"busy_processes": Maybe(int), "versions": Table(SCALAR), "device": str, "device_name": str},
+)
+_ROW_COST = Table(Number(), int_keys=True)  # {"rows": cost over one row's}
+DRAFT_COST_SHAPE = Obj(
+    required={
+        "plain_step_ms": Number(positive=True),
+        "command": str,
+        "model": str,
+        "dtype": str,
+        "machine": str,
+        "rows": Items(
+            Obj(
+                required={
+                    "policy": str,
+                    "precision": str,
+                    "draft_step_ms": Number(),
+                    "relative_to_plain_step": Number(),
+                    "floor_relative_to_plain_step": Number(),
+                },
+                optional={"fraction_of_weights_bypassed": Number()},
+            )
+        ),
+        "verify_curves": Table(Obj(required={"to_plain_step": _ROW_COST})),
+    }
+)
+TREE_CEILING_SHAPE = Obj(
+    required={
+        "command": str,
+        "model": str,
+        "dtype": str,
+        "machine": str,
+        "tau_chain": Number(positive=True),  # every extra is shown as a share of it
+        "extra_tokens_per_step": Table(Number()),
+        "verify_rows_cost": _ROW_COST,
+        "draft_rows_cost": _ROW_COST,
+    }
 )
 
 
@@ -217,35 +340,13 @@ def is_auto(policy: dict[str, Any]) -> bool:
 def read_result_file(path: str | Path) -> ResultFile:
     """A result file, checked for everything the tables read; a one-line error names what is wrong."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise LayerskipError(f"cannot read result file {path}: {exc.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LayerskipError(
-            f"result file {path} is not valid JSON ({exc}); pass a results.json that bench wrote"
-        ) from None
-    if not isinstance(data, dict):
-        raise LayerskipError(f"result file {path} is not a layerskip-bench results.json; pass the file bench wrote")
-    for key, kind in _REQUIRED.items():
-        if not isinstance(data.get(key), kind):
-            raise LayerskipError(
-                f"result file {path} has no {kind.__name__} '{key}'; pass a results.json that layerskip-bench wrote"
-            )
+    data = load_json(path, "result file", "pass a results.json that layerskip-bench wrote", shape=RESULT_SHAPE)
     if BASELINE not in data["methods"]:
         raise LayerskipError(f"result file {path} has no {BASELINE} method: its speedups have no baseline")
     if not data["environment"].get("cpu_model") and data["environment"].get("device", "cpu") == "cpu":
         raise LayerskipError(
             f"result file {path} records no CPU model (environment.cpu_model); re-run it with this layerskip-bench"
         )
-    try:
-        for method, figures in data["methods"].items():
-            overall = figures["overall"]
-            float(overall["identical_fraction"]), int(overall["n_prompts"])
-            if method != BASELINE and overall["speedup"] is not None:
-                float(overall["speedup"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise LayerskipError(f"result file {path}: method {method} has no usable overall figures ({exc})") from None
     return ResultFile(path.stem, data)
 
 
@@ -281,35 +382,17 @@ class DraftCostFile:
         return min(rows, key=lambda r: r["relative_to_plain_step"]) if rows else None
 
 
-_DRAFT_COST_KEYS: dict[str, type | tuple[type, ...]] = {
-    "plain_step_ms": (int, float),
-    "command": str,
-    "model": str,
-    "dtype": str,
-    "machine": str,
-    "rows": list,
-    "verify_curves": dict,
-}
-
-
-def _checked_json(path: Path, what: str, keys: dict[str, type | tuple[type, ...]]) -> dict[str, Any]:
-    """A script's JSON output with every key the results page reads; a one-line error names what is
-    wrong (``what``: ``draft-cost`` for a draft_cost.json)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LayerskipError(f"cannot read {what} file {path}: {exc}") from None
-    for key, kind in keys.items():
-        if not isinstance(data, dict) or not isinstance(data.get(key), kind):
-            name = "number" if isinstance(kind, tuple) else kind.__name__
-            raise LayerskipError(f"{what} file {path} has no {name} '{key}'; pass a {what.replace('-', '_')}.json")
-    return data
+def _checked_json(path: Path, what: str, shape: Obj) -> dict[str, Any]:
+    """A script's JSON output with everything the results page reads, nested values included; a
+    one-line error names what is wrong (``what``: ``draft-cost`` for scripts/draft_cost.py's)."""
+    name = what.replace("-", "_")
+    return load_json(path, f"{what} file", f"pass a {name}.json that scripts/{name}.py wrote", shape=shape)
 
 
 def read_draft_cost(path: str | Path) -> DraftCostFile:
     """A draft_cost.json, checked for what the results page reads; a one-line error names what is wrong."""
     path = Path(path)
-    return DraftCostFile(path.parent.name, _checked_json(path, "draft-cost", _DRAFT_COST_KEYS))
+    return DraftCostFile(path.parent.name, _checked_json(path, "draft-cost", DRAFT_COST_SHAPE))
 
 
 def load_draft_costs(directory: str | Path = RESULTS_DIR) -> list[DraftCostFile]:
@@ -374,22 +457,10 @@ def draft_cost_section(costs: list[DraftCostFile]) -> str:
     )
 
 
-_TREE_CEILING_KEYS: dict[str, type | tuple[type, ...]] = {
-    "command": str,
-    "model": str,
-    "dtype": str,
-    "machine": str,
-    "tau_chain": float,
-    "extra_tokens_per_step": dict,
-    "verify_rows_cost": dict,
-    "draft_rows_cost": dict,
-}
-
-
 def read_tree_ceilings(directory: str | Path = RESULTS_DIR) -> list[DraftCostFile]:
     """Every ``tree-ceiling/NAME/tree_ceiling.json`` under ``directory`` (checked), by model, then name."""
     files = [
-        DraftCostFile(path.parent.name, _checked_json(path, "tree-ceiling", _TREE_CEILING_KEYS))  # a name and its data
+        DraftCostFile(path.parent.name, _checked_json(path, "tree-ceiling", TREE_CEILING_SHAPE))  # a name and its data
         for path in sorted(Path(directory).glob(TREE_CEILING_GLOB))
     ]
     return sorted(files, key=lambda f: (f.data["model"], f.name))
