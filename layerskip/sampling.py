@@ -19,7 +19,7 @@ from layerskip.errors import LayerskipError
 class Sampling:
     temperature: float = 1.0
     top_k: int = 0  # 0 = no top-k filter
-    top_p: float = 1.0  # 1.0 = no nucleus filter
+    top_p: float = 1.0  # 1.0 = no nucleus filter; 0.0 = only the most likely token
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature <= 0:
@@ -29,8 +29,9 @@ class Sampling:
             )
         if self.top_k < 0:
             raise LayerskipError("top_k must be >= 0 (0 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise LayerskipError("top_p must be in (0, 1]")
+        # 0 keeps only the most likely token, as transformers' top-p warper does (plain generate takes it).
+        if not 0.0 <= self.top_p <= 1.0:
+            raise LayerskipError("top_p must be in [0, 1] (1 keeps every token, 0 only the most likely)")
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., V]`` logits -> ``[..., V]`` float32 probabilities after the transform."""

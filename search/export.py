@@ -54,9 +54,12 @@ def choose_trial(study: optuna.Study, trial_number: int | None = None) -> Frozen
         raise LayerskipError(f"trial {trial_number} is not a completed trial of study '{study.study_name}'")
     candidates = exportable_trials(study)
     if not candidates:
+        # The rule as ``exportable`` applies it: lookup counts only without a skip draft, since a skip
+        # draft that bypasses nothing is the whole model drafting for itself, beside lookup or not.
         raise LayerskipError(
-            f"study '{study.study_name}' has no trial that bypasses a sublayer or drafts by lookup; "
-            "run more trials (or allow more skips: --max-skip-fraction)"
+            f"study '{study.study_name}' has no exportable trial: none of its {len(complete)} completed trial(s) "
+            "bypasses a sublayer or drafts by lookup alone (a skip draft that bypasses nothing is the whole model "
+            "drafting for itself); run more trials (or allow more skips: --max-skip-fraction)"
         )
     window = confirmation_window(study)
     chosen = None if window is None else window["decision"]["chosen"]

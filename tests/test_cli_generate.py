@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -238,6 +240,33 @@ def test_damaged_weights_are_named(
     assert "Traceback" not in line
 
 
+class _Planted:
+    """Unpickled, it would create ``marker``: proof, when the file stays absent, that nothing ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_planted_pickle_is_refused_in_one_line_and_never_run(tiny_llama_dir: str, tmp_path: Path) -> None:
+    import pickle
+
+    model = tmp_path / "planted"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    (model / "pytorch_model.bin").write_bytes(pickle.dumps({"weight": _Planted(marker)}))
+    line = assert_bad_input(
+        generate("--model", str(model), "--prompt", "hi"),
+        f"{model / 'pytorch_model.bin'} holds pickled objects other than tensors",
+        "nothing in it was run",
+        "safetensors",
+    )
+    assert "UnpicklingError" not in line and not marker.exists()
+
+
 @pytest.mark.parametrize("kept", [(), ("tokenizer_config.json",)])
 def test_a_directory_without_its_tokenizer(
     tiny_llama_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], kept: tuple[str, ...]
@@ -271,7 +300,7 @@ def test_policy_json_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     [
         ["--max-new-tokens", "-3"],
         ["--sample", "--temperature", "0"],
-        ["--sample", "--top-p", "0"],
+        ["--sample", "--top-p", "-0.1"],
         ["--sample", "--top-k", "-1"],
         ["--sample", "--temperature", "nan"],
         ["--sample", "--temperature", "inf"],
@@ -382,6 +411,70 @@ def test_save_policy_replaces_only_a_policy_unless_forced(tmp_path: Path, capsys
     assert_bad_input(generate_in_process(capsys, *common, str(mine), "--force"), "unknown model")
     earlier = SkipPolicy(skip_mlp=(1,)).save(tmp_path / "earlier.json")
     assert_bad_input(generate_in_process(capsys, *common, str(earlier)), "unknown model")
+
+
+def test_save_policy_never_replaces_a_fifo_or_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only a regular file or a new path is replaced; a FIFO or a device node (/dev/null, /dev/stdout)
+    is refused before any work and left as it is. An empty path is refused too, not skipped."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    common = ["--model", str(tmp_path / "no-model"), "--prompt", "hi", "--save-policy"]
+    for target in (str(fifo), "/dev/null"):
+        result = generate_in_process(capsys, *common, target, "--force")
+        assert_bad_input(result, f"--save-policy {target} is not a regular file", "left as it is")
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert_bad_input(generate_in_process(capsys, *common, ""), "--save-policy is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
+@pytest.mark.parametrize(
+    "args", [["--temperature", "-1"], ["--temperature", "0.7"], ["--top-p", "0.9", "--top-k", "5"]]
+)
+def test_sampling_options_without_sample_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Greedy decoding would ignore them: refused in one line that says to add --sample."""
+    line = assert_bad_input(generate_in_process(capsys, "--prompt", "hi", *args), "add --sample")
+    assert all(flag in line for flag in args if flag.startswith("--"))
+
+
+def test_prompt_and_policy_files_that_no_reader_should_take(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO would block the reader for good, /dev/zero would never end, deep nesting was a
+    RecursionError: one line each, before the model loads."""
+    fifo, deep = tmp_path / "fifo", tmp_path / "deep.json"
+    os.mkfifo(fifo)
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    zero = tmp_path / "zero.txt"
+    zero.symlink_to("/dev/zero")
+    model = ["--model", str(tmp_path / "no-model")]
+    for source in (fifo, zero):
+        result = generate_in_process(capsys, *model, "--prompt-file", str(source))
+        assert_bad_input(result, "cannot read prompt file", "not a regular file")
+        result = generate_in_process(capsys, *model, "--prompt", "hi", "--policy", str(source))
+        assert_bad_input(result, "cannot read policy file", "not a regular file")
+    result = generate_in_process(capsys, *model, "--prompt", "hi", "--policy", str(deep))
+    assert_bad_input(result, "cannot read policy file", "nests deeper than")
+
+
+def test_a_whitespace_prompt_is_decoded_as_the_plugin_decodes_it(
+    tiny_llama: Path, tiny_llama_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whitespace is text (a byte-level tokenizer gives it tokens, and the plug-in decodes them);
+    only a prompt with no token at all (a word-level tokenizer's whitespace) is refused."""
+    spaces = tmp_path / "spaces.txt"
+    spaces.write_text("   \n")
+    args = ["--prompt-file", str(spaces), "--no-chat", "--json", "--max-new-tokens", "4", "--policy", "plain"]
+    result = generate_in_process(capsys, "--model", str(tiny_llama), *args)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["new_tokens"] == 4
+    assert_bad_input(generate_in_process(capsys, "--model", tiny_llama_dir, *args), "encodes to no token")
+
+
+def test_top_p_zero_keeps_the_most_likely_token(tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """As transformers' top-p warper does with 0: sampling then gives the greedy text."""
+    common = ["--model", tiny_llama_dir, "--prompt", "hello world", "--no-chat", "--json", "--max-new-tokens", "8"]
+    greedy = generate_in_process(capsys, *common, "--policy", "plain")
+    sampled = generate_in_process(capsys, *common, "--policy", "plain", "--sample", "--top-p", "0", "--seed", "1")
+    assert sampled.returncode == 0, sampled.stderr
+    assert json.loads(sampled.stdout)["text"] == json.loads(greedy.stdout)["text"]
 
 
 def test_more_threads_than_cpus_are_refused_before_loading(

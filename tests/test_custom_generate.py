@@ -416,6 +416,15 @@ def test_sampling_follows_the_model(processed: bool) -> None:
     assert tv(second / seeds, p2) < E2E_TV_BOUND
 
 
+def test_top_p_zero_is_taken_as_plain_generate_takes_it() -> None:
+    """transformers keeps only the most likely token at top_p=0.0; so does the plug-in (it refused it)."""
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    plain = model.generate(_ids(), max_new_tokens=NEW, do_sample=True, top_p=0.0)
+    ours = _ours(model, _ids(), max_new_tokens=NEW, do_sample=True, top_p=0.0)
+    assert ours.tolist() == plain.tolist() == model.generate(_ids(), max_new_tokens=NEW, do_sample=False).tolist()
+
+
 def test_sampling_warpers_become_the_engine_transform() -> None:
     """The temperature -> top-k -> top-p tail is our Sampling (target and draft alike); any other
     processor, or a warper after one, runs on the verify's logits instead."""

@@ -178,11 +178,25 @@ def test_probs_filters() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(temperature=0), dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)]
+    "kwargs",
+    [
+        dict(temperature=0),
+        dict(temperature=-1),
+        dict(top_k=-1),
+        dict(top_p=-0.1),
+        dict(top_p=1.5),
+        dict(top_p=float("nan")),
+    ],
 )
 def test_invalid_sampling_settings(kwargs: dict) -> None:
     with pytest.raises(LayerskipError):
         Sampling(**kwargs)
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
+    """As transformers' top-p warper does with 0 (which plain generate takes)."""
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0]])
+    assert Sampling(top_p=0.0).probs(logits).tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
 # -- end to end on a tiny model --------------------------------------------------------------------

@@ -255,6 +255,20 @@ def test_export_refuses_a_study_without_an_exportable_trial():
         choose_trial(study)
 
 
+def test_export_refusal_states_the_rule_it_applies_to_lookup_trials():
+    """A trial that drafts by lookup beside a skip draft bypassing nothing (what ``--warm-start auto``
+    gives where nothing pays to bypass) is not exportable; the refusal says so, not that no trial
+    drafts by lookup."""
+    from layerskip.drafts.policy import DraftSettings, SkipPolicy
+    from search.export import choose_trial
+
+    study = optuna.create_study(direction="maximize")
+    _trial_with(study, SkipPolicy(draft=DraftSettings(lookup_max_ngram=3, precision="int4")), 1.2)
+    with pytest.raises(LayerskipError, match="drafts by lookup alone") as error:
+        choose_trial(study)
+    assert "none of its 1 completed trial(s)" in str(error.value) and "whole model" in str(error.value)
+
+
 # -- confirmation: finalists in one interleaved window, paired medians, noise, close calls ----------------------------
 def test_run_rounds_warms_up_once_and_rotates_every_round():
     """Each round runs every method on every prompt; the order turns by one per prompt and per round."""

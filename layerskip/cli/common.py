@@ -15,6 +15,7 @@ from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import AUTO, ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
 from layerskip.engine.threads import available_cpus
 from layerskip.errors import LayerskipError
+from layerskip.fileio import read_text
 from layerskip.hf import adapters
 from layerskip.machine import Machine, this_machine
 
@@ -111,12 +112,8 @@ def str_list(text: str) -> tuple[str, ...]:
 
 def read_prompt(text: str | None, path: str | None) -> str:
     if path is not None:
-        try:
-            return open(path, encoding="utf-8").read()
-        except OSError as exc:
-            raise LayerskipError(f"cannot read prompt file {path}: {exc.strerror}") from None
-        except UnicodeDecodeError:
-            raise LayerskipError(f"cannot read prompt file {path}: it is not UTF-8 text") from None
+        # The project's one reader: a FIFO (a read that never returns) or /dev/zero (one that never ends) is refused.
+        return read_text(path, "prompt file", "pass a UTF-8 text file to --prompt-file")
     if text is None:
         raise LayerskipError("no prompt given; pass --prompt TEXT or --prompt-file PATH")
     return text

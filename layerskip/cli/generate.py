@@ -103,17 +103,35 @@ def _head(stats: GenerationStats) -> str:
     return "full" if rows == 0 else f"{rows} rows"
 
 
+SAMPLING_DEFAULTS = {"--temperature": 1.0, "--top-p": 1.0, "--top-k": 0}
+
+
+def _check_sampling_options(args: argparse.Namespace) -> None:
+    """Sampling options shape sampled decoding only: given without --sample, greedy decoding would
+    ignore them, so they are refused rather than dropped; with it, their values are checked."""
+    given = {"--temperature": args.temperature, "--top-p": args.top_p, "--top-k": args.top_k}
+    changed = [flag for flag, value in given.items() if value != SAMPLING_DEFAULTS[flag]]
+    if changed and not args.sample:
+        raise LayerskipError(
+            f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} sampled decoding, which --sample turns on; "
+            "add --sample, or drop them for greedy decoding"
+        )
+    if args.sample:
+        Sampling(args.temperature, args.top_k, args.top_p)  # a bad value is one line before the model loads
+
+
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     check_seed(args.seed)
-    if args.save_policy:
+    _check_sampling_options(args)
+    if args.save_policy is not None:  # "" included: refused as empty, never skipped
         check_output_file(args.save_policy, "--save-policy")
         check_replaceable(args.save_policy, "--save-policy", is_policy_file, "a layerskip policy", args.force)
     prompt = read_prompt(args.prompt, args.prompt_file)
     policy = None if args.policy == PLAIN else load_policy(args.policy, resolve_device(args.device))[1]
-    if args.save_policy and (policy is None or (policy.on_the_fly is None and policy.auto is None)):
+    if args.save_policy is not None and (policy is None or (policy.on_the_fly is None and policy.auto is None)):
         raise LayerskipError(
             "--save-policy needs a policy that chooses while generating (--policy auto, on-the-fly or on-the-fly:PATH)"
         )
@@ -182,7 +200,7 @@ def _main(argv: list[str] | None) -> int:
                 rerun = {"method": lambda: runners["ours"](ids, args.max_new_tokens)[0]}  # a defect is rechecked
                 divergence = check.classify_many(ids, base.tokens, {"method": tokens}, rerun)["method"]
         report["divergence"] = None if divergence is None else divergence.to_dict()
-    if args.save_policy:
+    if args.save_policy is not None:
         assert decoder.draft is not None
         # Its choices were priced by speeds measured here: the policy records this machine.
         fixed = decoder.draft.fixed_policy().with_model(model, loaded.name)
@@ -203,7 +221,7 @@ def _main(argv: list[str] | None) -> int:
             line += f", lookup {stats.lookup_steps / steps:.0%} of steps, head {_head(stats)}"
         if policy.on_the_fly is not None:
             line += f", skip set changed {stats.skip_changes}x over {len(stats.skip_sets)} sets"
-            if args.save_policy:
+            if args.save_policy is not None:
                 line += f"; saved the set it ended on to {report['saved_policy']}"
     if args.compare:
         line += (

@@ -15,9 +15,11 @@ import io
 import json
 import logging
 import os
+import pickle
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -371,6 +373,18 @@ def damaged_weights_error(files: Path, where: str, repo_id: str | None, exc: Bas
     return LayerskipError(f"{named} is truncated or damaged ({detail}); {fix}")
 
 
+def unsafe_weights_error(files: Path, where: str, exc: BaseException) -> LayerskipError:
+    """The one line for pytorch_model*.bin files that hold pickled objects other than tensors (a
+    planted pickle that could run code, or a checkpoint saved with more than weights): the safe,
+    weights-only load refused them and ran nothing; loading them is left to the user's judgement."""
+    named = ", ".join(str(weights) for weights in sorted(files.glob("pytorch_model*.bin"))) or f"model {where}"
+    detail = _first_line(exc).split(". ")[0][:120]
+    return LayerskipError(
+        f"{named} holds pickled objects other than tensors, which the safe (weights-only) load refuses ({detail}); "
+        "nothing in it was run. Use the model's safetensors weights, or save it again from a source you trust"
+    )
+
+
 def _damaged_weight_files(files: Path) -> list[Path]:
     """Weights files in ``files`` that are cut short or garbage: safetensors shorter than their
     header says, and pytorch_model*.bin files that are not whole zip archives (torch.save's format;
@@ -459,9 +473,15 @@ def load_model(
         files = Path(source)  # the directory holding the model's files: where a damaged one is looked for
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, attn_implementation=attn_implementation, **hub
-        )
+        with warnings.catch_warnings():
+            # torch's note on a pickle protocol it was not written with: a second stderr line
+            # before the one-line refusal of such a file below.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=torch_dtype, attn_implementation=attn_implementation, **hub
+            )
+    except pickle.UnpicklingError as exc:  # the weights-only loader met an object that is not a tensor
+        raise unsafe_weights_error(files, where, exc) from None
     except (OSError, ValueError) as exc:  # ValueError: a config.json without a known model_type
         raise LayerskipError(f"cannot load model {where}: {_first_line(exc)}") from None
     except SafetensorError as exc:  # it names no file: the damaged one is found below

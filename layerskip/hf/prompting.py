@@ -8,8 +8,10 @@ from layerskip.errors import LayerskipError
 
 
 def encode_prompt(tokenizer: object, prompt: str, chat: bool) -> list[int]:
-    """Token ids for ``prompt``; with ``chat`` it is wrapped as one user turn of the chat template."""
-    if not prompt or not prompt.strip():
+    """Token ids for ``prompt``; with ``chat`` it is wrapped as one user turn of the chat template.
+    Whitespace is a prompt like any other (the plug-in decodes whatever ids it is given); only a
+    text with no token to condition on is refused."""
+    if not prompt:
         raise LayerskipError("the prompt is empty; pass some text with --prompt or --prompt-file")
     if chat:
         if not getattr(tokenizer, "chat_template", None):
@@ -17,8 +19,12 @@ def encode_prompt(tokenizer: object, prompt: str, chat: bool) -> list[int]:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(prompt)["input_ids"])
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    else:
+        ids = list(tokenizer(prompt)["input_ids"])
+    if not ids:
+        raise LayerskipError("the prompt encodes to no token; pass some text with --prompt or --prompt-file")
+    return ids
 
 
 def eos_token_ids(model: nn.Module, tokenizer: object) -> tuple[int, ...]:
