@@ -36,13 +36,15 @@ from layerskip.drafts.builder import DraftModels, head_rows
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.engine.verify_head import engine_verify_head
-from layerskip.fileio import write_json_atomic, write_text_atomic
+from layerskip.errors import LayerskipError
+from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import this_machine
 from layerskip.measure.latency import copy_bandwidth, draft_bytes_read, draft_step_breakdown
 
+OUTPUT_FILES = ("draft_cost.json", "draft_cost.md")
 BREAKDOWN = ("head_ms", "layer_projections_ms", "attention_kernels_ms", "other_ops_ms", "python_and_dispatch_ms")
 
 
@@ -132,6 +134,9 @@ def _main(argv: list[str] | None) -> int:
         "on-disk cache) and the step against the eager one",
     )
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        raise LayerskipError(f"--repeats must be >= 1 (got {args.repeats})")
+    check_output_dir(args.out, "--out", OUTPUT_FILES)  # before any work: a run that cannot be saved is not started
     extra = load_policies(args.policy, resolve_device(args.device))
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -148,9 +153,11 @@ def _main(argv: list[str] | None) -> int:
     head = adapters.lm_head(model).weight
     rows = []
     draft_models = DraftModels(model)
+    memory_mb: dict[str, float] = {}  # per draft precision: the copies its draft model keeps
     for name, policy in {**candidate_policies(adapters.num_layers(model), cpu), **extra}.items():
         precision = policy.draft.precision
         draft_model = draft_models.for_policy(policy, all_sublayers=True)
+        memory_mb[precision] = max(memory_mb.get(precision, 0.0), draft_model.nbytes / 2**20)
         head_ids = head_rows(policy, head.shape[0])
         args_ = (draft_model, context, policy.skip_attention, policy.skip_mlp, head_ids)
         seconds = draft_step_seconds(*args_, repeats=args.repeats)
@@ -191,7 +198,7 @@ def _main(argv: list[str] | None) -> int:
         "verify_relative": curves[args.dtype]["relative"],
         "verify_relative_to_plain_step": curves[args.dtype]["to_plain_step"],
         "verify_curves": {dtype: {k: v for k, v in c.items()} for dtype, c in curves.items()},
-        "draft_memory_mb": {p: m.nbytes / 2**20 for p, m in draft_models.items()},
+        "draft_memory_mb": memory_mb,
         "rows": rows,
     }
     header = (
@@ -225,8 +232,8 @@ def _main(argv: list[str] | None) -> int:
         )
     table = "\n".join(lines)
     out = Path(args.out)
-    write_json_atomic(out / "draft_cost.json", result)
-    write_text_atomic(out / "draft_cost.md", table + "\n")
+    write_json_atomic(out / OUTPUT_FILES[0], result)
+    write_text_atomic(out / OUTPUT_FILES[1], table + "\n")
     print(
         f"plain step: {plain * 1000:.1f} ms ({loaded.name}, {args.dtype}, {result['device']}); "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {result['machine']}"

@@ -27,11 +27,13 @@ from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.precision import PRECISIONS
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.errors import LayerskipError
-from layerskip.fileio import write_json_atomic, write_text_atomic
+from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
 from layerskip.measure.agreement import build_references, early_exit_frontier
+
+OUTPUT_FILES = ("early_exit.json", "early_exit.csv", "early_exit.md")
 
 
 def projected_speedup(acceptance: float, draft_cost: float, verify_cost: float, k: int) -> float:
@@ -53,6 +55,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default="results/early_exit")
     args = parser.parse_args(argv)
+    check_output_dir(args.out, "--out", OUTPUT_FILES)  # before any work: a run that cannot be saved is not started
     if args.precision is not None and args.precision not in PRECISIONS:
         raise LayerskipError(f"--precision must be one of {', '.join(PRECISIONS)}")
     if args.reference_tokens < 2 or args.draft_tokens < 1:
@@ -135,9 +138,9 @@ def _main(argv: list[str] | None) -> int:
     writer.writeheader()
     writer.writerows(rows)
     out = Path(args.out)
-    write_json_atomic(out / "early_exit.json", result)
-    write_text_atomic(out / "early_exit.csv", buffer.getvalue())
-    write_text_atomic(out / "early_exit.md", table + "\n")
+    write_json_atomic(out / OUTPUT_FILES[0], result)
+    write_text_atomic(out / OUTPUT_FILES[1], buffer.getvalue())
+    write_text_atomic(out / OUTPUT_FILES[2], table + "\n")
     depth_costs = ", ".join(f"{d}: {c:.2f}" for d, c in cost.items())
     print(f"plain step {plain * 1000:.1f} ms; draft cost by exit depth (plain steps) {depth_costs}")
     print(f"verify of {args.draft_tokens + 1}: {verify:.2f} plain steps")

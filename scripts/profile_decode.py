@@ -18,10 +18,12 @@ from layerskip.cli.common import add_model_arguments, check_policies, load_polic
 from layerskip.data import load_prompts
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.fileio import write_json_atomic, write_text_atomic
+from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.measure.profiling import csv_text, forward_costs, markdown, profile_configs, profile_report
+
+OUTPUT_FILES = ("profile.json", "profile.md", "profile.csv")
 
 
 def _main(argv: list[str] | None) -> int:
@@ -38,6 +40,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--out", default="results/profile")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    check_output_dir(args.out, "--out", OUTPUT_FILES)  # before any work: a run that cannot be saved is not started
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     prompts = load_prompts(args.prompts, n=args.n_prompts, per_category=args.per_category, seed=args.seed)
@@ -70,9 +73,9 @@ def _main(argv: list[str] | None) -> int:
     )
     out = Path(args.out)
     text = markdown(report)
-    print(f"wrote {write_json_atomic(out / 'profile.json', report)}", file=sys.stderr)
-    print(f"wrote {write_text_atomic(out / 'profile.md', text + chr(10))}", file=sys.stderr)
-    print(f"wrote {write_text_atomic(out / 'profile.csv', csv_text(report))}", file=sys.stderr)
+    print(f"wrote {write_json_atomic(out / OUTPUT_FILES[0], report)}", file=sys.stderr)
+    print(f"wrote {write_text_atomic(out / OUTPUT_FILES[1], text + chr(10))}", file=sys.stderr)
+    print(f"wrote {write_text_atomic(out / OUTPUT_FILES[2], csv_text(report))}", file=sys.stderr)
     print(text)
     return 0
 

@@ -34,11 +34,13 @@ from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.latency import curve_timings, median_seconds, prefilled_cache
 from layerskip.engine.verify_head import engine_verify_head
 from layerskip.errors import LayerskipError
-from layerskip.fileio import write_json_atomic, write_text_atomic
+from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.machine import this_machine
 from layerskip.measure.tree_ceiling import RecordingDrafter, TreeCeiling
+
+OUTPUT_FILES = ("tree_ceiling.json", "tree_ceiling.md")
 
 
 def draft_row_costs(
@@ -102,6 +104,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--out", default="results/tree_ceiling")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    check_output_dir(args.out, "--out", OUTPUT_FILES)  # before any work: a run that cannot be saved is not started
     if not 1 <= args.siblings <= 8 or not 1 <= args.matches <= 16:
         raise LayerskipError("--siblings must be 1..8 and --matches 1..16")
     if args.max_new_tokens < 2 or min(args.verify_rows + args.draft_rows, default=0) < 1:
@@ -147,8 +150,8 @@ def _main(argv: list[str] | None) -> int:
     }
     table = markdown(summary, verify, draft)
     out = Path(args.out)
-    write_json_atomic(out / "tree_ceiling.json", result)
-    write_text_atomic(out / "tree_ceiling.md", table)
+    write_json_atomic(out / OUTPUT_FILES[0], result)
+    write_text_atomic(out / OUTPUT_FILES[1], table)
     print(f"{loaded.name} {args.dtype} on {result['machine']}, {len(prompts)} prompts")
     print(table, end="")
     return 0

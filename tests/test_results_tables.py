@@ -552,3 +552,20 @@ def test_a_fifo_in_place_of_an_output_is_left_and_nothing_is_written(tmp_path: P
     assert_bad_input(run_script("results_tables.py", "--root", str(tmp_path)), "figures.csv", "not a regular file")
     assert stat.S_ISFIFO((tmp_path / RESULTS_DIR / "figures.csv").stat().st_mode)
     assert not (tmp_path / "docs" / "results.md").exists()  # refused before anything was written
+
+
+def test_the_draft_cost_script_runs_end_to_end_and_its_file_renders(tiny_llama: Path, tmp_path: Path) -> None:
+    """scripts/draft_cost.py on a tiny Llama (one repeat): it used to die after its measurement,
+    writing nothing; its draft_cost.json now passes the results page's reader."""
+    out = tmp_path / "draft-cost" / "tiny"
+    result = run_script("draft_cost.py", "--model", str(tiny_llama), "--repeats", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    cost = read_draft_cost(out / "draft_cost.json")
+    assert set(cost.data["draft_memory_mb"]) == {"model", "bfloat16", "int4"}
+    assert all(megabytes > 0 for name, megabytes in cost.data["draft_memory_mb"].items() if name != "model")
+    assert (out / "draft_cost.md").read_text().startswith("| policy |")
+    assert "[tiny](results/draft-cost/tiny/draft_cost.json)" in draft_cost_section(load_draft_costs(tmp_path))
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    refused = run_script("draft_cost.py", "--model", str(tmp_path / "no-model"), "--out", str(taken))
+    assert_bad_input(refused, "--out", "is a file")  # before the model loads, not after the work

@@ -3,9 +3,12 @@ drafter that gathers the steps while decoding exactly as plain greedy decoding d
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import torch
+from cli_helpers import assert_bad_input, run_script
 from compare import assert_same_tokens, hf_greedy
 from tiny_models import random_prompt, tiny_model
 
@@ -134,3 +137,17 @@ def test_recording_drafter_decodes_exactly_and_records_every_step() -> None:
     ceiling.add(drafter.records, prompt + tokens, ngrams=(2, 3), max_tokens=16, matches=4)
     assert ceiling.steps == len(drafter.records)
     assert ceiling.tokens == sum(r.accepted + 1 for r in drafter.records)
+
+
+def test_the_script_checks_out_before_any_work(tmp_path: Path) -> None:
+    """An --out that is a file, or that holds a FIFO where a result goes, is refused before the model
+    loads (a model that does not exist would answer "unknown model" otherwise): it used to do all
+    its work first, then end in FileExistsError."""
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    (tmp_path / "out").mkdir()
+    os.mkfifo(tmp_path / "out" / "tree_ceiling.md")
+    for out, fragment in ((taken, "is a file"), (tmp_path / "out", "not a regular file")):
+        result = run_script("tree_ceiling.py", "--model", str(tmp_path / "no-model"), "--out", str(out))
+        assert_bad_input(result, "--out", fragment)
+    assert taken.read_text() == "mine" and [p.name for p in (tmp_path / "out").iterdir()] == ["tree_ceiling.md"]

@@ -15,7 +15,6 @@ import argparse
 import csv
 import io
 import json
-import os
 import sys
 import sysconfig
 import time
@@ -48,12 +47,21 @@ from layerskip.drafts.exit_adapter import KINDS, ExitAdapter, ExitSpec
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS, DraftSettings, ExitSettings, SkipPolicy
 from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
-from layerskip.fileio import check_output_dir, write_bytes_atomic, write_json_atomic, write_text_atomic
+from layerskip.fileio import (
+    check_output_dir,
+    replace_file,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 from layerskip.hf import adapters
 from layerskip.machine import this_machine
 
 SPEC_BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 STDLIB = "stdlib"
+
+
+REPORT_FILES = ("report.json", "report.csv", "agreement.png")  # what write_report writes into --out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +154,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise LayerskipError(f"--seed must be in 0..{2**32 - 1} (got {args.seed})")
     if args.reuse_kv and args.precision not in (None, "model"):
         raise LayerskipError("--reuse-kv needs the draft in the model's own weights; drop --precision or --reuse-kv")
-    check_output_dir(args.out, "--out")  # a file, a path under a file, /proc: one line before the model loads
+    # a file, a path under a file, /proc, a FIFO where a report goes: one line before the model loads
+    check_output_dir(args.out, "--out", REPORT_FILES)
     for path in [*(args.data or []), *(d for d in args.code_dir if d != STDLIB)]:
         if not Path(path).expanduser().exists():
             raise LayerskipError(f"{path} not found; pass an existing --data file or --code-dir directory")
@@ -483,11 +492,11 @@ def write_report(report: dict, table: list[dict[str, object]], out: Path) -> Non
     """report.json, report.csv (one row per exit, split and domain) and agreement.png, each atomically."""
     from layerskip.measure.plots import exit_agreement_plot
 
-    write_json_atomic(out / "report.json", report)
-    write_text_atomic(out / "report.csv", _csv(table))
+    write_json_atomic(out / REPORT_FILES[0], report)
+    write_text_atomic(out / REPORT_FILES[1], _csv(table))
     staged = out / ".agreement.png.tmp"
     exit_agreement_plot(report, staged)
-    os.replace(staged, out / "agreement.png")
+    replace_file(staged, out / REPORT_FILES[2])
 
 
 def _csv(rows: list[dict[str, object]]) -> str:

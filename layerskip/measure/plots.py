@@ -15,6 +15,8 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from layerskip.fileio import write_bytes_atomic
+
 DPI = 80
 
 
@@ -56,9 +58,7 @@ class PNG:
         return f"<PNG {width}x{height}>"
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        path = Path(path)
-        path.write_bytes(self.data)
-        return path
+        return write_bytes_atomic(path, self.data)
 
 
 def heatmap(ax: Axes, values: Any, rows: list[str], label: str, vmax: float | None = 1.0, cmap: str = "magma") -> Any:
