@@ -365,3 +365,21 @@ def test_end_to_end_sampling_with_token_trees_and_always_accept_fails(monkeypatc
     monkeypatch.setattr(verifiers, "verify_tree_sampled", lambda tokens, attempts, p, q, generator: ([0], 0))
     second, _ = _tree_laws(E2E_SEEDS)
     assert tv(second, p2) > E2E_TV_BOUND
+
+
+def test_a_seed_repeats_plain_decoding_and_the_docs_say_what_it_does_not_fix() -> None:
+    """A seed fixes plain decoding's sampled text. With ``auto`` it cannot: the draft's choices
+    (priced by timings, learned across calls) change how many random draws each step makes, and
+    rejection sampling is not changed to hide that. The docs where sampling is explained say so."""
+    from pathlib import Path
+
+    model = tiny_model("llama")
+    settings = DecodeSettings(max_new_tokens=24, sampling=Sampling(temperature=1.0), seed=5)
+    plain = Decoder.for_policy(model, None)
+    assert len({tuple(plain.decode(random_prompt(), settings)[0]) for _ in range(3)}) == 1
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    concepts = " ".join((docs / "concepts.md").read_text().split())
+    section = concepts[concepts.index('<a id="what-a-seed-fixes"></a>') :][:1200]
+    for said in ("fixes the distribution", "the text of plain decoding", "With a draft it does not fix the text"):
+        assert said in section, said
+    assert "concepts.md#what-a-seed-fixes" in (docs / "troubleshooting.md").read_text()

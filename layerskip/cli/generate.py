@@ -57,9 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=thread_setting, default="auto", help=THREADS_HELP)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0, help="with --sample: softmax temperature")
-    parser.add_argument("--top-p", type=float, default=1.0, help="with --sample: nucleus mass kept (1 = all)")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="with --sample: nucleus mass kept (1 = all, 0 = the most likely token)"
+    )
     parser.add_argument("--top-k", type=int, default=0, help="with --sample: most likely tokens kept (0 = all)")
-    parser.add_argument("--seed", type=int, default=None, help="with --sample: seed of the draws")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="with --sample: seed of the draws (it repeats plain decoding's text; with a draft, whose choices "
+        "follow measured timings, the text can differ from run to run, drawn from the same distribution)",
+    )
     parser.add_argument(
         "--compare",
         action="store_true",
