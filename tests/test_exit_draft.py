@@ -160,6 +160,23 @@ def test_wrong_model_and_changed_file_fail_in_one_line(tmp_path: Path) -> None:
         ExitAdapter.load(path, model)
 
 
+@pytest.mark.parametrize("spec", ["not json", "[" * 100_000 + "]" * 100_000, "[1, 2]"], ids=["text", "deep", "list"])
+def test_adapter_metadata_that_is_no_spec_is_one_line(spec: str, tmp_path: Path) -> None:
+    """The spec in an adapter's metadata is JSON read like every other: text, deep nesting (a
+    RecursionError before) or a list are one line naming the file."""
+    from safetensors.torch import load, save
+
+    from layerskip.drafts.exit_adapter import _metadata
+
+    model = _model("llama")
+    payload = _perturbed(model, ExitSpec(layer=1, kind="linear")).to_bytes()
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(save(load(payload), metadata={**_metadata(payload), "spec": spec}))
+    with pytest.raises(LayerskipError, match="has damaged metadata") as caught:
+        ExitAdapter.load(path, model)
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_exit_policy_checks(tmp_path: Path) -> None:
     model = _model("llama")
     policy = exit_policy(model, tmp_path, "linear")

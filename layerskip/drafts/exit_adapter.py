@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from layerskip.errors import LayerskipError
-from layerskip.fileio import write_bytes_atomic
+from layerskip.fileio import JsonProblem, parse_json, write_bytes_atomic
 from layerskip.hf import adapters
 
 KINDS = ("linear", "layer")
@@ -172,8 +172,15 @@ class ExitAdapter:
                 f"this model {fingerprint}); train one for this model"
             )
         try:
-            spec = ExitSpec(**json.loads(metadata["spec"]))
-            adapter = cls(spec, build_module(model, spec), fingerprint, json.loads(metadata.get("provenance", "{}")))
+            # The metadata's JSON is read as every JSON the project reads (depth and type checked).
+            described = parse_json(metadata.get("spec", "")), parse_json(metadata.get("provenance", "{}"))
+        except JsonProblem as problem:
+            raise LayerskipError(
+                f"exit adapter {path} has damaged metadata ({problem.reason}); train it again with layerskip-train-exit"
+            ) from None
+        try:
+            spec = ExitSpec(**described[0])
+            adapter = cls(spec, build_module(model, spec), fingerprint, described[1])
             adapter.module.load_state_dict(tensors, strict=True)
         except (KeyError, TypeError, RuntimeError) as exc:
             raise LayerskipError(f"exit adapter {path} does not fit this model ({str(exc).splitlines()[0]})") from None
