@@ -43,7 +43,7 @@ def _damaged(line: bytes) -> bool:
         return True
     try:
         return not isinstance(json.loads(line), dict)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, nesting no reader can follow
         return True
 
 

@@ -163,8 +163,13 @@ def _complete(path: Path) -> int:
 
 @pytest.mark.parametrize(
     "tail",
-    [b'{"op_code": 5, "worker_id": "a", "trial_id"', b"\x00\x00\x00garbage\n", b'{"op_code": \xff\xfe}\n'],
-    ids=["partial", "garbage-line", "non-utf8"],
+    [
+        b'{"op_code": 5, "worker_id": "a", "trial_id"',
+        b"\x00\x00\x00garbage\n",
+        b'{"op_code": \xff\xfe}\n',
+        b"[" * 100_000 + b"]" * 100_000 + b"\n",
+    ],
+    ids=["partial", "garbage-line", "non-utf8", "nested-deep"],
 )
 def test_a_damaged_last_record_is_removed_after_a_backup(tmp_path: Path, tail: bytes) -> None:
     path = tmp_path / "j.log"

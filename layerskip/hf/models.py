@@ -136,7 +136,7 @@ def safetensors_is_whole(weights: Path) -> bool:
             header = json.loads(handle.read(header_size))
         end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
         return weights.stat().st_size == 8 + header_size + end
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError):
         return False
 
 
@@ -144,7 +144,7 @@ def cache_is_whole(directory: Path) -> bool:
     """Whether a cached copy is complete: its config parses and model.safetensors is whole."""
     try:
         json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return safetensors_is_whole(directory / "model.safetensors")
 
