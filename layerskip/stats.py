@@ -57,6 +57,9 @@ class GenerationStats:
     # auto: how its costs were measured (seconds, whether from the cache, the machine). One
     # decoder's calibration: combining generations keeps the first one's.
     calibration: dict[str, Any] = field(default_factory=dict)
+    # A batch decoded together: its steps of each kind (plain, lookup, draft), one record for the
+    # whole batch (every row carries it; combining keeps the first).
+    batch_steps: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_accepted(self) -> float:
@@ -90,8 +93,8 @@ class GenerationStats:
         for item in items:
             for f in fields(cls):
                 mine, theirs = getattr(total, f.name), getattr(item, f.name)
-                if f.name == "calibration":
-                    total.calibration = mine or dict(theirs)
+                if f.name in ("calibration", "batch_steps"):
+                    setattr(total, f.name, mine or dict(theirs))
                 elif isinstance(mine, dict):
                     for key, value in theirs.items():
                         mine[key] = mine.get(key, 0) + value

@@ -23,6 +23,7 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, load_json
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.measure.batches import LAYOUTS, figures_as_dicts, run_batches, summarise_batches
 from layerskip.measure.bench import (
     METHODS,
     BenchConfig,
@@ -36,7 +37,15 @@ from layerskip.measure.bench import (
     tuning_categories,
 )
 from layerskip.measure.load import busy_processes
-from layerskip.measure.report import OUTPUT_FILES, check_outputs_replaceable, markdown_report, write_outputs
+from layerskip.measure.report import (
+    BATCH_FILES,
+    OUTPUT_FILES,
+    batch_markdown,
+    check_outputs_replaceable,
+    markdown_report,
+    write_batch_outputs,
+    write_outputs,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="apply the chat template (default: on for instruct models)",
     )
+    parser.add_argument(
+        "--batch-size",
+        type=str_list,
+        default=(),
+        metavar="SIZES",
+        help="measure batches instead of one prompt at a time: e.g. 1,2,4,8,16 runs HF's batched generate and "
+        "the self-speculative plug-in (the first --policy, default auto) on the same left-padded batches "
+        "(writes batches.json, batches.csv, batches.md)",
+    )
+    parser.add_argument(
+        "--batch-layouts",
+        type=str_list,
+        default=("similar", "mixed"),
+        help="with --batch-size: 'similar' (prompts of neighbouring lengths) and/or 'mixed' (shortest to longest)",
+    )
+    parser.add_argument("--batch-repeats", type=int, default=2, help="with --batch-size: timed runs per method")
     parser.add_argument("--out", required=True, help="directory for results.json, results.csv, results.md, speedup.png")
     parser.add_argument("--force", action="store_true", help="replace report files in --out that no bench run wrote")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -161,6 +186,8 @@ def _main(argv: list[str] | None) -> int:
     command = shlex.join(["layerskip-bench", *(sys.argv[1:] if argv is None else argv)])
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    if args.batch_size:
+        return run_batch_bench(args, command)
     if args.busy_processes < 0:
         raise LayerskipError(f"--busy-processes must be >= 0 (got {args.busy_processes})")
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
@@ -232,6 +259,79 @@ def _main(argv: list[str] | None) -> int:
     if slower:
         print(f"\nslower than HF generate here: {', '.join(slower)}")
     return 0
+
+
+def run_batch_bench(args: argparse.Namespace, command: str) -> int:
+    """``--batch-size``: HF batched against the plug-in on the same batches (``measure.batches``)."""
+    sizes = _batch_sizes(args.batch_size)
+    for layout in args.batch_layouts:
+        if layout not in LAYOUTS:
+            raise LayerskipError(f"unknown --batch-layouts value '{layout}'; use {', '.join(LAYOUTS)}")
+    if args.batch_repeats < 1:
+        raise LayerskipError(f"--batch-repeats must be >= 1 (got {args.batch_repeats})")
+    check_output_dir(args.out, "--out", BATCH_FILES)
+    prompts = load_prompts(
+        args.prompts,
+        n=args.n_prompts,
+        per_category=args.per_category,
+        text_field=args.text_field,
+        seed=args.seed,
+        categories=args.categories,
+    )
+    if len(prompts) < max(sizes):
+        raise LayerskipError(f"--batch-size {max(sizes)} needs as many prompts; --prompts gave {len(prompts)}")
+    policy = args.policy[0] if args.policy else "auto"
+    policies = load_policies([policy], resolve_device(args.device))
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    check_policies(policies, model)
+    chat = loaded.instruct if args.chat is None else args.chat
+    prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
+    for prompt, ids in zip(prompts, prompt_ids):
+        check_fits(model, len(ids), args.max_new_tokens, f"prompt {prompt.id}")
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    figures = run_batches(
+        model,
+        prompt_ids,
+        [p.id for p in prompts],
+        sizes,
+        args.batch_layouts,
+        args.max_new_tokens,
+        eos,
+        pad,
+        next(iter(policies.values())),
+        repeats=args.batch_repeats,
+        progress=not args.no_progress,
+    )
+    env = environment(next(model.parameters()).device)
+    results = {
+        "command": command,
+        "device": env["device"],
+        "device_name": env["device_name"],
+        "dtype": args.dtype,
+        "model": loaded.name,
+        "policy": policy,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": {"source": args.prompts, "n": len(prompts)},
+        "batches": summarise_batches(figures),
+        "runs": figures_as_dicts(figures),
+        "environment": env,
+    }
+    for path in write_batch_outputs(results, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    print(batch_markdown(results))
+    return 0
+
+
+def _batch_sizes(values: tuple[str, ...]) -> list[int]:
+    try:
+        sizes = [int(v) for v in values]
+    except ValueError:
+        raise LayerskipError(f"--batch-size takes whole numbers, e.g. 1,2,4,8 (got {','.join(values)})") from None
+    if any(size < 1 for size in sizes):
+        raise LayerskipError(f"--batch-size values must be >= 1 (got {','.join(values)})")
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from torch import nn
 
 from layerskip.drafts.auto import AutoDrafter, AutoState
 from layerskip.drafts.base import Drafter, NoDrafter
+from layerskip.drafts.batch_skip import BatchSkipDraft
 from layerskip.drafts.branching import BranchingDrafter
 from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.draft_length import DraftLengthByCost
@@ -359,6 +360,24 @@ class PreparedDraft:
             assert skip is not None  # a policy validates to lookup, a skip draft, or both
             return skip
         return HybridDrafter(LookupDrafter(settings, self.vocab_size, run.sampling), skip)
+
+    def batch_draft(self, run: DraftRun, prompts: list[list[int]]) -> BatchSkipDraft | None:
+        """The skip draft for a batch's rows at once (None where the draft has no lean step, or
+        none at all): the policy's skip sets (``auto``: the whole draft model) and one shared
+        head, ``auto``'s chosen size or the policy's rows."""
+        if self.draft_model is None or self.draft_model.lean is None or self.exit is not None:
+            return None
+        policy = self.policy
+        rows = self.vocab_rows
+        attention, mlp = policy.skip_attention, policy.skip_mlp
+        if self.auto is not None:
+            size = self.auto.choose_head([token for prompt in prompts for token in prompt])
+            ranking = policy.draft_vocabulary or range(self.vocab_size)
+            rows = None if size == 0 else torch.tensor(ranking[:size], dtype=torch.long)
+            attention, mlp = (), ()
+        growth = sum(len(p) for p in prompts) + len(prompts) * run.max_new_tokens
+        head = self.draft_model.head(rows, growth=growth)
+        return BatchSkipDraft(self.draft_model, tuple(attention), tuple(mlp), head, run.sampling)
 
     def _auto_drafter(self, run: DraftRun) -> AutoDrafter:
         """``auto``'s drafter; it builds its skip drafter once it has chosen the head size."""

@@ -30,11 +30,13 @@ from layerskip.hf.lean import (
     Matmul,
     advance_cache,
     lean_hidden,
+    lean_hidden_rows,
     lean_plan,
     lean_step_function,
     projection_groups,
     step_inputs,
 )
+from layerskip.hf.ragged import RaggedCache
 
 SUBLAYER_KINDS = ("attention", "mlp")
 # The lean step's product names, per sublayer kind, in the order of ``projection_groups``.
@@ -213,6 +215,15 @@ class DraftModel:
         where = positions(start, input_ids.shape[1], input_ids.device)
         with self._patches():
             return adapters.stack_hidden(self.model, input_ids, cache, where)
+
+    def hidden_rows(self, tokens: torch.Tensor, cache: RaggedCache) -> torch.Tensor:
+        """One lean draft step for every row of a ragged batch: ``tokens [R]`` at each row's
+        position (``cache.lengths``) -> final hidden states ``[R, hidden]`` (inside ``active``).
+        The caller moves the cache's lengths on; only models with a lean step draft in batches."""
+        if self.lean is None:
+            raise RuntimeError(f"a batched draft needs the lean draft step: {self.lean_reason}")
+        attention, mlp = self._skip
+        return lean_hidden_rows(self.lean, self._product, tokens, cache, attention, mlp, self.dtype)
 
     def _compiled_step(self, token: torch.Tensor, position: int, cache: RollbackCache) -> torch.Tensor:
         attention, mlp = self._skip

@@ -9,8 +9,7 @@ model's. Plain decoding is the same loop with a drafter that proposes nothing (b
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -21,103 +20,27 @@ from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import SelectionState
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import load_policy
+from layerskip.engine.batch import BatchRow, BatchStepper, run_batch, step_kinds
 from layerskip.engine.calibration import calibrate
-from layerskip.engine.step import StepOutcome, Stepper
+from layerskip.engine.output import (
+    CacheObserver,
+    DecodeSettings,
+    StopCheck,
+    TokenCallback,
+    TokenOutput,
+    prompt_ids,
+    seeded_generator,
+)
+from layerskip.engine.step import Stepper, record_outcome
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import LogitsHook, verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
-from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.hf.cache import RollbackCache, model_cache
+from layerskip.hf.cache import model_cache
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.hf.ragged import RaggedCache
 from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
-
-TokenCallback = Callable[[list[int]], None]
-CacheObserver = Callable[[RollbackCache, int], None]
-# history (prompt + tokens so far) -> stop after the last one; checked after every accepted token.
-StopCheck = Callable[[list[int]], bool]
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    max_new_tokens: int = 128
-    sampling: Sampling | None = None  # None = greedy
-    seed: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-
-    def validate(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise LayerskipError(f"max_new_tokens must be > 0 (got {self.max_new_tokens})")
-
-
-class _Output:
-    """Collects accepted tokens; applies EOS, stop strings and the token budget; streams."""
-
-    def __init__(
-        self,
-        prompt: list[int],
-        settings: DecodeSettings,
-        tokenizer: object | None,
-        on_tokens: TokenCallback | None,
-        stop_check: StopCheck | None = None,
-    ) -> None:
-        self.history = list(prompt)
-        self.prompt_length = len(prompt)
-        self.settings = settings
-        self.tokenizer = tokenizer
-        self.on_tokens = on_tokens
-        self.stop_check = stop_check
-        self.done = False
-        if settings.stop_strings and tokenizer is None:
-            raise LayerskipError("stop strings need a tokenizer to decode text; pass tokenizer=")
-
-    @property
-    def generated(self) -> list[int]:
-        return self.history[self.prompt_length :]
-
-    @property
-    def remaining(self) -> int:
-        # Checked once per accepted token: count, don't slice a copy of the output.
-        return self.settings.max_new_tokens - (len(self.history) - self.prompt_length)
-
-    def emit(self, tokens: list[int]) -> int:
-        """Append accepted tokens, cut at the first stop condition; returns how many were kept."""
-        kept = 0
-        for token in tokens:
-            kept += 1
-            self.history.append(token)
-            # Asked after every token, whatever else ends the generation there: plain generate asks
-            # its stopping criteria so, and a criterion may keep count.
-            stopped = self.stop_check is not None and self.stop_check(self.history)
-            if token in self.settings.eos_token_ids or self.remaining <= 0 or self._hit_stop_string() or stopped:
-                self.done = True
-                break
-        if kept and self.on_tokens is not None:
-            self.on_tokens(tokens[:kept])
-        return kept
-
-    def _hit_stop_string(self) -> bool:
-        if not self.settings.stop_strings:
-            return False
-        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
-        return any(stop in text for stop in self.settings.stop_strings)
-
-
-def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
-def _as_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
-    ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
-    if not ids:
-        raise LayerskipError("the prompt is empty; pass some text to continue")
-    return ids
 
 
 class Decoder:
@@ -219,9 +142,9 @@ class Decoder:
             clock = DeviceClock(self.device)
             start = clock.now()  # everything this call does is timed, set-up included
             settings.validate()
-            prompt = _as_ids(input_ids)
-            output = _Output(prompt, settings, tokenizer, on_tokens, stop_check)
-            generator = _generator(settings.seed, self.device)
+            prompt = prompt_ids(input_ids)
+            output = TokenOutput(prompt, settings, tokenizer, on_tokens, stop_check)
+            generator = seeded_generator(settings.seed, self.device)
             drafter = drafter or self._drafter(len(prompt), settings, generator)
             verifier = verifier_for(self.head, settings.sampling, generator, logits_hook)
             cache = model_cache(self.model, self.cache_windows())
@@ -238,7 +161,7 @@ class Decoder:
             while not output.done:
                 outcome = stepper.step(output.history, committed, budget=output.remaining - 1)
                 committed += 1 + outcome.verdict.accepted
-                self._record(stats, drafter, outcome, kept=output.emit(outcome.tokens))
+                record_outcome(stats, drafter, outcome, kept=output.emit(outcome.tokens))
                 if cache_observer is not None:
                     cache_observer(stepper.cache, committed)
             drafter.report(stats)
@@ -247,23 +170,79 @@ class Decoder:
             stats.new_tokens = len(output.generated)
             return output.generated, stats
 
-    @staticmethod
-    def _record(stats: GenerationStats, drafter: Drafter, outcome: StepOutcome, kept: int) -> None:
-        """One step's figures; the drafter learns how many of its tokens were used."""
-        draft = outcome.draft
-        accepted = min(outcome.verdict.accepted, kept)  # drafts past an EOS or the budget were not used
-        stats.draft_seconds += outcome.draft_seconds
-        stats.verify_seconds += outcome.verify_seconds
-        stats.record_step(len(draft.tokens), accepted)
-        stats.record_draft(len(draft.tokens))
-        stats.record_block(outcome.block)
-        if draft.from_lookup and draft.tokens:
-            stats.lookup_steps += 1
-        if draft.tree is not None:
-            stats.tree_steps += 1
-            path = outcome.verdict.path or ()
-            stats.off_branch_steps += any(node != depth for depth, node in enumerate(path))
-        drafter.update(draft, accepted)
+    def batches(self) -> bool:
+        """Whether this decoder's draft can decode rows together (an exit draft's cache layer and
+        token trees are single-row only; such batches run row by row)."""
+        if self.draft is None:
+            return True
+        d = self.draft.policy.draft
+        return self.draft.exit is None and d.tree_matches <= 1 and not d.tree_siblings
+
+    @torch.inference_mode()
+    def decode_batch(
+        self,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        settings: DecodeSettings,
+        *,
+        tokenizer: object | None = None,
+        logits_hooks: Sequence[LogitsHook | None] | None = None,
+        stop_checks: Sequence[StopCheck | None] | None = None,
+    ) -> list[tuple[list[int], GenerationStats]]:
+        """Generate after each of ``prompts`` together (``engine.batch``): one verify forward per step
+        for all rows. Returns (new tokens, stats) per prompt, in order; each row's output is what it
+        would be alone. With a seed, row ``i`` samples from its own generator seeded ``seed + i``."""
+        settings.validate()
+        ids = [prompt_ids(prompt) for prompt in prompts]
+        hooks = list(logits_hooks) if logits_hooks is not None else [None] * len(ids)
+        stops = list(stop_checks) if stop_checks is not None else [None] * len(ids)
+        if not self.batches() or len(ids) == 1:
+            return [
+                self.decode(prompt, settings, tokenizer=tokenizer, logits_hook=hook, stop_check=stop)
+                for prompt, hook, stop in zip(ids, hooks, stops, strict=True)
+            ]
+        with self.threads.session():
+            clock = DeviceClock(self.device)
+            start = clock.now()
+            fallbacks_before = self.head.stats.fallbacks
+            rows = []
+            for index, (prompt, hook, stop) in enumerate(zip(ids, hooks, stops, strict=True)):
+                generator = seeded_generator(None if settings.seed is None else settings.seed + index, self.device)
+                rows.append(
+                    BatchRow(
+                        index,
+                        TokenOutput(prompt, settings, tokenizer, None, stop),
+                        self._drafter(len(prompt), settings, generator),
+                        verifier_for(self.head, settings.sampling, generator, hook),
+                        generator,
+                    )
+                )
+            policy = None if self.draft is None else self.draft.policy
+            lookup = policy.draft if policy is not None and policy.draft.lookup_max_ngram else None
+            run = DraftRun(max(len(p) for p in ids), settings.max_new_tokens, settings.sampling, None)
+            batch_draft = None if self.draft is None else self.draft.batch_draft(run, ids)
+            stepper = BatchStepper(
+                self.model,
+                RaggedCache(self.cache_windows(), len(rows), dtype=next(self.model.parameters()).dtype),
+                rows,
+                step_kinds(self.draft is not None, lookup is not None, batch_draft is not None),
+                lookup,
+                settings.sampling,
+                adapters.lm_head(self.model).weight.shape[0],
+                0,
+                self.threads,
+                clock,
+                self.device,
+                batch_draft,
+                started=start,
+            )
+            results = []
+            for row in run_batch(stepper):
+                row.drafter.report(row.stats)
+                self._finish(row.stats, fallbacks_before)
+                row.stats.new_tokens = len(row.output.generated)
+                row.stats.batch_steps = dict(stepper.kinds.steps)
+                results.append((row.output.generated, row.stats))
+            return results
 
     def _finish(self, stats: GenerationStats, fallbacks_before: int) -> None:
         stats.thread_runs = dict(self.threads.used)

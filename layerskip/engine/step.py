@@ -28,7 +28,7 @@ from layerskip.engine.verifiers import Verdict, Verifier
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import full_hidden
 from layerskip.hf.tree import ROOT, tree_hidden
-from layerskip.stats import DeviceClock
+from layerskip.stats import DeviceClock, GenerationStats
 
 
 @dataclass
@@ -111,3 +111,23 @@ class Stepper:
         else:
             self.cache.rollback(committed + (len(block) if not learn else 1 + verdict.accepted))
         return verdict
+
+
+def record_outcome(stats: GenerationStats, drafter: Drafter | None, outcome: StepOutcome, kept: int) -> None:
+    """One step's figures; the drafter that proposed the draft (None: not the row's own) learns
+    how many of its tokens were used."""
+    draft = outcome.draft
+    accepted = min(outcome.verdict.accepted, kept)  # drafts past an EOS or the budget were not used
+    stats.draft_seconds += outcome.draft_seconds
+    stats.verify_seconds += outcome.verify_seconds
+    stats.record_step(len(draft.tokens), accepted)
+    stats.record_draft(len(draft.tokens))
+    stats.record_block(outcome.block)
+    if draft.from_lookup and draft.tokens:
+        stats.lookup_steps += 1
+    if draft.tree is not None:
+        stats.tree_steps += 1
+        path = outcome.verdict.path or ()
+        stats.off_branch_steps += any(node != depth for depth, node in enumerate(path))
+    if drafter is not None:
+        drafter.update(draft, accepted)

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
+from layerskip.hf.ragged import RaggedCache
 
 # x [1, in] in the compute dtype -> [1, out] in the compute dtype, for one fused group.
 Matmul = Callable[[torch.Tensor], torch.Tensor]
@@ -407,3 +408,94 @@ def advance_cache(cache: RollbackCache, position: int, skip_attention: Sequence[
         if index not in skip_attention:
             layer.length = layer.written = position + 1
             layer._refresh_views()
+
+
+@torch.inference_mode()
+def lean_hidden_rows(
+    plan: LeanPlan,
+    matmuls: Callable[[int, str], Matmul],
+    tokens: torch.Tensor,
+    cache: RaggedCache,
+    skip_attention: Sequence[int] | set[int],
+    skip_mlp: Sequence[int] | set[int],
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``lean_hidden`` for every row of a ragged batch at once: ``tokens [R]``, row ``r`` at position
+    ``cache.lengths[r]``, returns the final hidden states ``[R, hidden]``.
+
+    Each kept attention writes row ``r``'s K/V at its own position and attends, through a mask
+    ``[R, 1, 1, L]``, to that row's keys up to it (within the layer's window); every product runs
+    once over all rows. The caller moves the cache's lengths on by one afterwards.
+    """
+    rows = tokens.shape[0]
+    device = tokens.device
+    model_dtype = plan.final_norm[0].dtype
+    rotary = plan.rotary(compute_dtype)
+    where = torch.tensor(cache.lengths, device=device)  # [R] positions
+    longest = int(max(cache.lengths)) + 1
+    cache.reserve(longest)
+    key_positions = torch.arange(longest, device=device)
+    seen = key_positions[None, :] <= where[:, None]  # [R, L]
+    masks: dict[int | None, torch.Tensor] = {}
+    rotations: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+    index = torch.arange(rows, device=device)
+    h = plan.embed(tokens).reshape(rows, plan.hidden_size)  # [R, H], the model's dtype
+    for i, (attn, mlp) in enumerate(zip(plan.attention, plan.mlp)):
+        if i not in skip_attention:
+            if attn.rotary_key not in rotations:
+                rotary.at(longest, attn.rotary_key)  # grows the table to every row's position
+                cos, sin = rotary.tables[attn.rotary_key]
+                rotations[attn.rotary_key] = (cos[where][:, None], sin[where][:, None])  # [R, 1, d]
+            if attn.window not in masks:
+                window = seen if attn.window is None else seen & (where[:, None] - key_positions < attn.window)
+                masks[attn.window] = window[:, None, None, :]  # [R, 1, 1, L]
+            cos, sin = rotations[attn.rotary_key]
+            out = _attention_rows(attn, matmuls, i, h, cos, sin, cache, index, where, longest, masks[attn.window])
+            h = h + out.to(model_dtype)
+        if i not in skip_mlp:
+            x = _rms(h, mlp.norm).to(compute_dtype)  # [R, H]
+            gate, up = matmuls(i, "gate_up")(x).chunk(2, dim=-1)
+            out = matmuls(i, "down")(mlp.activation(gate) * up)  # [R, H]
+            if mlp.post_norm is not None:
+                out = _rms(out, mlp.post_norm)
+            h = h + out.to(model_dtype)
+    return _rms(h, plan.final_norm).to(model_dtype)
+
+
+def _attention_rows(
+    attn: _Attention,
+    matmuls: Callable[[int, str], Matmul],
+    index: int,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: RaggedCache,
+    rows: torch.Tensor,
+    where: torch.Tensor,
+    longest: int,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """One attention sublayer's output ``[R, H]`` for the residual streams ``h [R, H]``."""
+    q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
+    compute_dtype = cos.dtype
+    x = _rms(h, attn.norm).to(compute_dtype)  # [R, H]
+    qkv = matmuls(index, "qkv")(x)  # [R, (q_heads + 2 kv_heads) d]
+    qk = qkv[:, : (q_heads + kv_heads) * d].reshape(-1, q_heads + kv_heads, d)
+    value = qkv[:, (q_heads + kv_heads) * d :].reshape(-1, kv_heads, d)
+    if attn.qk_norm is not None:
+        qk = _rms(qk, attn.qk_norm).to(compute_dtype)
+    qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)  # [R, q + kv, d]
+    layer = cache.layers[index]
+    if not layer.is_initialized:
+        raise RuntimeError("a batched draft runs after the prefill has filled every layer")
+    layer.key_buffer[rows, :, where] = qk[:, q_heads:].to(layer.dtype)  # [R, kv, d] at each row's position
+    layer.value_buffer[rows, :, where] = value.to(layer.dtype)
+    keys, values = layer.key_buffer[:, :, :longest], layer.value_buffer[:, :, :longest]
+    query = qk[:, :q_heads].unsqueeze(2).to(keys.dtype)  # [R, q_heads, 1, d]
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=q_heads != kv_heads
+    )
+    out = matmuls(index, "o")(out.reshape(-1, q_heads * d).to(compute_dtype))  # [R, H]
+    if attn.post_norm is not None:
+        out = _rms(out, attn.post_norm)
+    return out

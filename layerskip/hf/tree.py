@@ -26,7 +26,7 @@ flex attention cannot take an arbitrary 4D mask this way and are refused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -98,8 +98,8 @@ def _mask_format(model: nn.Module) -> bool:
 
 
 def _as_model_mask(allowed: torch.Tensor, boolean: bool, dtype: torch.dtype) -> torch.Tensor:
-    """``[q, kv]`` bool -> the ``[1, 1, q, kv]`` mask the attention implementation expects."""
-    allowed = allowed[None, None]
+    """``[B, q, kv]`` bool -> the ``[B, 1, q, kv]`` mask the attention implementation expects."""
+    allowed = allowed[:, None]
     if boolean:
         return allowed
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
@@ -112,18 +112,19 @@ def _layer_types(model: nn.Module) -> list[str] | None:
     return list(types[: config.num_hidden_layers]) if types is not None else None
 
 
-def tree_attention_mask(
-    model: nn.Module, parents: Sequence[int], start: int, device: torch.device
+def model_masks(
+    model: nn.Module, visible: Callable[[int | None], torch.Tensor]
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The attention mask(s) for a tree block at positions from ``start`` over a cache holding ``start`` tokens.
+    """The attention mask(s) the model takes, from ``visible(window) -> [B, q, kv]`` bool (what
+    each query may see on a layer with that sliding window, None for full attention).
 
-    One ``[1, 1, n+1, start+n+1]`` tensor when every layer has the same window (or none); else a
-    dict from each ``config.layer_types`` entry to its tensor (how Gemma 2/3 take masks).
+    One ``[B, 1, q, kv]`` tensor when every layer has the same window (or none); else a dict from
+    each ``config.layer_types`` entry to its tensor (how Gemma 2/3 take masks).
     """
     boolean = _mask_format(model)
     dtype = model.get_input_embeddings().weight.dtype
     windows = adapters.sliding_windows(model)
-    masks = {w: _as_model_mask(_visible_keys(parents, start, w, device), boolean, dtype) for w in set(windows)}
+    masks = {w: _as_model_mask(visible(w), boolean, dtype) for w in set(windows)}
     if len(masks) == 1:
         return next(iter(masks.values()))
     types = _layer_types(model)
@@ -137,6 +138,14 @@ def tree_attention_mask(
         if by_type.setdefault(kind, masks[window]) is not masks[window]:
             raise LayerskipError(f"layers of type '{kind}' use different windows; cannot build one mask for them")
     return by_type
+
+
+def tree_attention_mask(
+    model: nn.Module, parents: Sequence[int], start: int, device: torch.device
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask(s) for a tree block at positions from ``start`` over a cache holding
+    ``start`` tokens: ``[1, 1, n+1, start+n+1]`` tensors (``model_masks``)."""
+    return model_masks(model, lambda window: _visible_keys(parents, start, window, device)[None])
 
 
 def tree_hidden(

@@ -198,8 +198,8 @@ def engine_calls(
     tokenizer: object | None = None,
 ) -> list[EngineCall]:
     """The engine calls, one per row of ``input_ids``, for what ``generate`` prepared (its
-    processors, criteria and config). Rows are decoded one after another: a batch (or
-    ``num_return_sequences`` copies of one prompt) gives each row the output it would get alone."""
+    processors, criteria and config). A batch (or ``num_return_sequences`` copies of one prompt)
+    gives each row the output it would get alone."""
     _refuse_config(generation_config)
     prompts = _prompts(input_ids, model_kwargs)
     max_length = None

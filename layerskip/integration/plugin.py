@@ -66,7 +66,8 @@ def self_speculative_generate(
     tokenizer: object | None = None,
     **model_kwargs: Any,
 ) -> torch.Tensor | SelfSpeculativeOutput:
-    """``generate``'s decoding loop, replaced: self-speculatively with ``skip_policy``, row by row.
+    """``generate``'s decoding loop, replaced: self-speculatively with ``skip_policy``; a batch's rows
+    are decoded together (``Decoder.decode_batch``), each giving what it would give alone.
 
     ``skip_policy``: ``"auto"`` (the default: no study, no file), a policy file, a ``SkipPolicy``,
     ``"on-the-fly"`` or ``"on-the-fly:PATH"``.
@@ -97,9 +98,15 @@ def self_speculative_generate(
         recorders = [ScoreRecorder(call.logits_hook, call.warpers, call.padding) if record else None for call in calls]
         # Stopping criteria get the scores so far only where plain generate keeps them (output_scores).
         output_scores = bool(record and generation_config.output_scores)
-        results = [
-            _decode(decoder, call, streamer, recorder, output_scores) for call, recorder in zip(calls, recorders)
-        ]
+        if len(calls) > 1:  # no streamer and no score record with a batch (refused above)
+            results = decoder.decode_batch(
+                [call.prompt for call in calls],
+                calls[0].settings,
+                logits_hooks=[call.logits_hook for call in calls],
+                stop_checks=[call.stop_check() for call in calls],
+            )
+        else:
+            results = [_decode(decoder, calls[0], streamer, recorders[0], output_scores)]
     finally:
         if streamer is not None:  # also on an error, so a reader of a TextIteratorStreamer is released
             streamer.end()

@@ -238,3 +238,55 @@ def write_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:
         "speedup.png": speedup_png(results),
     }
     return write_file_set(directory, payloads)
+
+
+BATCH_FILES = ("batches.json", "batches.csv", "batches.md")
+BATCH_COLUMNS = (
+    "batch_size",
+    "layout",
+    "hf_tokens_per_second",
+    "ours_tokens_per_second",
+    "speedup",
+    "row_latency_hf_s",
+    "row_latency_ours_s",
+    "identical_rows",
+    "rows",
+)
+
+
+def batch_markdown(results: dict[str, Any]) -> str:
+    """The batches table: per batch size and layout, both methods' tokens/s, speedup, identical rows."""
+    header = ["batch", "layout", "HF batched tok/s", "ours tok/s", "speedup", "row latency HF / ours (s)", "identical"]
+    lines = [
+        f"{results['model']} ({results['dtype']}, {results['max_new_tokens']} new tokens, policy "
+        f"{results['policy']}) on {results['device_name']}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for row in results["batches"]:
+        cells = [
+            str(row["batch_size"]),
+            row["layout"],
+            _fmt(row["hf_tokens_per_second"], 1),
+            _fmt(row["ours_tokens_per_second"], 1),
+            f"{_fmt(row['speedup'])}x",
+            f"{_fmt(row['row_latency_hf_s'])} / {_fmt(row['row_latency_ours_s'])}",
+            f"{row['identical_rows']}/{row['rows']}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_batch_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:
+    """A batch run's three files, written as a set."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=BATCH_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(results["batches"])
+    payloads = {
+        "batches.json": (json.dumps(results, indent=2) + "\n").encode(),
+        "batches.csv": buffer.getvalue().encode(),
+        "batches.md": (batch_markdown(results) + "\n").encode(),
+    }
+    return write_file_set(directory, payloads)

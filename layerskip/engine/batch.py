@@ -1,0 +1,225 @@
+"""Many prompts decoded together: every step verifies all rows' blocks in one forward.
+
+Each row keeps what a single generation keeps (its output and stop conditions, its drafter, its
+verifier, its stats); the rows share one ``RaggedCache`` (``hf.ragged``: per-row lengths, a 4D
+mask and per-row positions), so a step is
+
+    propose:   each row's candidates (the step's kind decides which drafter proposes)
+    verify:    one forward over ``[B, n]``: row b is [pending, d1..dk_b, fillers], at positions
+               from its own committed length
+    accept:    each row's verifier keeps its longest agreeing prefix and adds its own token
+    rollback:  each row's length moves to committed + 1 + accepted; finished rows leave
+
+Which kind of step runs is the batch's choice (``StepKinds``): a plain batched step (every row
+verifies just its pending token: what a batched ``generate`` does), prompt lookup only (free to
+draft, so it always fits in the verify), or each row's own drafter (the policy's: for ``auto``,
+lookup, the int4 skip draft or nothing, per row). Their tokens per second are measured as the
+batch runs, and the fastest is chosen; each other kind is tried again once the time since its
+last trial is many times what that trial cost, so exploring costs a few percent at most. A plain
+step is always on the menu, so a batch is not slower than plain batched decoding beyond that.
+
+Greedy output of every row is the full model's argmax chain, as for one prompt; sampled rows keep
+the model's distribution (rejection sampling per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from layerskip.drafts.base import Draft, Drafter, DraftRequest
+from layerskip.drafts.batch_skip import BatchSkipDraft
+from layerskip.drafts.lookup import chain_draft, match_lookup
+from layerskip.drafts.policy import DraftSettings
+from layerskip.engine.output import TokenOutput
+from layerskip.engine.step import StepOutcome, record_outcome
+from layerskip.engine.threads import ThreadTuner
+from layerskip.engine.verifiers import Verifier
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.ragged import RaggedCache, ragged_hidden
+from layerskip.sampling import Sampling
+from layerskip.stats import DeviceClock, GenerationStats
+
+PLAIN, LOOKUP, DRAFT = "plain", "lookup", "draft"
+# The batched skip draft's lengths on the menu (kind "skip:N"): a longer draft pays where the
+# draft is right more often; which one does on this model, text and machine is measured.
+SKIP_LENGTHS = (3, 6)
+RATE_SMOOTHING = 0.3  # weight of the newest step in a kind's running tokens per second
+# A kind not chosen is tried again once this many times its last trial's seconds have passed:
+# exploring then costs about 1 / (1 + this) of the time, and a kind whose price fell is found.
+EXPLORE_AFTER = 25.0
+
+
+@dataclass
+class StepKinds:
+    """The batch's running tokens per second of each kind of step, and which to run next."""
+
+    kinds: tuple[str, ...]
+    rate: dict[str, float] = field(default_factory=dict)
+    last_seconds: dict[str, float] = field(default_factory=dict)
+    since: dict[str, float] = field(default_factory=dict)  # seconds of other kinds since each was tried
+    steps: dict[str, int] = field(default_factory=dict)
+
+    def choose(self) -> str:
+        for kind in self.kinds:  # each kind once, the plain step first
+            if kind not in self.rate:
+                return kind
+        for kind in self.kinds:
+            if self.since.get(kind, 0.0) > EXPLORE_AFTER * self.last_seconds[kind]:
+                return kind
+        return max(self.kinds, key=lambda kind: self.rate[kind])
+
+    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-9)
+        old = self.rate.get(kind)
+        self.rate[kind] = rate if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
+        self.last_seconds[kind] = seconds
+        self.steps[kind] = self.steps.get(kind, 0) + 1
+        for other in self.kinds:
+            self.since[other] = 0.0 if other == kind else self.since.get(other, 0.0) + seconds
+
+
+@dataclass
+class BatchRow:
+    """One prompt of the batch: what its generation keeps while the batch runs."""
+
+    index: int  # the prompt's place in the caller's list
+    output: TokenOutput
+    drafter: Drafter
+    verifier: Verifier
+    generator: torch.Generator | None = None  # the row's draws, shared by its verifier
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    view: RollbackCache | None = None  # the row's slice of the ragged cache, for its drafter
+
+
+@dataclass
+class BatchStepper:
+    """What every step of one batch shares: the model, the ragged cache, the rows and the choice."""
+
+    model: nn.Module
+    cache: RaggedCache
+    rows: list[BatchRow]
+    kinds: StepKinds
+    lookup: DraftSettings | None  # the policy's lookup settings (None: the policy has no lookup)
+    sampling: Sampling | None
+    vocab_size: int
+    pad_block: int  # a drafted block is padded to at least this many positions (0: never)
+    threads: ThreadTuner
+    clock: DeviceClock
+    device: torch.device
+    batch_draft: BatchSkipDraft | None = None
+    started: float = 0.0  # the clock when the batch began (set-up included)
+    finished: list[BatchRow] = field(default_factory=list)
+
+    def prefill(self) -> None:
+        """Every prompt in one forward (right padded: each row's tokens from position 0)."""
+        prompts = [row.output.history for row in self.rows]
+        longest = max(len(p) for p in prompts)
+        block = torch.tensor([[*p, *[p[-1]] * (longest - len(p))] for p in prompts], device=self.device)
+        with self.threads.phase("verify") as run:
+            run.units = 0  # the prefill teaches nothing about a step
+            hidden = ragged_hidden(self.model, block, self.cache)  # [B, longest, H]
+        self.cache.set_lengths([len(p) for p in prompts])
+        for b, row in enumerate(self.rows):
+            last = len(prompts[b]) - 1
+            verdict = row.verifier.verify(hidden[b, last : last + 1], Draft([]), prompts[b])
+            row.stats.record_step(0, 0)
+            row.output.emit([verdict.next_token])
+        self._leave()
+
+    def step(self) -> None:
+        kind = self.kinds.choose()
+        start = self.clock.now()
+        drafts = self._drafts(kind)
+        drafted = self.clock.now()
+        blocks = [[row.output.history[-1], *draft.tokens] for row, draft in zip(self.rows, drafts, strict=True)]
+        width = max(len(block) for block in blocks)
+        if width > 1:
+            width = max(width, self.pad_block)
+        ids = torch.tensor([[*block, *[block[-1]] * (width - len(block))] for block in blocks], device=self.device)
+        committed = list(self.cache.lengths)
+        with self.threads.phase("verify") as run:
+            run.units = 1
+            hidden = ragged_hidden(self.model, ids, self.cache)  # [B, width, H]
+            verdicts = [
+                row.verifier.verify(hidden[b, : len(blocks[b])], drafts[b], row.output.history)
+                for b, row in enumerate(self.rows)
+            ]
+        self.cache.set_lengths([n + 1 + verdict.accepted for n, verdict in zip(committed, verdicts, strict=True)])
+        seconds = self.clock.now() - start
+        tokens = 0
+        for b, row in enumerate(self.rows):
+            outcome = StepOutcome(drafts[b], verdicts[b], width, drafted - start, seconds - (drafted - start))
+            kept = row.output.emit(outcome.tokens)
+            tokens += kept
+            record_outcome(row.stats, row.drafter if kind == DRAFT else None, outcome, kept)
+        self.kinds.observe(kind, tokens, seconds)
+        self._leave()
+
+    def _drafts(self, kind: str) -> list[Draft]:
+        if kind.startswith("skip:") and self.batch_draft is not None:
+            budgets = [row.output.remaining - 1 for row in self.rows]
+            steps = min(int(kind.split(":")[1]), max(budgets))
+            if steps > 0:
+                histories = [row.output.history for row in self.rows]
+                generators = [row.generator for row in self.rows]
+                with self.threads.phase("draft") as run:
+                    run.units = steps
+                    return self.batch_draft.propose(self.cache, histories, budgets, steps, generators)
+        return [self._propose(b, row, kind) for b, row in enumerate(self.rows)]
+
+    def _propose(self, b: int, row: BatchRow, kind: str) -> Draft:
+        budget = row.output.remaining - 1
+        if kind not in (LOOKUP, DRAFT) or budget <= 0:
+            return Draft([])
+        if kind == LOOKUP:
+            assert self.lookup is not None
+            s = self.lookup
+            cap = min(budget, s.max_draft_tokens)
+            match = match_lookup(row.output.history, s.lookup_min_ngram, s.lookup_max_ngram, cap)
+            return chain_draft(match.tokens, "lookup", match.ngram, self.vocab_size, self.sampling, self.device)
+        # The row's own drafter, through its slice of the cache (room for its draft reserved first).
+        self.cache.reserve(self.cache.longest + budget + 2)
+        row.view = self.cache.row_view(b, row.view)
+        with self.threads.phase("draft") as run:
+            draft = row.drafter.propose(DraftRequest(row.output.history, row.view, budget, self.device))
+            run.units = max(1, len(draft.tokens)) if draft.source == "skip" else 0
+        if draft.tree is not None:  # Decoder.batches() keeps tree policies out of batches
+            raise RuntimeError("a token tree reached the batched verify, which takes chains only")
+        return draft
+
+    def _leave(self) -> None:
+        """Finished rows leave the batch (the cache drops their rows); each row's time is its own."""
+        if not any(row.output.done for row in self.rows):
+            return
+        now = self.clock.now()
+        for row in self.rows:
+            if row.output.done:
+                row.stats.total_seconds = now - self.started
+        staying = [b for b, row in enumerate(self.rows) if not row.output.done]
+        self.finished.extend(row for row in self.rows if row.output.done)
+        if staying:
+            self.cache.keep_rows(staying)
+        self.rows = [self.rows[b] for b in staying]
+
+
+def step_kinds(has_draft: bool, has_lookup: bool, batch_draft: bool) -> StepKinds:
+    """The kinds of step a batch chooses from: the plain step always, then what the draft offers."""
+    kinds = [PLAIN]
+    if has_lookup:
+        kinds.append(LOOKUP)
+    if batch_draft:
+        kinds.extend(f"skip:{n}" for n in SKIP_LENGTHS)
+    if has_draft:
+        kinds.append(DRAFT)
+    return StepKinds(tuple(kinds))
+
+
+def run_batch(stepper: BatchStepper) -> list[BatchRow]:
+    """Prefill, then steps until every row has finished; the rows in the caller's order."""
+    stepper.prefill()
+    while stepper.rows:
+        stepper.step()
+    return sorted(stepper.finished, key=lambda row: row.index)

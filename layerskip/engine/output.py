@@ -1,0 +1,101 @@
+"""What one generation keeps: its settings, and the accepted tokens with every stop condition.
+
+Shared by the single-row loop (``engine.decoding``) and the batch loop (``engine.batch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from layerskip.errors import LayerskipError
+from layerskip.hf.cache import RollbackCache
+from layerskip.sampling import Sampling
+
+TokenCallback = Callable[[list[int]], None]
+CacheObserver = Callable[[RollbackCache, int], None]
+# history (prompt + tokens so far) -> stop after the last one; checked after every accepted token.
+StopCheck = Callable[[list[int]], bool]
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    max_new_tokens: int = 128
+    sampling: Sampling | None = None  # None = greedy
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise LayerskipError(f"max_new_tokens must be > 0 (got {self.max_new_tokens})")
+
+
+class TokenOutput:
+    """Collects accepted tokens; applies EOS, stop strings and the token budget; streams."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        settings: DecodeSettings,
+        tokenizer: object | None,
+        on_tokens: TokenCallback | None,
+        stop_check: StopCheck | None = None,
+    ) -> None:
+        self.history = list(prompt)
+        self.prompt_length = len(prompt)
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.on_tokens = on_tokens
+        self.stop_check = stop_check
+        self.done = False
+        if settings.stop_strings and tokenizer is None:
+            raise LayerskipError("stop strings need a tokenizer to decode text; pass tokenizer=")
+
+    @property
+    def generated(self) -> list[int]:
+        return self.history[self.prompt_length :]
+
+    @property
+    def remaining(self) -> int:
+        # Checked once per accepted token: count, don't slice a copy of the output.
+        return self.settings.max_new_tokens - (len(self.history) - self.prompt_length)
+
+    def emit(self, tokens: list[int]) -> int:
+        """Append accepted tokens, cut at the first stop condition; returns how many were kept."""
+        kept = 0
+        for token in tokens:
+            kept += 1
+            self.history.append(token)
+            # Asked after every token, whatever else ends the generation there: plain generate asks
+            # its stopping criteria so, and a criterion may keep count.
+            stopped = self.stop_check is not None and self.stop_check(self.history)
+            if token in self.settings.eos_token_ids or self.remaining <= 0 or self._hit_stop_string() or stopped:
+                self.done = True
+                break
+        if kept and self.on_tokens is not None:
+            self.on_tokens(tokens[:kept])
+        return kept
+
+    def _hit_stop_string(self) -> bool:
+        if not self.settings.stop_strings:
+            return False
+        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        return any(stop in text for stop in self.settings.stop_strings)
+
+
+def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
+    if not ids:
+        raise LayerskipError("the prompt is empty; pass some text to continue")
+    return ids
