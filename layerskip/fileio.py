@@ -68,8 +68,14 @@ def replace_file(source: str | os.PathLike[str], path: str | os.PathLike[str]) -
     return path
 
 
+def _through_link(path: Path) -> Path:
+    """The file a link to an existing file leads to (written in its place, so the link stays: a
+    system's link such as /dev/stdout is never replaced); any other path as it is."""
+    return Path(os.path.realpath(path)) if path.is_symlink() and path.exists() else path
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes) -> Path:
-    path = Path(path)
+    path = _through_link(Path(path))
     _refuse_special(path)  # before the temporary exists: nothing to clean up
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -140,7 +146,7 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
     _refuse_special(path, flag)
     if path.exists():
         # Replaced atomically (a new file in the same directory), so the directory must be writable too.
-        if not _writable(path.parent):
+        if not _writable(_through_link(path).parent):
             raise LayerskipError(f"{flag} {path}: directory {path.parent} is not writable; choose another path")
         return path
     _check_creatable(path, flag)

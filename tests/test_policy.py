@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -329,6 +330,28 @@ def test_write_is_a_rename_of_a_complete_file(tmp_path: Path, monkeypatch: pytes
     SkipPolicy(skip_attention=(2,)).save(path)
     assert seen and seen[0]["skip_attention"] == [2]
     assert json.loads(path.read_text()) == seen[0]
+
+
+def test_a_write_never_replaces_a_fifo_a_device_or_a_link(tmp_path: Path) -> None:
+    """Only a regular file or a new path is replaced. A FIFO or a device node is refused and left;
+    through a link to a file, the file is written and the link stays (a system's link such as
+    /dev/stdout is never replaced by a file)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target in (fifo, Path("/dev/null")):
+        with pytest.raises(LayerskipError, match="is not a regular file"):
+            SkipPolicy(skip_mlp=(1,)).save(target)
+        with pytest.raises(LayerskipError, match="--save-policy .* is not a regular file"):
+            fileio.check_output_file(target, "--save-policy")
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    (tmp_path / "real").mkdir()
+    real, link = tmp_path / "real" / "policy.json", tmp_path / "link.json"
+    real.write_text("{}")
+    link.symlink_to(real)
+    fileio.check_output_file(link, "--save-policy")
+    SkipPolicy(skip_mlp=(1,)).save(link)
+    assert link.is_symlink() and SkipPolicy.load(real).skip_mlp == (1,)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "real"]
 
 
 # -- values out of range, and files an editor or a shell can produce ------------------------------
