@@ -512,13 +512,22 @@ NESTED_DAMAGE = {
 
 
 @pytest.mark.parametrize("name", list(NESTED_DAMAGE))
-def test_nested_values_are_checked_when_a_file_is_read(name: str, tmp_path: Path) -> None:
+def test_nested_values_are_checked_when_a_file_is_read(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The script as users run it for the first case (one subprocess); the same path in-process after."""
     where, path, value, fragment = NESTED_DAMAGE[name]
     shutil.copytree(REPO / RESULTS_DIR, tmp_path / RESULTS_DIR)
     shutil.copy(REPO / "README.md", tmp_path / "README.md")
     target = tmp_path / RESULTS_DIR / Path(*where)
     target.write_text(json.dumps(_with(json.loads(target.read_text()), path, value)))
-    line = assert_bad_input(run_script("results_tables.py", "--root", str(tmp_path), "--check"), fragment)
+    if name == next(iter(NESTED_DAMAGE)):
+        line = assert_bad_input(run_script("results_tables.py", "--root", str(tmp_path), "--check"), fragment)
+    else:
+        capsys.readouterr()
+        assert main(["--root", str(tmp_path), "--check"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("error: ") and fragment in line, line
     assert str(target) in line and "; pass a " in line
 
 
