@@ -484,6 +484,12 @@ def test_refused_arguments(kwargs: dict, name: str) -> None:
     assert name in message and "\n" not in message, message
 
 
+def test_a_missing_policy_file_names_the_plugins_argument() -> None:
+    with pytest.raises(LayerskipError, match="not found") as error:
+        _ours(tiny_model("llama"), _ids(), policy="missing.json", max_new_tokens=4)
+    assert "skip_policy=" in str(error.value) and "--policy" not in str(error.value)
+
+
 def test_batch_refusals() -> None:
     from transformers import TextStreamer
 

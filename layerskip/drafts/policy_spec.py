@@ -23,12 +23,12 @@ AUTO_TREES = "auto-trees"  # auto drafting token trees
 PLAIN = "plain"  # the command line's name for no draft at all (plain decoding)
 
 
-def load_policy(spec: str, device: str | torch.device = "cpu") -> tuple[str, SkipPolicy]:
+def load_policy(spec: str, device: str | torch.device = "cpu", flag: str = "--policy") -> tuple[str, SkipPolicy]:
     """``(label, policy)`` for a ``--policy`` value: a policy file; ``auto``; ``auto-trees``;
     ``on-the-fly`` (skip sets chosen while generating, from nothing bypassed, with the default
     draft for ``device``); or
     ``on-the-fly:PATH`` (chosen while generating, starting from that file's skip sets and drafting
-    with its settings)."""
+    with its settings). ``flag`` names the argument in a refusal's fix (the plug-in's ``skip_policy=``)."""
     if spec == AUTO:
         return AUTO, SkipPolicy.auto_choice(device)
     if spec == AUTO_TREES:
@@ -37,12 +37,12 @@ def load_policy(spec: str, device: str | torch.device = "cpu") -> tuple[str, Ski
         return ON_THE_FLY, SkipPolicy.adaptive_selection(device=device)
     if spec.startswith(ON_THE_FLY + ":"):
         path = spec[len(ON_THE_FLY) + 1 :]
-        start = SkipPolicy.load(path)
+        start = SkipPolicy.load(path, flag)
         if not start.draft.use_skip_draft:
             raise LayerskipError(f"{path} drafts by lookup only; on-the-fly selection needs a policy with a skip draft")
         selection = start.on_the_fly or OnTheFlySettings()
         return f"{ON_THE_FLY}-{Path(path).stem}", replace(start, on_the_fly=selection)
-    return Path(spec).stem, SkipPolicy.load(spec)
+    return Path(spec).stem, SkipPolicy.load(spec, flag)
 
 
 def load_policies(specs: list[str], device: str | torch.device = "cpu") -> dict[str, SkipPolicy]:

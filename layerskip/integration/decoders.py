@@ -44,7 +44,7 @@ def _resolve(spec: PolicySpec, model: nn.Module) -> SkipPolicy:
     if isinstance(spec, SkipPolicy):
         return spec
     # The policy-argument syntax is the command line's (--policy), so both accept the same values.
-    return load_policy(os.fspath(spec), next(model.parameters()).device)[1]
+    return load_policy(os.fspath(spec), next(model.parameters()).device, "skip_policy=")[1]
 
 
 def decoder_for(model: nn.Module, spec: PolicySpec | None) -> Decoder:
