@@ -25,6 +25,7 @@ sampling keeps the model's distribution.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -165,12 +166,12 @@ class AutoState:
         step against the acceptance its coverage allows."""
         self.coverage.seed(prompt)
         base = self.full_head_acceptance()
-        best, best_rate = self.head_rows, -1.0
+        best, best_rate = self.coverage.sizes[0], -math.inf  # always a calibrated size
         for size in self.coverage.sizes:
             acceptance = base * self.coverage.share(size)
             cap = self.settings.max_draft_tokens
             rate = best_skip_rate(acceptance, self.costs.draft_step[size], self.verify_seconds, cap)
-            if rate > best_rate:
+            if math.isfinite(rate) and rate > best_rate:
                 best, best_rate = size, rate
         self.head_rows = best
         return best

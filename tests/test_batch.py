@@ -1,0 +1,216 @@
+"""Batches decoded together: the ragged cache and masks, the batched draft, every step kind.
+
+Every row of a batch must get what it gets alone: greedy rows token for token what HF ``generate``
+gives that prompt, sampled rows the model's law. The batch's choice of step kind is forced to
+rotate here, so each kind (plain, lookup, the batched skip draft, each row's own drafter) meets
+the verify whatever this machine's timings favour.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+from compare import assert_same_tokens, hf_greedy
+from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, always_accept, tv
+from tiny_models import ARCHS, random_prompt, tiny_model
+
+from layerskip.drafts.model import DraftModel
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.engine import batch as batch_module
+from layerskip.engine import verifiers
+from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.hf import adapters
+from layerskip.hf import ragged as ragged_module
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import full_logits
+from layerskip.hf.lean import LEAN_FAMILIES
+from layerskip.hf.ragged import model_ragged_cache, ragged_hidden
+from layerskip.sampling import Sampling
+
+NEW_TOKENS = 30
+LENGTHS = (5, 9, 3, 12)  # ragged from the prefill on; 12 is past the tiny sliding window (4)
+
+POLICIES = {
+    "plain": None,
+    "auto": SkipPolicy.auto_choice(),
+    "hybrid": SkipPolicy(skip_attention=(0,), skip_mlp=(2,), draft=DraftSettings(lookup_max_ngram=3)),
+    "skip-model-precision": SkipPolicy(skip_mlp=(1, 3), draft=DraftSettings(max_draft_tokens=4)),
+}
+
+
+def _prompts(vocab: int = 128) -> list[list[int]]:
+    # Repeats inside each prompt: prompt lookup finds matches.
+    return [random_prompt(vocab, n, seed=n) * 2 for n in LENGTHS]
+
+
+@functools.cache
+def _model(arch: str, impl: str = "default") -> torch.nn.Module:
+    """The tiny model with its default attention (sdpa, or eager where sdpa is not offered) or ``impl``."""
+    return tiny_model(arch) if impl == "default" else tiny_model(arch, attn_implementation=impl)
+
+
+@functools.cache
+def _references(arch: str, impl: str = "default") -> list[tuple[list[int], torch.Tensor]]:
+    return [hf_greedy(_model(arch, impl), prompt, NEW_TOKENS) for prompt in _prompts()]
+
+
+class Rotation:
+    """One cycle over every step kind, shared by all batches (so consecutive calls start on
+    different kinds); a batch skips the kinds it does not offer."""
+
+    ALL = ("plain", "lookup", "skip:3", "skip:6", "draft")
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.cycle = itertools.cycle(self.ALL)
+
+    def choose(self, kinds: batch_module.StepKinds) -> str:
+        kind = next(self.cycle)
+        while kind not in kinds.kinds:
+            kind = next(self.cycle)
+        self.ran.append(kind)
+        return kind
+
+
+@pytest.fixture
+def rotate_kinds(monkeypatch: pytest.MonkeyPatch) -> Rotation:
+    rotation = Rotation()
+    monkeypatch.setattr(batch_module.StepKinds, "choose", lambda self: rotation.choose(self))
+    return rotation
+
+
+@pytest.mark.parametrize("impl", ["default", "eager"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ragged_forward_equals_each_row_alone(arch: str, impl: str) -> None:
+    model = _model(arch, impl)
+    prompts = [random_prompt(length=n, seed=n) for n in LENGTHS]
+    longest = max(LENGTHS)
+    cache = model_ragged_cache(model, len(prompts))
+    with torch.inference_mode():
+        first = ragged_hidden(model, torch.tensor([p + [p[-1]] * (longest - len(p)) for p in prompts]), cache)
+        cache.set_lengths(LENGTHS)
+        more = [random_prompt(length=3, seed=20 + r) for r in range(len(prompts))]
+        second = ragged_hidden(model, torch.tensor(more), cache)
+        for r, prompt in enumerate(prompts):
+            alone = adapters.stack_hidden(model, torch.tensor([prompt + more[r]]))[0]  # [n + 3, H]
+            torch.testing.assert_close(first[r, : len(prompt)], alone[: len(prompt)], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(second[r], alone[len(prompt) :], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if arch in LEAN_FAMILIES])
+def test_batched_lean_draft_equals_the_single_row_step(arch: str) -> None:
+    model = _model(arch)
+    draft = DraftModel(model)
+    prompts = [random_prompt(length=n, seed=n) for n in LENGTHS]
+    skip = ((1,), (2,))
+    ragged = model_ragged_cache(model, len(prompts))
+    with torch.inference_mode():
+        longest = max(LENGTHS)
+        ragged_hidden(model, torch.tensor([p + [p[-1]] * (longest - len(p)) for p in prompts]), ragged)
+        ragged.set_lengths(LENGTHS)
+        with draft.active(*skip):
+            tokens = torch.tensor([p[-1] for p in prompts])
+            for _ in range(3):
+                rows = draft.hidden_rows(tokens, ragged)
+                ragged.set_lengths([n + 1 for n in ragged.lengths])
+                tokens = (tokens * 7 + 3) % 128
+        for r, prompt in enumerate(prompts):
+            cache = RollbackCache(adapters.sliding_windows(model))
+            full_logits(model, torch.tensor([prompt]), cache, 0, 1)
+            token = prompt[-1]
+            with draft.active(*skip):
+                for i in range(3):
+                    alone = draft.hidden(torch.tensor([[token]]), cache, len(prompt) + i)[0, -1]
+                    token = (token * 7 + 3) % 128
+            torch.testing.assert_close(rows[r], alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_rows_match_hf_alone(arch: str, policy_name: str, rotate_kinds: Rotation) -> None:
+    decoder = Decoder.for_policy(_model(arch), POLICIES[policy_name])
+    results = decoder.decode_batch(_prompts(), DecodeSettings(max_new_tokens=NEW_TOKENS))
+    for r, ((tokens, stats), (ref, logits)) in enumerate(zip(results, _references(arch), strict=True)):
+        assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} {policy_name} row {r}")
+        assert stats.new_tokens == NEW_TOKENS
+    assert not adapters.is_bypassed(_model(arch))
+    kinds = set(rotate_kinds.ran)
+    assert "plain" in kinds
+    if decoder.draft is not None:
+        assert len(kinds) > 1
+        assert any(stats.accepted for _, stats in results), "no draft token was ever accepted"
+    if policy_name == "auto" and arch in LEAN_FAMILIES:
+        assert {"skip:3", "skip:6", "lookup", "draft"} <= kinds
+
+
+def test_rows_that_finish_early_leave_the_batch(rotate_kinds: Rotation) -> None:
+    """Each row stops at its own EOS; the cache drops finished rows and the others go on exactly."""
+    model = _model("llama")
+    prompts = _prompts()
+    references = [ref for ref, _ in _references("llama")]
+    eos = references[1][5]  # row 1 stops at its 6th token; others wherever the same id comes first
+    settings = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=(eos,))
+    results = Decoder.for_policy(model, POLICIES["auto"]).decode_batch(prompts, settings)
+    for (tokens, _), ref in zip(results, references, strict=True):
+        expected = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert tokens == expected
+    assert len(results[1][0]) <= 6
+
+
+def test_ragged_cache_grows_without_changing_what_it_holds(
+    monkeypatch: pytest.MonkeyPatch, rotate_kinds: Rotation
+) -> None:
+    monkeypatch.setattr(ragged_module, "_MIN_CAPACITY", 4)
+    decoder = Decoder.for_policy(_model("gemma3_text"), POLICIES["auto"])
+    results = decoder.decode_batch(_prompts(), DecodeSettings(max_new_tokens=NEW_TOKENS))
+    for (tokens, _), (ref, logits) in zip(results, _references("gemma3_text"), strict=True):
+        assert_same_tokens(tokens, ref, ref_logits=logits, label="gemma3 growing")
+
+
+def _batched_laws() -> list[torch.Tensor]:
+    """Token 2's frequencies in each of two rows of one prompt, over ``E2E_SEEDS`` batches."""
+    model = _e2e_model()
+    auto = SkipPolicy.auto_choice()
+    decoder = Decoder.for_policy(model, replace(auto, draft=replace(auto.draft, lookup_min_ngram=1)))
+    laws = [torch.zeros(E2E_VOCAB), torch.zeros(E2E_VOCAB)]
+    for seed in range(E2E_SEEDS):
+        settings = DecodeSettings(max_new_tokens=3, sampling=Sampling(), seed=2 * seed)
+        for row, (tokens, _) in enumerate(decoder.decode_batch([SAMPLED_PROMPT, SAMPLED_PROMPT], settings)):
+            laws[row][tokens[1]] += 1
+    return [law / E2E_SEEDS for law in laws]
+
+
+SAMPLED_PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_batched_sampling_keeps_each_rows_distribution(rotate_kinds: Rotation) -> None:
+    """Every step kind rotating (one-hot lookup q, the batched draft's q, each row's drafter's q)."""
+    _, p2, _ = _exact_laws(_e2e_model(), SAMPLED_PROMPT)
+    laws = _batched_laws()
+    assert len(set(rotate_kinds.ran)) >= 4
+    for law in laws:
+        assert tv(law, p2) < E2E_TV_BOUND
+
+
+def test_batched_sampling_with_always_accept_fails(rotate_kinds: Rotation, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same test catches a verify that keeps every draft."""
+    monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
+    _, p2, _ = _exact_laws(_e2e_model(), SAMPLED_PROMPT)
+    assert any(tv(law, p2) > E2E_TV_BOUND for law in _batched_laws())
+
+
+def test_a_batch_of_sampled_rows_is_reproducible_with_a_seed(rotate_kinds: Rotation) -> None:
+    decoder = Decoder.for_policy(_model("llama"), POLICIES["auto"])
+    settings = DecodeSettings(max_new_tokens=12, sampling=Sampling(temperature=0.9), seed=5)
+    rotate_kinds.reset()
+    first = [tokens for tokens, _ in decoder.decode_batch(_prompts(), settings)]
+    rotate_kinds.reset()
+    again = [tokens for tokens, _ in decoder.decode_batch(_prompts(), settings)]
+    assert first == again
