@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from layerskip.cli.common import (
     THREADS_HELP,
@@ -17,6 +18,7 @@ from layerskip.cli.common import (
     thread_setting,
     warn_if_tuned_elsewhere,
 )
+from layerskip.data import load_prompts
 from layerskip.drafts.policy import is_policy_file
 from layerskip.drafts.policy_spec import AUTO, PLAIN
 from layerskip.engine.decoding import Decoder, DecodeSettings
@@ -26,11 +28,12 @@ from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.integration.baselines import hf_generate
 from layerskip.machine import this_machine
+from layerskip.measure.batches import batch_runner, left_padded, new_tokens
 from layerskip.measure.bench import auto_choices
 from layerskip.measure.divergence import DivergenceCheck
 from layerskip.measure.timing import Runner, aggregate_throughput, run_interleaved, speedup, throughput
 from layerskip.sampling import Sampling
-from layerskip.stats import GenerationStats
+from layerskip.stats import DeviceClock, GenerationStats
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text")
-    source.add_argument("--prompt-file", help="read the prompt from this file")
+    source.add_argument(
+        "--prompt-file",
+        help="read the prompt from this file; with --batch-size, many prompts: one per line, or a JSONL / "
+        "Spec-Bench file",
+    )
     parser.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -75,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         "they first differ, the two tokens, and whether that is rounding or a defect, checked in fp32)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="N",
+        help="decode --prompt-file's prompts N at a time, each batch together (with --compare: against HF's "
+        "batched generate on the same batch)",
+    )
     parser.add_argument(
         "--save-policy",
         metavar="PATH",
@@ -130,6 +144,8 @@ def _check_sampling_options(args: argparse.Namespace) -> None:
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.batch_size is not None:
+        return _main_batches(args)
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     check_seed(args.seed)
@@ -248,3 +264,87 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _batch_prompts(path: str) -> list[str]:
+    """``--prompt-file`` with ``--batch-size``: a JSONL / Spec-Bench (or json, csv, parquet) file
+    through the prompt loader, else one prompt per non-empty line."""
+    if Path(path).suffix.lower() in (".jsonl", ".json", ".csv", ".parquet"):
+        return [prompt.text for prompt in load_prompts(path)]
+    lines = [line for line in read_prompt(None, path).splitlines() if line.strip()]
+    if not lines:
+        raise LayerskipError(f"--prompt-file {path} holds no prompt (one per line with --batch-size)")
+    return lines
+
+
+def _main_batches(args: argparse.Namespace) -> int:
+    """``--batch-size N``: the file's prompts, N at a time, each batch decoded together; with
+    ``--compare``, HF's batched ``generate`` on the same left-padded batch beside it."""
+    if args.batch_size < 1:
+        raise LayerskipError(f"--batch-size must be >= 1 (got {args.batch_size})")
+    if args.prompt_file is None:
+        raise LayerskipError("--batch-size reads many prompts: pass --prompt-file PATH (one prompt per line)")
+    if args.max_new_tokens <= 0:
+        raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    if args.save_policy is not None:
+        raise LayerskipError("--save-policy takes one prompt; drop --batch-size to save what auto chose")
+    check_seed(args.seed)
+    _check_sampling_options(args)
+    texts = _batch_prompts(args.prompt_file)
+    policy = None if args.policy == PLAIN else load_policy(args.policy, resolve_device(args.device))[1]
+    sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    chat = loaded.instruct if args.chat is None else args.chat
+    ids = [encode_prompt(tokenizer, text, chat) for text in texts]
+    for index, prompt_ids in enumerate(ids):
+        check_fits(model, len(prompt_ids), args.max_new_tokens, f"prompt {index + 1}")
+    decoder = Decoder.for_policy(model, policy, threads=args.threads, progress=not args.json)
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    settings = DecodeSettings(args.max_new_tokens, sampling, args.seed, eos)
+    hf_run = batch_runner(model, args.max_new_tokens, eos, pad, None) if args.compare else None
+    clock = DeviceClock(decoder.device)
+    for first in range(0, len(ids), args.batch_size):
+        group = ids[first : first + args.batch_size]
+        start = clock.now()
+        results = decoder.decode_batch(group, settings, tokenizer=tokenizer)
+        seconds = clock.now() - start
+        made = sum(len(tokens) for tokens, _ in results)
+        report: dict[str, object] = {
+            "batch": first // args.batch_size,
+            "rows": len(group),
+            "new_tokens": made,
+            "seconds": seconds,
+            "tokens_per_second": throughput(made, seconds),
+            "steps": results[0][1].batch_steps,
+        }
+        if hf_run is not None:
+            padded, mask = left_padded(group, pad, decoder.device)
+            start = clock.now()
+            reference = new_tokens(hf_run(padded, mask)[0], padded.shape[1], eos)
+            hf_seconds = clock.now() - start
+            report["baseline_tokens_per_second"] = throughput(sum(map(len, reference)), hf_seconds)
+            report["speedup"] = hf_seconds / seconds if seconds > 0 else None
+            report["identical_rows"] = (
+                sum(tokens == ref for (tokens, _), ref in zip(results, reference, strict=True))
+                if sampling is None
+                else None
+            )
+        for row, (tokens, _) in enumerate(results):
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if args.json:
+                print(json.dumps({"prompt": first + row, "text": text, "new_tokens": len(tokens)}))
+            else:
+                print(f"--- prompt {first + row + 1} ({len(tokens)} tokens)\n{text}")
+        if args.json:
+            print(json.dumps(report))
+        else:
+            line = f"[batch of {len(group)}: {made} tokens in {seconds:.2f} s, {report['tokens_per_second']:.1f} tok/s"
+            if hf_run is not None:
+                line += (
+                    f"; HF batched generate {report['baseline_tokens_per_second']:.1f} tok/s, "
+                    f"speedup {report['speedup']:.2f}x, identical rows {report['identical_rows']}/{len(group)}"
+                )
+            print(line + "]", file=sys.stderr)
+    return 0

@@ -35,6 +35,7 @@ from layerskip.engine.step import Stepper, record_outcome
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import LogitsHook, verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
+from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
@@ -85,7 +86,7 @@ class Decoder:
         ``auto`` policy is priced by a calibration of this machine, measured here or read from
         the cache (``engine.calibration``)."""
         if isinstance(policy, str):
-            policy = load_policy(policy, next(model.parameters()).device)[1]
+            policy = load_policy(policy, next(model.parameters()).device, "policy=")[1]
         costs = None
         if policy is not None and policy.auto is not None:
             models = models if models is not None else DraftModels(model)
@@ -311,7 +312,7 @@ def decode_speculative(
 def generate(
     model: nn.Module,
     tokenizer: object,
-    prompt: str,
+    prompt: str | Sequence[str],
     policy: SkipPolicy | str | None = None,
     *,
     max_new_tokens: int = 128,
@@ -321,13 +322,14 @@ def generate(
     stop_strings: Sequence[str] = (),
     stream: TokenCallback | None = None,
     decoder: Decoder | None = None,
-) -> GenerationResult:
+) -> GenerationResult | list[GenerationResult]:
     """Generate from text: self-speculatively with ``policy``, plainly without one.
 
     Greedy unless ``sampling`` is given. ``stream`` receives token ids as they are accepted.
-    Pass a ``decoder`` (``Decoder.for_policy(model, policy)``) to reuse its prepared draft across calls.
+    Pass a ``decoder`` (``Decoder.for_policy(model, policy)``) to reuse its prepared draft across
+    calls. A list of prompts is decoded together (``Decoder.decode_batch``) and gives a list of
+    results, in order; streaming takes one prompt.
     """
-    ids = encode_prompt(tokenizer, prompt, chat)
     settings = DecodeSettings(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
@@ -336,6 +338,21 @@ def generate(
         stop_strings=tuple(stop_strings),
     )
     decoder = decoder or Decoder.for_policy(model, policy)
+    if not isinstance(prompt, str):
+        if stream is not None:
+            raise LayerskipError("stream= takes one prompt; pass a string, or drop stream= for a list")
+        ids = [encode_prompt(tokenizer, text, chat) for text in prompt]
+        results = decoder.decode_batch(ids, settings, tokenizer=tokenizer)
+        return [
+            GenerationResult(
+                tokens=tokens,
+                text=tokenizer.decode(tokens, skip_special_tokens=True),
+                prompt_tokens=len(row),
+                stats=stats,
+            )
+            for row, (tokens, stats) in zip(ids, results, strict=True)
+        ]
+    ids = encode_prompt(tokenizer, prompt, chat)
     tokens, stats = decoder.decode(ids, settings, tokenizer=tokenizer, on_tokens=stream)
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     return GenerationResult(tokens=tokens, text=text, prompt_tokens=len(ids), stats=stats)

@@ -19,9 +19,9 @@ the config:
   token so far when ``output_scores`` is recorded (``return_dict_in_generate=True``), else None.
   Its answer may be a tensor or a Python bool, as plain ``generate`` accepts.
 
-A batch (or ``num_return_sequences`` copies of one prompt) is one engine call per row, decoded one
-after another. Anything whose output we cannot reproduce exactly is refused in one line naming
-the argument.
+A batch (or ``num_return_sequences`` copies of one prompt) is one engine call per row; the rows
+are decoded together (``Decoder.decode_batch``). Anything whose output we cannot reproduce
+exactly is refused in one line naming the argument.
 """
 
 from __future__ import annotations
