@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 def parsers() -> dict:
     """The four tools by their installed names, as docs/cli.md lists them."""
     from layerskip.cli import bench, generate, train_exit
-    from search import cli as search_cli
+    from layerskip.search import cli as search_cli
 
     return {
         "layerskip-generate": generate.build_parser(),
@@ -41,8 +40,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if not sys.flags.safe_path:
-        # scripts/ holds search.py, which Python would import in place of the `search` package;
-        # run again with -P, which keeps the script's folder off the import path.
-        os.execv(sys.executable, [sys.executable, "-P", *sys.orig_argv[1:]])
     raise SystemExit(main())

@@ -6,18 +6,11 @@ Everything lands in results/demo/ (study database, policy, plots). Re-running re
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
-if not sys.flags.safe_path:
-    # scripts/ holds search.py, which Python would import in place of the installed `search`
-    # package; run again with -P, which keeps the script's folder off the import path.
-    os.execv(sys.executable, [sys.executable, "-P", *sys.orig_argv[1:]])
-
-from layerskip.cli.generate import main as generate_main  # noqa: E402
-from layerskip.data import builtin_prompts  # noqa: E402
-from search.cli import main as search_main  # noqa: E402
+from layerskip.cli.generate import main as generate_main
+from layerskip.data import builtin_prompts
+from layerskip.search.cli import main as search_main
 
 OUT = Path("results/demo")
 

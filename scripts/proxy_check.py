@@ -8,25 +8,19 @@ over its predicted-speedup range by real generation and prints the rank correlat
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-if not sys.flags.safe_path:
-    # scripts/ holds search.py, which Python would import in place of the installed `search`
-    # package; run again with -P, which keeps the script's folder off the import path.
-    os.execv(sys.executable, [sys.executable, "-P", *sys.orig_argv[1:]])
+import optuna
+from optuna.trial import TrialState
 
-import optuna  # noqa: E402
-from optuna.trial import TrialState  # noqa: E402
-
-from layerskip.cli.common import add_model_arguments, run_cli  # noqa: E402
-from layerskip.data import load_prompts  # noqa: E402
-from layerskip.hf.models import load_model  # noqa: E402
-from layerskip.hf.prompting import encode_prompt, eos_token_ids  # noqa: E402
-from search.confirmation import confirm_window  # noqa: E402
-from search.objective import prepare_calibration, spearman  # noqa: E402
-from search.space import trial_policy  # noqa: E402
-from search.study import confirmations, open_storage, record_confirmation  # noqa: E402
+from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.data import load_prompts
+from layerskip.hf.models import load_model
+from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.search.confirmation import confirm_window
+from layerskip.search.objective import prepare_calibration, spearman
+from layerskip.search.space import trial_policy
+from layerskip.search.study import confirmations, open_storage, record_confirmation
 
 
 def _main(argv: list[str] | None) -> int:
@@ -59,7 +53,7 @@ def _main(argv: list[str] | None) -> int:
     chosen = trials[::step][: args.n]
     done = confirmations(study)
     missing = [trial for trial in chosen if trial.number not in done]
-    if missing:  # measured together in one interleaved window (search.confirmation)
+    if missing:  # measured together in one interleaved window (layerskip.search.confirmation)
         policies = {trial.number: trial_policy(study, trial) for trial in missing}
         measured = confirm_window(loaded.model, calibration, policies, args.max_new_tokens)
         for trial in missing:

@@ -36,7 +36,7 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import UnreadableFile, load_json, write_json_atomic
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference
-from search.log import Log, to_stderr
+from layerskip.search.log import Log, to_stderr
 
 FORMAT = 1
 CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"

@@ -23,8 +23,8 @@ from layerskip.data import Prompt
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS
 from layerskip.errors import LayerskipError, few
 from layerskip.fileio import Items, Obj, load_json
-from search.confirmation import MIN_ROUNDS
-from search.space import ExitChoice
+from layerskip.search.confirmation import MIN_ROUNDS
+from layerskip.search.space import ExitChoice
 
 # numpy's RandomState (under Optuna's samplers) takes seeds in [0, 2**32); the sampler seed
 # adds the worker and trial counts to --seed, so --seed leaves them room.

@@ -18,10 +18,10 @@ import torch
 from layerskip.cli.common import add_model_arguments, float_list, int_list, run_cli, str_list
 from layerskip.errors import LayerskipError
 from layerskip.hf.models import resolve_device
-from search.calibration_cache import CACHE_ENV
-from search.confirmation import MIN_ROUNDS
-from search.objective import OBJECTIVES
-from search.phases import run
+from layerskip.search.calibration_cache import CACHE_ENV
+from layerskip.search.confirmation import MIN_ROUNDS
+from layerskip.search.objective import OBJECTIVES
+from layerskip.search.phases import run
 
 
 def preset_values(name: str, device: torch.device) -> dict[str, Any]:
@@ -285,7 +285,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def _main(argv: list[str] | None) -> int:
     args = parse_arguments(argv)
     command = shlex.join(["layerskip-search", *(sys.argv[1:] if argv is None else argv)])
-    return run(args, command)  # search.phases: check, storage, calibrate, rank, trials, confirm, export
+    return run(args, command)  # layerskip.search.phases: check, storage, calibrate, rank, trials, confirm, export
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,8 +29,8 @@ from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.integration.baselines import hf_generate
 from layerskip.measure.timing import Runner, aggregate_throughput, run_rounds, speedup
+from layerskip.search.objective import Calibration
 from layerskip.stats import GenerationStats
-from search.objective import Calibration
 
 MIN_ROUNDS = 5  # a median and an interquartile range need a few rounds; 5 is the least that tells an outlier
 BASELINE = "hf"

@@ -2,9 +2,9 @@
 
 The exported policy is the one the trial evaluated (stored on the trial), with the study's
 model identity, provenance and the figures measured for it. Only *exportable* trials are
-offered (``search.space.exportable``): a skip draft that bypasses nothing is the full model
+offered (``layerskip.search.space.exportable``): a skip draft that bypasses nothing is the full model
 drafting for itself and is never exported. The trial exported by default is the one the last
-confirmation window chose (``search.confirmation``); the provenance then records every
+confirmation window chose (``layerskip.search.confirmation``); the provenance then records every
 finalist's measured speedup and noise and whether a close call decided it. Whether the choice
 beats plain decoding is reported by ``verdict``, plainly, and the study's finalists by ``summary``.
 """
@@ -21,9 +21,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from layerskip.drafts.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
-from search.draft_timing import shared_timing_counts
-from search.space import exportable, trial_policy
-from search.study import confirmation_window, confirmations
+from layerskip.search.draft_timing import shared_timing_counts
+from layerskip.search.space import exportable, trial_policy
+from layerskip.search.study import confirmation_window, confirmations
 
 CHEAP_FIGURES = (
     "acceptance",
@@ -42,7 +42,7 @@ def exportable_trials(study: optuna.Study) -> list[FrozenTrial]:
 
 
 def choose_trial(study: optuna.Study, trial_number: int | None = None) -> FrozenTrial:
-    """The chosen trial, else the last confirmation window's choice (``search.confirmation.decide``), else
+    """The chosen trial, else the last confirmation window's choice (``layerskip.search.confirmation.decide``), else
     the exportable trial with the best *measured* speedup, else the best predicted one."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if not complete:

@@ -25,10 +25,10 @@ from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import draft_step_seconds, measure_latency
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference, TeacherForcedDraft, build_references, simulate_greedy
-from search.calibration_cache import CalibrationCache
-from search.draft_timing import DraftTimings, draft_key
-from search.log import phase
-from search.space import POLICY_ATTR, SearchSpace, policy_attr, with_vocabulary
+from layerskip.search.calibration_cache import CalibrationCache
+from layerskip.search.draft_timing import DraftTimings, draft_key
+from layerskip.search.log import phase
+from layerskip.search.space import POLICY_ATTR, SearchSpace, policy_attr, with_vocabulary
 
 OBJECTIVES = ("pareto", "speedup")
 LATENCY_WARNING_ATTR = "latency_warning"
@@ -140,7 +140,7 @@ class CheapObjective:
         # One draft forward per (precision, exit adapter), every sublayer kept: an adapter is loaded
         # and checked once per study process, never trained by a trial.
         self.draft_models = DraftModels(model)
-        # One timing per distinct draft in the study (search.draft_timing): noise cannot price it twice.
+        # One timing per distinct draft in the study (layerskip.search.draft_timing): noise cannot price it twice.
         self.draft_timings = DraftTimings()
 
     def score(self, policy: SkipPolicy, trial: optuna.Trial | None = None) -> CheapScore:

@@ -5,10 +5,10 @@ check      the command line, prompts, warm starts, exit adapters and outputs, be
 storage    the study's storage reached, a damaged journal repaired and a resumed study's space and
            prompts checked, before the model loads (``check_storage``); a new SQLite or journal
            file is created only once every input has been checked (``open_study_storage``)
-calibrate  the references and measured latency the cheap score needs (search.objective), cached
+calibrate  the references and measured latency the cheap score needs (layerskip.search.objective), cached
 rank       the ranked space's sublayer order; a new study's starts with the warm starts' sublayers
 trials     the study opened (warm starts enqueued) and its trials run, each scored cheaply
-confirm    the best finalists measured by real generation in one window (search.confirmation)
+confirm    the best finalists measured by real generation in one window (layerskip.search.confirmation)
 export     the chosen trial written as a policy, the plots, and the summary table
 
 Every phase refuses what it can before the work that follows: a search must not fail, after
@@ -43,8 +43,8 @@ from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.machine import Machine, this_machine
 from layerskip.measure.agreement import sublayer_order
-from search.calibration_cache import CalibrationCache
-from search.checks import (
+from layerskip.search.calibration_cache import CalibrationCache
+from layerskip.search.checks import (
     check_arguments,
     check_head_sizes,
     check_resumed_calibration,
@@ -53,14 +53,14 @@ from search.checks import (
     prompts_digest,
     read_exit_choices,
 )
-from search.confirmation import confirm_window
-from search.export import export_policy, summary, verdict
-from search.journal import repair_journal
-from search.log import phase
-from search.objective import Calibration, CheapObjective, prepare_calibration
-from search.plots import PLOT_FILES, write_plots
-from search.space import RANKING_ATTR, ExitChoice, SearchSpace
-from search.study import (
+from layerskip.search.confirmation import confirm_window
+from layerskip.search.export import export_policy, summary, verdict
+from layerskip.search.journal import repair_journal
+from layerskip.search.log import phase
+from layerskip.search.objective import Calibration, CheapObjective, prepare_calibration
+from layerskip.search.plots import PLOT_FILES, write_plots
+from layerskip.search.space import RANKING_ATTR, ExitChoice, SearchSpace
+from layerskip.search.study import (
     check_local_storage,
     check_storage_url,
     check_study_matches,

@@ -14,7 +14,7 @@ import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
 from layerskip.fileio import write_bytes_atomic  # noqa: E402
-from search.space import trial_policy  # noqa: E402
+from layerskip.search.space import trial_policy  # noqa: E402
 
 PLOT_FILES = ("pareto.png", "history.png", "skip_frequency.png")  # what write_plots writes into --plots
 

@@ -30,8 +30,8 @@ from optuna.trial import FrozenTrial, TrialState
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.machine import Machine
-from search.confirmation import Confirmation, decide
-from search.space import exportable, trial_policy
+from layerskip.search.confirmation import Confirmation, decide
+from layerskip.search.space import exportable, trial_policy
 
 COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
 CONFIRMED_PREFIX = "confirmed:"
@@ -475,7 +475,7 @@ def draft_kind(policy: SkipPolicy) -> str:
 
 def finalists(study: optuna.Study, objective: str, top_k: int, per_kind: bool = False) -> list[FrozenTrial]:
     """Trials worth confirming by real generation: the best predicted speedups (of the Pareto set)
-    among trials the search may export (``search.space.exportable``).
+    among trials the search may export (``layerskip.search.space.exportable``).
 
     ``per_kind``: then the best predicted trial of every other ``draft_kind`` too. The cheap score
     prices different drafts with timings taken at different moments, so a kind that predicts a
@@ -520,7 +520,7 @@ Measure = Callable[[Mapping[int, SkipPolicy]], Mapping[int, Confirmation]]
 def confirm_finalists(
     study: optuna.Study, trials: list[FrozenTrial], measure: Measure, settings: dict[str, Any]
 ) -> tuple[dict[str, Any] | None, bool]:
-    """Measure ``trials`` together in one window (``measure``: ``search.confirmation.confirm_window``
+    """Measure ``trials`` together in one window (``measure``: ``layerskip.search.confirmation.confirm_window``
     bound to the model, calibration and ``settings``), record every figure and which one is chosen.
 
     The last window's choice joins them when it is no longer a finalist: a resumed search measures

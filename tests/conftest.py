@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 SMOLLM2 = "smollm2-135m"
-SEARCH_CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"  # search.calibration_cache.CACHE_ENV, without importing torch here
+SEARCH_CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"  # layerskip.search.calibration_cache.CACHE_ENV, torch not imported
 AUTO_CACHE_ENV = "LAYERSKIP_CALIBRATION_CACHE"  # layerskip.engine.calibration.CACHE_ENV
 
 

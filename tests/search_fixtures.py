@@ -145,7 +145,7 @@ def load_storage(url: str):
         return optuna.storages.JournalStorage(JournalFileBackend(url))
     if url.startswith("sqlite:///"):
         return optuna.storages.RDBStorage(url)
-    from search.study import open_storage  # picks the installed PostgreSQL driver
+    from layerskip.search.study import open_storage  # picks the installed PostgreSQL driver
 
     return open_storage(url)
 
@@ -185,7 +185,7 @@ def wait_all(processes: Sequence[subprocess.Popen], timeout: float = 240) -> lis
 def search_in_process(capsys, model: Path | str, *args: str, fast: bool = True) -> subprocess.CompletedProcess:
     """``layerskip-search`` through its own ``main`` in this process (the same one-line error path as
     the script, without an interpreter start-up); ``capsys`` collects its output."""
-    from search.cli import main
+    from layerskip.search.cli import main
 
     argv = ["--model", str(model), *(FAST_ARGS if fast else []), *args]
     capsys.readouterr()  # drop what the test printed before
@@ -211,7 +211,7 @@ def kill_9_then_resume(run: Any, model: Path | str, url: str, name: str, out: Pa
     Works for every storage kind: SQLite, journal file, PostgreSQL."""
     from optuna.trial import TrialState
 
-    from search.study import WORKER_ATTR, local_storage_file
+    from layerskip.search.study import WORKER_ATTR, local_storage_file
 
     # A database server is polled through one storage (a new one per poll would open new connections);
     # a local file is reopened, since polling must not create it before the worker does.

@@ -354,7 +354,7 @@ def test_a_search_starts_from_autos_choices(
     fixed policy) are the study's first trial."""
     from search_fixtures import load_study, search_in_process
 
-    from search.space import trial_policy
+    from layerskip.search.space import trial_policy
 
     db, out = tmp_path / "w.db", tmp_path / "p.json"
     args = ["--n-trials", "3", "--storage", f"sqlite:///{db}", "--study-name", "w", "--out", str(out)]

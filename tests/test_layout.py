@@ -24,18 +24,21 @@ ORDER = [
     "layerskip.measure",
     "layerskip.distill",
     "layerskip.cli",
-    "search",
+    "layerskip.search",  # the search/ folder, installed as layerskip.search: nothing in the library imports it
 ]
+# Where each source folder installs (pyproject.toml's package-dir): search/ is layerskip.search.
+INSTALLED_AS = {"layerskip": "layerskip", "search": "layerskip.search"}
 
 
 def _module(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    """The module a source file installs as: ``search/cli.py`` -> ``layerskip.search.cli``."""
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = [INSTALLED_AS[folder], *parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _package(module: str) -> str:
-    parts = module.split(".")
-    return "search" if parts[0] == "search" else ".".join(parts[:2])
+    return ".".join(module.split(".")[:2])
 
 
 def _imports(path: Path) -> set[str]:
@@ -46,11 +49,11 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.split(".")[0] in ("layerskip", "search")}
+    return {name for name in found if name.split(".")[0] in ("layerskip", "search", "optuna")}
 
 
 def _sources() -> dict[str, Path]:
-    return {_module(p): p for root in ("layerskip", "search") for p in (ROOT / root).rglob("*.py")}
+    return {_module(p): p for root in INSTALLED_AS for p in (ROOT / root).rglob("*.py")}
 
 
 def test_arrows_point_down_the_layout() -> None:
@@ -63,11 +66,42 @@ def test_arrows_point_down_the_layout() -> None:
         assert mine in rank, f"{module} is in no package of the layout; add it to ORDER and docs/contributing.md"
         for target in _imports(path):
             theirs = _package(target)
-            if theirs == "layerskip" or theirs == mine:
+            if theirs == "layerskip" or theirs == mine or target.startswith("optuna"):
                 continue
             if rank.get(theirs, -1) > rank[mine]:
                 wrong.append(f"{module} -> {target}")
     assert not wrong, "imports that run up the layout: " + ", ".join(sorted(wrong))
+
+
+def test_the_library_never_imports_the_search_or_optuna() -> None:
+    """``import layerskip`` (the facade included) needs neither the search nor Optuna; the search
+    imports only its own folder as ``layerskip.search`` (a top-level ``search`` is not installed)."""
+    wrong = []
+    for module, path in _sources().items():
+        for target in _imports(path):
+            top = target.split(".")[0]
+            in_search = module.startswith("layerskip.search")
+            if top == "search" or (not in_search and (top == "optuna" or target.startswith("layerskip.search"))):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports the library must not make: " + ", ".join(sorted(wrong))
+
+
+def test_pyproject_installs_every_package_folder() -> None:
+    """pyproject.toml lists its packages by hand (search/ maps into layerskip): a new folder of
+    sources must be listed there, or a wheel would leave it out."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"layerskip.search": "search"}
+    holding = [
+        path.parent for root in INSTALLED_AS for path in (ROOT / root).rglob("*") if path.suffix in (".py", ".jsonl")
+    ]
+    # A folder that holds only a folder (custom_generate/custom_generate) is a package too.
+    folders = {
+        folder for path in holding for folder in (path, *path.parents) if folder.is_relative_to(ROOT) and folder != ROOT
+    }
+    expected = {_module(folder / "__init__.py") for folder in folders if "__pycache__" not in folder.parts}
+    assert sorted(setuptools["packages"]) == sorted(expected)
 
 
 def test_package_inits_import_only_their_own_package() -> None:
@@ -98,7 +132,7 @@ def test_only_the_builder_constructs_a_draft_model() -> None:
     ``layerskip.drafts.builder`` (``DraftModels``, ``PreparedDraft``), never by constructing one."""
     assert _draft_model_calls("from layerskip.drafts.model import DraftModel as D\nD(m)\n") == [2]
     assert _draft_model_calls("from layerskip.drafts import model\nmodel.DraftModel(m)\n") == [2]
-    sources = [path for root in ("layerskip", "search", "scripts") for path in sorted((ROOT / root).rglob("*.py"))]
+    sources = [path for root in (*INSTALLED_AS, "scripts") for path in sorted((ROOT / root).rglob("*.py"))]
     assert any(path.parent.name == "scripts" for path in sources)
     builders = {}
     for path in sources:

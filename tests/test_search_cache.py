@@ -15,8 +15,8 @@ import pytest
 from search_fixtures import load_study, ok, search_in_process
 
 import layerskip.engine.latency as engine_latency
-import search.calibration_cache as calibration_cache
-import search.objective as objective
+import layerskip.search.calibration_cache as calibration_cache
+import layerskip.search.objective as objective
 from layerskip.drafts.policy import SkipPolicy
 
 
@@ -201,7 +201,7 @@ def test_no_cache_rebuilds_and_refreshes(search, counted, tmp_path: Path) -> Non
 
 
 def test_cached_latency_is_said_in_help() -> None:
-    from search.cli import build_parser
+    from layerskip.search.cli import build_parser
 
     text = " ".join(build_parser().format_help().split())
     assert "--no-cache" in text and "cached latency is reused" in text

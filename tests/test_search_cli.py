@@ -35,7 +35,7 @@ from search_fixtures import (
 )
 
 from layerskip.drafts.policy import SkipPolicy
-from search.space import trial_policy
+from layerskip.search.space import trial_policy
 
 FINISHED = {TrialState.COMPLETE, TrialState.PRUNED}
 
@@ -132,10 +132,10 @@ def test_single_choice_knobs_and_head_rows_reach_the_exported_policy(run_search,
 def test_close_call_is_broken_on_acceptance_and_reported(run_search, tiny_llama, tmp_path, monkeypatch):
     """Two finalists closer than their measured noise: the summary says so, the one with more tokens per
     verify is exported, and the policy's provenance carries each finalist's noise and how the call was made."""
-    import search.phases
-    from search.confirmation import Confirmation
+    import layerskip.search.phases
+    from layerskip.search.confirmation import Confirmation
 
-    monkeypatch.setattr(search.phases, "HOPELESS_PREDICTED", 0.0)  # a tiny random model predicts little
+    monkeypatch.setattr(layerskip.search.phases, "HOPELESS_PREDICTED", 0.0)  # a tiny random model predicts little
     windows = []
 
     def within_noise(model, calibration, policies, max_new_tokens, rounds, progress):
@@ -147,7 +147,7 @@ def test_close_call_is_broken_on_acceptance_and_reported(run_search, tiny_llama,
             for n, (speed, tau) in figures.items()
         }
 
-    monkeypatch.setattr(search.phases, "confirm_window", within_noise)
+    monkeypatch.setattr(layerskip.search.phases, "confirm_window", within_noise)
     out = tmp_path / "p.json"
     args = [
         "--n-trials",

@@ -1,4 +1,4 @@
-"""Identical drafts share one draft-step timing within a study (``search.draft_timing``): in a process,
+"""Identical drafts share one draft-step timing within a study (``layerskip.search.draft_timing``): in a process,
 across processes (a resumed run, another worker) through the study, and never across different drafts."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.measure.agreement import build_references
-from search import objective as objective_module
-from search.draft_timing import TIMING_PREFIX
-from search.objective import Calibration, CheapObjective
-from search.space import SearchSpace
+from layerskip.search import objective as objective_module
+from layerskip.search.draft_timing import TIMING_PREFIX
+from layerskip.search.objective import Calibration, CheapObjective
+from layerskip.search.space import SearchSpace
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 

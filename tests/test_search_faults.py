@@ -26,8 +26,8 @@ from search_fixtures import search_in_process
 from layerskip.data import load_prompts
 from layerskip.drafts.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
-from search import journal as journal_module
-from search.study import open_storage, open_study
+from layerskip.search import journal as journal_module
+from layerskip.search.study import open_storage, open_study
 
 NO_MODEL = "/nonexistent/model-dir"
 
@@ -253,7 +253,7 @@ def test_a_changed_space_flag_is_refused_before_any_work(
 # -- a resumed study keeps its calibration prompts -------------------------------------------------------------------
 def _study_calibrated_on(url: str, digest: bool = True, **changes: object) -> None:
     from layerskip.data import load_prompts
-    from search.checks import prompts_digest
+    from layerskip.search.checks import prompts_digest
 
     prompts = load_prompts("builtin", n=2)  # what FAST_ARGS pick
     calibration = {"source": "builtin", "prompts": [p.id for p in prompts], "chat": False, "reference_tokens": 8}
@@ -347,12 +347,12 @@ def test_a_failed_warm_start_is_queued_again_until_it_completes(tmp_path: Path) 
 def test_a_warm_start_for_another_model_is_refused_before_calibration(
     tiny_llama: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import search.phases
+    import layerskip.search.phases
 
     def calibrating(*args: object, **kwargs: object) -> None:
         raise AssertionError("calibration started")
 
-    monkeypatch.setattr(search.phases, "prepare_calibration", calibrating)
+    monkeypatch.setattr(layerskip.search.phases, "prepare_calibration", calibrating)
     other = SkipPolicy(skip_mlp=(1,), model=ModelIdentity(name="big", architecture="llama", num_layers=7))
     seed = other.save(tmp_path / "other.json")
     args = ["--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", str(tmp_path / "p.json"), "--warm-start", str(seed)]
@@ -431,7 +431,7 @@ def test_running_trials_of_dead_local_workers_are_failed(tmp_path: Path) -> None
     import subprocess
     import sys
 
-    from search.study import WORKER_ATTR, fail_trials_of_dead_workers
+    from layerskip.search.study import WORKER_ATTR, fail_trials_of_dead_workers
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a process id that no longer runs

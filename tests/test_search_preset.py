@@ -12,8 +12,8 @@ from search_fixtures import generate_in_process, load_study, ok, search_in_proce
 
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.machine import this_machine
-from search.cli import parse_arguments, preset_values
-from search.phases import default_study_name
+from layerskip.search.cli import parse_arguments, preset_values
+from layerskip.search.phases import default_study_name
 
 
 def test_the_preset_sets_its_values_and_flags_override_them() -> None:

@@ -9,7 +9,15 @@ import pytest
 
 from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.errors import LayerskipError
-from search.space import POLICY_ATTR, ExitChoice, SearchSpace, exportable, policy_attr, trial_policy, with_vocabulary
+from layerskip.search.space import (
+    POLICY_ATTR,
+    ExitChoice,
+    SearchSpace,
+    exportable,
+    policy_attr,
+    trial_policy,
+    with_vocabulary,
+)
 
 LAYERS = 6
 

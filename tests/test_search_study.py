@@ -1,4 +1,4 @@
-"""Fast in-process tests of ``search.study``: storage URLs, the schema race retry, Ctrl-C handling."""
+"""Fast in-process tests of ``layerskip.search.study``: storage URLs, the schema race retry, Ctrl-C handling."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from optuna.trial import TrialState
 
 from layerskip.errors import LayerskipError
-from search import study as study_module
-from search.study import (
+from layerskip.search import study as study_module
+from layerskip.search.study import (
     check_storage_url,
     check_study_matches,
     local_storage_file,
@@ -199,7 +199,7 @@ def test_total_trials_already_reached_runs_nothing():
 
 # -- export: the evaluated policy, never the full model drafting for itself -----------------------------------------
 def _trial_with(study: optuna.Study, policy, predicted: float) -> int:
-    from search.space import POLICY_ATTR, policy_attr
+    from layerskip.search.space import POLICY_ATTR, policy_attr
 
     trial = study.ask()
     trial.set_user_attr(POLICY_ATTR, policy_attr(policy))
@@ -210,8 +210,8 @@ def _trial_with(study: optuna.Study, policy, predicted: float) -> int:
 
 def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
     from layerskip.drafts.policy import DraftSettings, SkipPolicy
-    from search.export import choose_trial, export_policy, verdict
-    from search.study import finalists
+    from layerskip.search.export import choose_trial, export_policy, verdict
+    from layerskip.search.study import finalists
 
     study = optuna.create_study(direction="maximize")
     bare = _trial_with(study, SkipPolicy(draft=DraftSettings(max_draft_tokens=4)), 2.0)
@@ -229,8 +229,8 @@ def test_finalists_add_the_best_of_every_other_kind_of_draft():
     """The cheap score may rank a whole kind of draft just below another on noise: the best of each kind
     is confirmed beside the top predictions (with per_kind)."""
     from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
-    from search.space import trial_policy
-    from search.study import draft_kind, finalists
+    from layerskip.search.space import trial_policy
+    from layerskip.search.study import draft_kind, finalists
 
     study = optuna.create_study(direction="maximize")
     exit_draft = ExitSettings(adapter="/a.safetensors", sha256="0" * 64, layer=1, kind="linear")
@@ -247,7 +247,7 @@ def test_finalists_add_the_best_of_every_other_kind_of_draft():
 
 def test_export_refuses_a_study_without_an_exportable_trial():
     from layerskip.drafts.policy import SkipPolicy
-    from search.export import choose_trial
+    from layerskip.search.export import choose_trial
 
     study = optuna.create_study(direction="maximize")
     _trial_with(study, SkipPolicy(), 1.0)
@@ -260,7 +260,7 @@ def test_export_refusal_states_the_rule_it_applies_to_lookup_trials():
     gives where nothing pays to bypass) is not exportable; the refusal says so, not that no trial
     drafts by lookup."""
     from layerskip.drafts.policy import DraftSettings, SkipPolicy
-    from search.export import choose_trial
+    from layerskip.search.export import choose_trial
 
     study = optuna.create_study(direction="maximize")
     _trial_with(study, SkipPolicy(draft=DraftSettings(lookup_max_ngram=3, precision="int4")), 1.2)
@@ -294,8 +294,8 @@ def test_confirm_window_pairs_each_finalist_with_the_baseline_round_by_round(mon
 
     from layerskip.drafts.policy import SkipPolicy
     from layerskip.measure.timing import TimedRun
-    from search import confirmation
-    from search.objective import Calibration
+    from layerskip.search import confirmation
+    from layerskip.search.objective import Calibration
 
     # Seconds per round for the whole round (one prompt): the baseline drifts, the finalists follow it.
     seconds = {
@@ -335,7 +335,7 @@ def _figures(speedup: float, iqr: float, tau: float) -> dict:
 
 
 def test_decide_takes_a_clear_win_on_speed():
-    from search.confirmation import decide
+    from layerskip.search.confirmation import decide
 
     confirmed = {1: _figures(1.80, 0.05, 2.0), 2: _figures(1.60, 0.05, 3.0)}
     decision = decide(confirmed)
@@ -347,7 +347,7 @@ def test_decide_takes_a_clear_win_on_speed():
 def test_decide_breaks_a_close_call_on_acceptance():
     """Within the larger noise of the two, the rival with more tokens per verify wins; a finalist
     outside the noise is no rival, whatever its acceptance."""
-    from search.confirmation import decide
+    from layerskip.search.confirmation import decide
 
     confirmed = {
         1: _figures(1.80, 0.03, 2.0),
@@ -365,7 +365,7 @@ def test_decide_breaks_a_close_call_on_acceptance():
 
 
 def _confirmation(speedup: float, iqr: float, tau: float):
-    from search.confirmation import Confirmation
+    from layerskip.search.confirmation import Confirmation
 
     return Confirmation(speedup, 10.0, 5.0, tau, 0.5, 1.0, 2, 8, 5, iqr, [speedup] * 5)
 
@@ -374,8 +374,8 @@ def test_confirm_finalists_measures_once_keeps_its_winner_and_exports_the_decisi
     """One window per set of finalists; the same set again is not measured again; a new set is measured
     together with the last winner; the export follows the window's decision and carries its noise."""
     from layerskip.drafts.policy import SkipPolicy
-    from search.export import export_policy, verdict
-    from search.study import WINDOW_ATTR, confirm_finalists
+    from layerskip.search.export import export_policy, verdict
+    from layerskip.search.study import WINDOW_ATTR, confirm_finalists
 
     study = optuna.create_study(direction="maximize")
     numbers = [_trial_with(study, SkipPolicy(skip_mlp=(i,)), 2.0 - i / 10) for i in range(3)]
