@@ -147,7 +147,15 @@ def test_batch_rows_match_hf_alone(arch: str, policy_name: str, rotate_kinds: Ro
         assert len(kinds) > 1
         assert any(stats.accepted for _, stats in results), "no draft token was ever accepted"
     if policy_name == "auto" and arch in LEAN_FAMILIES:
-        assert {"skip:3", "skip:6", "lookup", "draft"} <= kinds
+        assert {"skip:3", "skip:6", "lookup"} <= kinds  # rows' own drafters: batches of 2 (below)
+
+
+def test_batches_of_two_also_offer_each_rows_own_drafter(rotate_kinds: Rotation) -> None:
+    decoder = Decoder.for_policy(_model("llama"), POLICIES["auto"])
+    results = decoder.decode_batch(_prompts()[:2], DecodeSettings(max_new_tokens=NEW_TOKENS))
+    for (tokens, _), (ref, logits) in zip(results, _references("llama")[:2], strict=True):
+        assert_same_tokens(tokens, ref, ref_logits=logits, label="two rows")
+    assert "draft" in rotate_kinds.ran
 
 
 def test_rows_that_finish_early_leave_the_batch(rotate_kinds: Rotation) -> None:

@@ -205,14 +205,19 @@ class BatchStepper:
         self.rows = [self.rows[b] for b in staying]
 
 
-def step_kinds(has_draft: bool, has_lookup: bool, batch_draft: bool) -> StepKinds:
+# Rows' own drafters run one row after another: their cost grows with the rows, so beyond this
+# many rows the batched draft (one product for all rows) is the only skip draft offered.
+ROW_DRAFTERS_UP_TO = 2
+
+
+def step_kinds(rows: int, has_draft: bool, has_lookup: bool, batch_draft: bool) -> StepKinds:
     """The kinds of step a batch chooses from: the plain step always, then what the draft offers."""
     kinds = [PLAIN]
     if has_lookup:
         kinds.append(LOOKUP)
     if batch_draft:
         kinds.extend(f"skip:{n}" for n in SKIP_LENGTHS)
-    if has_draft:
+    if has_draft and (rows <= ROW_DRAFTERS_UP_TO or not batch_draft):
         kinds.append(DRAFT)
     return StepKinds(tuple(kinds))
 

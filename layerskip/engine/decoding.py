@@ -225,7 +225,7 @@ class Decoder:
                 self.model,
                 RaggedCache(self.cache_windows(), len(rows), dtype=next(self.model.parameters()).dtype),
                 rows,
-                step_kinds(self.draft is not None, lookup is not None, batch_draft is not None),
+                step_kinds(len(rows), self.draft is not None, lookup is not None, batch_draft is not None),
                 lookup,
                 settings.sampling,
                 adapters.lm_head(self.model).weight.shape[0],
