@@ -38,7 +38,10 @@ from layerskip.fileio import (
     load_json,
     write_json_atomic,
 )
+from layerskip.measure.batch_results import batch_outputs, load_batch_runs
 from layerskip.measure.bench import BASELINE
+from layerskip.measure.labels import FLAG_LABELS, cpu_label, cpu_name
+from layerskip.measure.labels import replace_between_markers as replace_readme_block
 from layerskip.measure.report import markdown_report
 
 RESULTS_DIR = Path("docs/results")
@@ -78,7 +81,6 @@ DTYPE_ORDER = {"float32": 0, "bfloat16": 1}
 # ``bench --tree-ablation`` runs each tree-drafting policy again with trees off, named METHOD + this.
 CHAIN_SUFFIX = " (chain)"
 # The CPU features worth naming in a table, most telling first (see machine.KERNEL_FLAGS).
-_FLAG_LABELS = (("amx_bf16", "AMX"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 # Spec-Bench, where the published prompts come from (the questions themselves are not in the repository).
 SPEC_BENCH = (
     "[Spec-Bench](https://github.com/hemingkx/Spec-Bench)'s `data/spec_bench/question.jsonl` (Xia et al., "
@@ -209,25 +211,6 @@ TREE_CEILING_SHAPE = Obj(
         "draft_rows_cost": _ROW_COST,
     }
 )
-
-
-def cpu_name(model: str) -> str:
-    """A CPU model name as a table shows it: ``Intel(R) Xeon(R) Processor`` -> ``Intel Xeon``."""
-    name = re.sub(r"\((?:R|TM|tm)\)", "", model)
-    name = re.sub(r"\b(?:CPU|Processor)\b", "", name)
-    return " ".join(name.split()) or model
-
-
-def cpu_label(model: str, flags: list[str] | tuple[str, ...] | None) -> str:
-    """CPU model and the features that decide what a draft costs, e.g. ``AMD EPYC (AVX2, AVX-512,
-    avx512_bf16)`` or ``AMD EPYC (AVX2 only)``; the model alone when no flags were recorded."""
-    if flags is None:
-        return cpu_name(model)
-    present = set(flags)
-    features = [label for flag, label in reversed(_FLAG_LABELS) if flag in present]
-    if features == ["AVX2"]:
-        features = ["AVX2 only"]
-    return f"{cpu_name(model)} ({', '.join(features) or 'no AVX2'})"
 
 
 @dataclass(frozen=True)
@@ -908,13 +891,8 @@ def notebook_data(files: list[ResultFile]) -> dict[str, str]:
 
 
 def replace_between_markers(text: str, block: str, where: str = "README.md") -> str:
-    """``text`` with what lies between ``README_START`` and ``README_END`` replaced by ``block``."""
-    start, end = text.find(README_START), text.find(README_END)
-    if start < 0 or end < start:
-        raise LayerskipError(
-            f"{where} has no '{README_START}' ... '{README_END}' markers; put them back around the table"
-        )
-    return text[: start + len(README_START)] + "\n" + block + "\n" + text[end:]
+    """``text`` with the README's results table replaced by ``block``."""
+    return replace_readme_block(text, block, README_START, README_END, where)
 
 
 def between_markers(text: str, where: str = "README.md") -> str:
@@ -932,12 +910,10 @@ def rendered(root: str | Path = ".") -> dict[Path, str]:
     root = Path(root)
     files = load_result_files(root / RESULTS_DIR)
     readme = root / "README.md"
-    outputs = {
-        readme: replace_between_markers(readme.read_text(), summary_table(files, str(RESULTS_PAGE))),
-        root / RESULTS_PAGE: results_page(
-            files, load_draft_costs(root / RESULTS_DIR), read_tree_ceilings(root / RESULTS_DIR)
-        ),
-    }
+    readme_text = replace_between_markers(readme.read_text(), summary_table(files, str(RESULTS_PAGE)))
+    page = results_page(files, load_draft_costs(root / RESULTS_DIR), read_tree_ceilings(root / RESULTS_DIR))
+    readme_text, page = batch_outputs(load_batch_runs(root / RESULTS_DIR), readme_text, page, str(RESULTS_PAGE))
+    outputs = {readme: readme_text, root / RESULTS_PAGE: page}
     outputs.update({root / RESULTS_DIR / name: text for name, text in notebook_data(files).items()})
     return outputs
 
@@ -965,6 +941,6 @@ def publish(
 def default_name(f: ResultFile) -> str:
     """``MODEL-DTYPE-FEATURE``, e.g. ``smollm2-135m-float32-avx512bf16``: one run per model, dtype and kind of CPU."""
     flags = set(f.environment.get("cpu_flags") or ())
-    feature = next((flag for flag, _ in _FLAG_LABELS if flag in flags), f.environment.get("device", "cpu"))
+    feature = next((flag for flag, _ in FLAG_LABELS if flag in flags), f.environment.get("device", "cpu"))
     model = re.sub(r"[^A-Za-z0-9_.-]+", "-", f.data["model"]).strip("-.")
     return f"{model}-{f.data['dtype']}-{feature.replace('_', '')}"
