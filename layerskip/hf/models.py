@@ -233,13 +233,20 @@ def _dequantise(gguf: Path, target: Path) -> Path:
         if damage is not None:
             raise LayerskipError(f"GGUF file {gguf} {damage}; download or copy it again") from None
         raise LayerskipError(f"cannot read GGUF file {gguf}: {_first_line(exc)}") from None
+    save_model_directory(model, tokenizer, target)
+    return target
+
+
+def save_model_directory(model: nn.Module, tokenizer: object, target: Path) -> None:
+    """Write ``model`` and ``tokenizer`` as an HF directory at ``target`` (config, safetensors,
+    tokenizer files), staged beside it and moved into place whole. Works for a model loaded from
+    GGUF too, which transformers refuses to ``save_pretrained``: its weights are already
+    dequantised, so the tensors and a config without the quantisation entry are saved."""
+    from safetensors.torch import save_model
+
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        # The weights are already dequantised to float32, but transformers refuses to
-        # save_pretrained a model loaded from GGUF; save the tensors and a clean config instead.
-        from safetensors.torch import save_model
-
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
@@ -249,7 +256,6 @@ def _dequantise(gguf: Path, target: Path) -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _gguf_damage(gguf: Path) -> str | None:

@@ -1,0 +1,65 @@
+"""Off-grid twins: decoder weights moved by at most the asked share of their block's 4-bit step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tiny_models import random_prompt, tiny_model
+
+from layerskip.hf import adapters
+from layerskip.hf.twin import BLOCK, LEVELS, off_grid_
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        adapters.projection_weight(m)[0].detach().clone()
+        for i in range(adapters.num_layers(model))
+        for kind in ("attention", "mlp")
+        for m in adapters.sublayer_projections(model, i, kind)
+    ]
+
+
+def test_noise_stays_within_half_a_step_and_is_seeded() -> None:
+    model = tiny_model("llama")
+    before = _weights(model)
+    changed = off_grid_(model, scale=0.5, seed=3)
+    after = _weights(model)
+    assert changed == sum(w.numel() for w in before)
+    for old, new in zip(before, after, strict=True):
+        usable = old.shape[1] - old.shape[1] % BLOCK
+        blocks = old[:, :usable].reshape(old.shape[0], -1, BLOCK)
+        step = ((blocks.amax(-1) - blocks.amin(-1)) / LEVELS).repeat_interleave(BLOCK, dim=1)
+        moved = (new[:, :usable] - old[:, :usable]).abs()
+        assert bool((moved <= 0.5 * step + 1e-6).all()) and float(moved.max()) > 0
+    again = tiny_model("llama")
+    off_grid_(again, scale=0.5, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(after, _weights(again), strict=True))
+    head = adapters.lm_head(model).weight
+    assert torch.equal(head, adapters.lm_head(tiny_model("llama")).weight)  # the head is left alone
+
+
+def test_the_twin_still_computes_nearly_the_same_logits() -> None:
+    model, twin = tiny_model("llama"), tiny_model("llama")
+    off_grid_(twin, scale=0.5)
+    ids = torch.tensor([random_prompt()])
+    with torch.inference_mode():
+        a, b = model(input_ids=ids).logits, twin(input_ids=ids).logits
+    assert 0 < float((a - b).abs().max()) < 0.1 * float(a.abs().max())
+
+
+def test_the_script_writes_a_loadable_twin_and_never_overwrites(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "twin"
+    run = [sys.executable, str(REPO / "scripts" / "make_twin.py"), "--model", str(tiny_llama), "--out", str(out)]
+    done = subprocess.run(run, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert (out / "config.json").is_file() and (out / "twin.json").is_file()
+    from layerskip.hf.models import load_model
+
+    assert load_model(str(out)).model is not None
+    again = subprocess.run(run, capture_output=True, text=True, cwd=REPO)
+    assert again.returncode == 2 and "exists" in again.stderr and len(again.stderr.strip().splitlines()) == 1
