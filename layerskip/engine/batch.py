@@ -24,6 +24,7 @@ the model's distribution (rejection sampling per row).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from layerskip.drafts.policy import DraftSettings
 from layerskip.engine.output import TokenOutput
 from layerskip.engine.step import StepOutcome, record_outcome
 from layerskip.engine.threads import ThreadTuner
-from layerskip.engine.verifiers import Verifier
+from layerskip.engine.verifiers import Verifier, verify_rows
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.ragged import RaggedCache, ragged_hidden
 from layerskip.sampling import Sampling
@@ -46,7 +47,7 @@ PLAIN, LOOKUP, DRAFT = "plain", "lookup", "draft"
 # The batched skip draft's lengths on the menu (kind "skip:N"): a longer draft pays where the
 # draft is right more often; which one does on this model, text and machine is measured.
 SKIP_LENGTHS = (3, 6)
-RATE_SMOOTHING = 0.3  # weight of the newest step in a kind's running tokens per second
+RECENT_STEPS = 5  # a kind's rate is the median of its last few steps' (one busy step moves it little)
 # A kind not chosen is tried again once this many times its last trial's seconds have passed:
 # exploring then costs about 1 / (1 + this) of the time, and a kind whose price fell is found.
 EXPLORE_AFTER = 25.0
@@ -57,6 +58,7 @@ class StepKinds:
     """The batch's running tokens per second of each kind of step, and which to run next."""
 
     kinds: tuple[str, ...]
+    recent: dict[str, list[float]] = field(default_factory=dict)  # tokens per second of the last steps
     rate: dict[str, float] = field(default_factory=dict)
     last_seconds: dict[str, float] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)  # seconds of other kinds since each was tried
@@ -72,9 +74,10 @@ class StepKinds:
         return max(self.kinds, key=lambda kind: self.rate[kind])
 
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rate.get(kind)
-        self.rate[kind] = rate if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
+        recent = self.recent.setdefault(kind, [])
+        recent.append(tokens / max(seconds, 1e-9))
+        del recent[:-RECENT_STEPS]
+        self.rate[kind] = statistics.median(recent)
         self.last_seconds[kind] = seconds
         self.steps[kind] = self.steps.get(kind, 0) + 1
         for other in self.kinds:
@@ -122,9 +125,9 @@ class BatchStepper:
             run.units = 0  # the prefill teaches nothing about a step
             hidden = ragged_hidden(self.model, block, self.cache)  # [B, longest, H]
         self.cache.set_lengths([len(p) for p in prompts])
-        for b, row in enumerate(self.rows):
-            last = len(prompts[b]) - 1
-            verdict = row.verifier.verify(hidden[b, last : last + 1], Draft([]), prompts[b])
+        lasts = [hidden[b, len(p) - 1 : len(p)] for b, p in enumerate(prompts)]  # [1, H] each
+        verdicts = verify_rows([row.verifier for row in self.rows], lasts, [Draft([])] * len(prompts), prompts)
+        for row, verdict in zip(self.rows, verdicts, strict=True):
             row.stats.record_step(0, 0)
             row.output.emit([verdict.next_token])
         self._leave()
@@ -143,10 +146,12 @@ class BatchStepper:
         with self.threads.phase("verify") as run:
             run.units = 1
             hidden = ragged_hidden(self.model, ids, self.cache)  # [B, width, H]
-            verdicts = [
-                row.verifier.verify(hidden[b, : len(blocks[b])], drafts[b], row.output.history)
-                for b, row in enumerate(self.rows)
-            ]
+            verdicts = verify_rows(
+                [row.verifier for row in self.rows],
+                [hidden[b, : len(block)] for b, block in enumerate(blocks)],  # each row's real positions
+                drafts,
+                [row.output.history for row in self.rows],
+            )
         self.cache.set_lengths([n + 1 + verdict.accepted for n, verdict in zip(committed, verdicts, strict=True)])
         seconds = self.clock.now() - start
         tokens = 0

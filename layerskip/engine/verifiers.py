@@ -13,7 +13,7 @@ prefill is a verify with nothing drafted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,9 +73,10 @@ class SampledVerifier:
         self.generator = generator
 
     def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
-        return self._choose(self.head.logits(hidden), draft)
+        return self.choose(self.head.logits(hidden), draft)
 
-    def _choose(self, logits: torch.Tensor, draft: Draft) -> Verdict:
+    def choose(self, logits: torch.Tensor, draft: Draft) -> Verdict:
+        """The verdict from the full model's logits ``[k+1, V]`` of the block."""
         probs = self.sampling.probs(logits)  # [k+1, V], the same transform the draft's q had
         tree = draft.tree
         if tree is not None:
@@ -100,7 +101,7 @@ class HookedVerifier:
             contexts = [history, *([*history, *tree.path_tokens(node)] for node in range(len(tree)))]
             logits = torch.cat([self.hook(context, logits[i : i + 1]) for i, context in enumerate(contexts)])
         if self.sampled is not None:
-            return self.sampled._choose(logits, draft)
+            return self.sampled.choose(logits, draft)
         if draft.tree is not None:
             return Verdict.of_tree(*verify_tree_greedy(draft.tree.tokens, draft.tree.parents, logits))
         return Verdict(*verify_greedy(draft.tokens, logits))
@@ -117,3 +118,29 @@ def verifier_for(
     if hook is not None:
         return HookedVerifier(head, hook, sampled)
     return sampled if sampled is not None else GreedyVerifier(head)
+
+
+def verify_rows(
+    verifiers: Sequence[Verifier],
+    hidden: Sequence[torch.Tensor],
+    drafts: Sequence[Draft],
+    histories: Sequence[list[int]],
+) -> list[Verdict]:
+    """The verdicts of a batch's rows (``hidden[r] [k_r+1, H]``), their head applied once for all
+    rows where every row's verifier is greedy or sampled over one head: one product reads the
+    head once, where a product per row would read it once per row."""
+    sizes = [h.shape[0] for h in hidden]
+    heads = {id(getattr(v, "head", None)) for v in verifiers}
+    if len(heads) == 1 and all(type(v) is GreedyVerifier for v in verifiers):
+        targets = verifiers[0].head.argmax(torch.cat(list(hidden)))
+        verdicts, start = [], 0
+        for size, draft in zip(sizes, drafts, strict=True):
+            verdicts.append(Verdict(*accept_greedy(draft.tokens, targets[start : start + size])))
+            start += size
+        return verdicts
+    if len(heads) == 1 and all(type(v) is SampledVerifier for v in verifiers):
+        logits = verifiers[0].head.logits(torch.cat(list(hidden))).split(sizes)
+        return [v.choose(rows, draft) for v, rows, draft in zip(verifiers, logits, drafts, strict=True)]
+    return [
+        v.verify(h, draft, history) for v, h, draft, history in zip(verifiers, hidden, drafts, histories, strict=True)
+    ]
