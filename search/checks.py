@@ -11,7 +11,6 @@ study's earlier ones, and the study and its exported policy would still name the
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -24,11 +23,16 @@ from layerskip.drafts.policy import MAX_DRAFT_TOKENS
 from layerskip.errors import LayerskipError, few
 from layerskip.fileio import Items, Obj, load_json
 from layerskip.search.confirmation import MIN_ROUNDS
+from layerskip.search.objective import OBJECTIVES
+from layerskip.search.settings import SearchSettings
 from layerskip.search.space import ExitChoice
 
 # numpy's RandomState (under Optuna's samplers) takes seeds in [0, 2**32); the sampler seed
 # adds the worker and trial counts to --seed, so --seed leaves them room.
 MAX_SEED = 2**31 - 1
+
+SPACES = ("ranked", "switches")
+DTYPES = ("float32", "bfloat16")  # the dtypes a search loads a model in (a loaded model keeps its own)
 
 # The search-space field a study records (SearchSpace.to_dict) -> the flag that sets it.
 SPACE_FLAGS: dict[str, str] = {
@@ -51,9 +55,17 @@ SPACE_FLAGS: dict[str, str] = {
 }
 
 
-def check_arguments(args: argparse.Namespace) -> None:
+def check_arguments(args: SearchSettings) -> None:
     """One-line LayerskipError for a value the search cannot use; reads nothing, writes nothing."""
     _check_counts(args)
+    # The command line's parser refuses these already; run_study's keywords reach here unchecked.
+    for name, value, choices in (
+        ("objective", args.objective, OBJECTIVES),
+        ("space", args.space, SPACES),
+        ("dtype", args.dtype, DTYPES),
+    ):
+        if value not in choices:
+            raise LayerskipError(f"--{name} must be one of {', '.join(choices)} (got '{value}')")
     if not 0 <= args.seed <= MAX_SEED:
         raise LayerskipError(f"--seed must be between 0 and {MAX_SEED} (got {args.seed})")
     if not 0 <= args.worker <= 999_999:
@@ -86,7 +98,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise LayerskipError(f"need 0 <= --min-skip-fraction ({low}) <= --max-skip-fraction ({high}) <= 1")
 
 
-def _check_counts(args: argparse.Namespace) -> None:
+def _check_counts(args: SearchSettings) -> None:
     for name in ("n_trials", "n_prompts", "reference_tokens", "max_new_tokens"):
         if getattr(args, name) <= 0:
             raise LayerskipError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
@@ -147,7 +159,7 @@ def check_head_sizes(sizes: Sequence[int], rows: int) -> None:
         )
 
 
-def requested_space(args: argparse.Namespace) -> dict[str, Any]:
+def requested_space(args: SearchSettings) -> dict[str, Any]:
     """The space fields this command line sets, as the study records them (JSON: lists, not tuples)."""
     return {
         "never_skip": sorted(set(args.never_skip)),
@@ -169,7 +181,7 @@ def requested_space(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def check_resumed_space(attrs: dict[str, Any] | None, study_name: str, args: argparse.Namespace) -> None:
+def check_resumed_space(attrs: dict[str, Any] | None, study_name: str, args: SearchSettings) -> None:
     """A resumed study keeps the space it was made with: a changed flag is refused, naming the
     flag, the study's value and the way out. A new study (``attrs`` None) passes."""
     recorded = (attrs or {}).get("space")
@@ -230,33 +242,35 @@ def prompts_digest(prompts: Sequence[Prompt]) -> str:
 
 
 def check_resumed_calibration(
-    attrs: dict[str, Any] | None, study_name: str, args: argparse.Namespace, prompts: Sequence[Prompt]
+    attrs: dict[str, Any] | None, study_name: str, reference_tokens: int, source: str, prompts: Sequence[Prompt]
 ) -> None:
     """A resumed study keeps the prompts and reference length it was calibrated on: every trial of
-    a study must be scored on the same references. A new study (``attrs`` None) passes."""
+    a study must be scored on the same references. A new study (``attrs`` None) passes. ``source``:
+    where the prompts come from, as the study records it."""
     recorded = (attrs or {}).get("calibration")
     if not isinstance(recorded, dict):
         return
     way_out = "or start a new study with another --study-name"
     was_length = recorded.get("reference_tokens")
-    if was_length is not None and was_length != args.reference_tokens:
+    if was_length is not None and was_length != reference_tokens:
         raise LayerskipError(
             f"study '{study_name}' was calibrated with --reference-tokens {was_length} but this run has "
-            f"--reference-tokens {args.reference_tokens}; re-run with the study's value, {way_out}"
+            f"--reference-tokens {reference_tokens}; re-run with the study's value, {way_out}"
         )
-    was_ids, source = list(recorded.get("prompts", [])), str(recorded.get("source", "?"))
+    was_ids = list(recorded.get("prompts", []))
     ids = [p.id for p in prompts]
     digest = recorded.get("prompts_sha256")
     # Studies made before the digest was recorded are compared by prompt ids and source.
-    same = digest == prompts_digest(prompts) if digest else (was_ids == ids and source == args.prompts)
+    recorded_source = str(recorded.get("source", "?"))
+    same = digest == prompts_digest(prompts) if digest else (was_ids == ids and recorded_source == source)
     if same:
         return
-    if source == args.prompts and was_ids == ids:
+    if recorded_source == source and was_ids == ids:
         change = f"the same prompt ids from {source} with other text (the file changed, or --text-field)"
     else:
-        change = f"{len(ids)} prompt(s) {few(ids, 3)} from {args.prompts}"
+        change = f"{len(ids)} prompt(s) {few(ids, 3)} from {source}"
     raise LayerskipError(
-        f"study '{study_name}' was calibrated on {len(was_ids)} prompt(s) {few(was_ids, 3)} from {source} but "
+        f"study '{study_name}' was calibrated on {len(was_ids)} prompt(s) {few(was_ids, 3)} from {recorded_source} but "
         f"this run picks {change}; re-run with the study's {PROMPT_FLAGS}, {way_out}"
     )
 

@@ -160,9 +160,11 @@ def verdict(policy: SkipPolicy) -> str:
     return f"predicted {predicted:.2f}x (not confirmed by real generation){note}"
 
 
-def export_policy(study: optuna.Study, out: str | Path, trial_number: int | None = None) -> SkipPolicy:
+def export_policy(study: optuna.Study, out: str | Path | None, trial_number: int | None = None) -> SkipPolicy:
+    """The chosen trial's policy (``choose_trial``), saved to ``out`` unless it is None."""
     policy = policy_for_trial(study, choose_trial(study, trial_number))
-    policy.save(out)
+    if out is not None:
+        policy.save(out)
     return policy
 
 

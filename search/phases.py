@@ -1,6 +1,6 @@
-"""The search, phase by phase, in the order ``layerskip-search`` runs them (``run``).
+"""The search, phase by phase, in the order ``run_study`` and ``layerskip-search`` run them (``run``).
 
-check      the command line, prompts, warm starts, exit adapters and outputs, before the model
+check      the settings, prompts, warm starts, exit adapters and outputs, before the model
            loads (``check_inputs``); then the model against them (``check_model``)
 storage    the study's storage reached, a damaged journal repaired and a resumed study's space and
            prompts checked, before the model loads (``check_storage``); a new SQLite or journal
@@ -9,7 +9,7 @@ calibrate  the references and measured latency the cheap score needs (layerskip.
 rank       the ranked space's sublayer order; a new study's starts with the warm starts' sublayers
 trials     the study opened (warm starts enqueued) and its trials run, each scored cheaply
 confirm    the best finalists measured by real generation in one window (layerskip.search.confirmation)
-export     the chosen trial written as a policy, the plots, and the summary table
+export     the chosen trial as a policy (written where the settings say), and the plots
 
 Every phase refuses what it can before the work that follows: a search must not fail, after
 minutes of calibration or trials, on something it could have refused at the start.
@@ -17,7 +17,6 @@ minutes of calibration or trials, on something it could have refused at the star
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,7 +38,7 @@ from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
 from layerskip.hf import adapters
-from layerskip.hf.models import load_model
+from layerskip.hf.models import LoadedModel, load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.machine import Machine, this_machine
 from layerskip.measure.agreement import sublayer_order
@@ -54,11 +53,12 @@ from layerskip.search.checks import (
     read_exit_choices,
 )
 from layerskip.search.confirmation import confirm_window
-from layerskip.search.export import export_policy, summary, verdict
+from layerskip.search.export import export_policy
 from layerskip.search.journal import repair_journal
 from layerskip.search.log import phase
 from layerskip.search.objective import Calibration, CheapObjective, prepare_calibration
 from layerskip.search.plots import PLOT_FILES, write_plots
+from layerskip.search.settings import SearchSettings
 from layerskip.search.space import RANKING_ATTR, ExitChoice, SearchSpace
 from layerskip.search.study import (
     check_local_storage,
@@ -80,17 +80,39 @@ from layerskip.search.study import (
 HOPELESS_PREDICTED = 0.5  # finalists predicted below this are not confirmed by real generation
 
 
+@dataclass(frozen=True)
+class StudyRequest:
+    """What a search is asked for: ``run_study``'s arguments, a preset's values applied."""
+
+    model: str | LoadedModel  # an embedded name, a path or a hub id, or a model already loaded
+    prompts: str | tuple[Prompt, ...]  # a prompts source (builtin, code, a file), or the prompts themselves
+    settings: SearchSettings
+    preset: dict[str, Any] | None  # what the study records of the preset: its values and what overrode them
+    command: str  # as the study and the policy's provenance record it
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name if isinstance(self.model, LoadedModel) else self.model
+
+    @property
+    def prompts_source(self) -> str:
+        """Where the prompts come from, as the study records it."""
+        return self.prompts if isinstance(self.prompts, str) else "a list"
+
+
 @dataclass
 class Inputs:
-    """What the command line asks for, read and checked before the model loads."""
+    """What the request asks for, read and checked before the model loads."""
 
-    args: argparse.Namespace
-    command: str  # as the study records it
+    request: StudyRequest
     prompts: list[Prompt]
     seeds: dict[str, SkipPolicy]  # --warm-start path -> its policy
     exit_choices: tuple[ExitChoice, ...]
     study_name: str
-    out: str  # the policy file the search writes
+
+    @property
+    def args(self) -> SearchSettings:
+        return self.request.settings
 
     @property
     def progress(self) -> bool:
@@ -125,9 +147,10 @@ class Target:
     here: Machine
 
 
-def run(args: argparse.Namespace, command: str) -> int:
-    """The whole search: every phase in order; 0 once the policy is written."""
-    inputs = check_inputs(args, command)
+def run(request: StudyRequest) -> tuple[optuna.Study, SkipPolicy, list[FrozenTrial]]:
+    """The whole search, every phase in order: the study, the policy exported (written where the
+    settings' ``out`` says) and the finalists."""
+    inputs = check_inputs(request)
     storage = check_storage(inputs)
     target = check_model(inputs, storage)
     existing = open_study_storage(storage, target)
@@ -135,23 +158,16 @@ def run(args: argparse.Namespace, command: str) -> int:
     space = rank(inputs, target, existing, cache, calibration)
     study = trials(inputs, target, storage, space, calibration)
     top = confirm(inputs, study, target.model, calibration)
-    export(inputs, study, top)
-    return 0
+    return study, export(inputs, study), top
 
 
 # -- check ------------------------------------------------------------------------------------------------------------
-def check_inputs(args: argparse.Namespace, command: str) -> Inputs:
-    """Every value and file the command line names, read and checked; the outputs checked too (a
+def check_inputs(request: StudyRequest) -> Inputs:
+    """Every value and file the request names, read and checked; the outputs checked too (a
     search must not end, after all its work, unable to save)."""
+    args = request.settings
     check_arguments(args)
-    prompts = load_prompts(
-        args.prompts,
-        n=args.n_prompts,
-        per_category=args.per_category,
-        text_field=args.text_field,
-        seed=args.seed,
-        categories=args.categories,
-    )
+    prompts = calibration_prompts(request.prompts, args)
     # Bad files fail before the model loads; "auto" becomes auto's choices once it has run (check_model).
     seeds = {
         path: SkipPolicy.auto_choice() if path == AUTO else SkipPolicy.load(path, "--warm-start")
@@ -160,13 +176,28 @@ def check_inputs(args: argparse.Namespace, command: str) -> Inputs:
     exit_choices = read_exit_choices(args.exit_adapters)
     if not args.exit_thresholds or not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
         raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
-    study_name = args.study_name or default_study_name(args.model, args.preset or args.objective)
-    out = args.out or f"{study_name}.policy.json"
-    check_output_file(out, "--out")
-    check_replaceable(out, "--out", is_policy_file, "a layerskip policy", args.force)  # a resume re-exports
+    preset = request.preset["name"] if request.preset else None
+    study_name = args.study_name or default_study_name(request.model_name, preset or args.objective)
+    if args.out is not None:
+        check_output_file(args.out, "--out")
+        check_replaceable(args.out, "--out", is_policy_file, "a layerskip policy", args.force)  # a resume re-exports
     if args.plots:
         check_output_dir(args.plots, "--plots", PLOT_FILES)
-    return Inputs(args, command, prompts, seeds, exit_choices, study_name, out)
+    return Inputs(request, prompts, seeds, exit_choices, study_name)
+
+
+def calibration_prompts(prompts: str | tuple[Prompt, ...], args: SearchSettings) -> list[Prompt]:
+    """The prompts a source holds, selected by the settings; prompts given as such, all of them."""
+    if not isinstance(prompts, str):
+        return list(prompts)
+    return load_prompts(
+        prompts,
+        n=args.n_prompts,
+        per_category=args.per_category,
+        text_field=args.text_field,
+        seed=args.seed,
+        categories=args.categories,
+    )
 
 
 def auto_choices(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int, name: str) -> SkipPolicy:
@@ -190,7 +221,8 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     """The model loaded and checked against the warm starts, head sizes, exit adapters, prompts and
     the resumed study's chat setting; the search space the flags ask for, on its layers."""
     args = inputs.args
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model_given = inputs.request.model
+    loaded = model_given if isinstance(model_given, LoadedModel) else load_model(model_given, args.dtype, args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies({f"--warm-start {path}": policy for path, policy in inputs.seeds.items()}, model)
     check_head_sizes(args.draft_vocab, adapters.lm_head(model).weight.shape[0])
@@ -212,7 +244,7 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     if AUTO in inputs.seeds:
         inputs.seeds[AUTO] = auto_choices(model, prompt_ids, args.max_new_tokens, loaded.name)
     calibration_info = {
-        "source": args.prompts,
+        "source": inputs.request.prompts_source,
         "prompts": [p.id for p in inputs.prompts],
         "prompts_sha256": prompts_digest(inputs.prompts),
         "categories": sorted({p.category for p in inputs.prompts}),
@@ -223,7 +255,7 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     return Target(model, tokenizer, identity, space, prompt_ids, calibration_info, here)
 
 
-def space_from_flags(args: argparse.Namespace, num_layers: int, exit_choices: tuple[ExitChoice, ...]) -> SearchSpace:
+def space_from_flags(args: SearchSettings, num_layers: int, exit_choices: tuple[ExitChoice, ...]) -> SearchSpace:
     """The search space the flags describe, for a model of ``num_layers`` layers."""
     return SearchSpace(
         num_layers=num_layers,
@@ -266,7 +298,7 @@ def check_storage(inputs: Inputs) -> Storage:
     if opened is not None:  # resuming: a flag that changes the study's space or prompts is refused before any work
         attrs = existing_study_attrs(opened, name)
         check_resumed_space(attrs, name, args)
-        check_resumed_calibration(attrs, name, args, inputs.prompts)
+        check_resumed_calibration(attrs, name, args.reference_tokens, inputs.request.prompts_source, inputs.prompts)
     return Storage(url, name, opened, attrs)
 
 
@@ -366,14 +398,14 @@ def open_search_study(
         seed_params.append(params)
     metadata = {
         **target.identity,
-        "command": inputs.command,
+        "command": inputs.request.command,
         "calibration": calibration.description,
         "space": space.to_dict(),
         "device": str(next(model.parameters()).device),
         "machine": target.here.to_dict(),
         "dtype": args.dtype,
         "torch": torch.__version__,
-        **({"preset": args.preset_record} if args.preset_record else {}),
+        **({"preset": inputs.request.preset} if inputs.request.preset else {}),
     }
     opened = storage.open()
     seed = args.seed + 1000 * args.worker + counted_trials_safe(opened, inputs.study_name)
@@ -429,14 +461,11 @@ def confirm(inputs: Inputs, study: optuna.Study, model: nn.Module, calibration: 
 
 
 # -- export -----------------------------------------------------------------------------------------------------------
-def export(inputs: Inputs, study: optuna.Study, top: list[FrozenTrial]) -> None:
-    """The chosen trial (the last window's choice, or ``--export-trial``) written as a policy, the
-    plots, and on stdout the study's summary table and what was exported."""
-    out = Path(inputs.out)
-    policy = export_policy(study, out, inputs.args.export_trial)
+def export(inputs: Inputs, study: optuna.Study) -> SkipPolicy:
+    """The chosen trial (the last window's choice, or ``--export-trial``) as a policy, written to
+    ``out`` where the settings name one; the plots."""
+    policy = export_policy(study, inputs.args.out, inputs.args.export_trial)
     if inputs.args.plots:
         for path in write_plots(study, inputs.args.plots):
             print(f"wrote {path}", file=sys.stderr)
-    print(f"\nstudy '{inputs.study_name}': {counted_trials(study)} trials (complete + pruned)")
-    print(summary(study, top))
-    print(f"\nexported trial {policy.provenance['trial']} to {out}: {policy.describe()}; {verdict(policy)}")
+    return policy

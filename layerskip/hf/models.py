@@ -430,7 +430,9 @@ def tokenizer_error(files: Path, where: str, hub: bool, exc: BaseException) -> L
     return LayerskipError(f"model {where} has no tokenizer ({missing} missing from {files}); {fix}")
 
 
-def _looks_instruct(name: str, tokenizer: object) -> bool:
+def looks_instruct(name: str, tokenizer: object) -> bool:
+    """Whether a model of this name and tokenizer takes the chat template by default (a template, and
+    an instruct or chat name)."""
     lowered = name.lower()
     has_template = bool(getattr(tokenizer, "chat_template", None))
     return has_template and any(tag in lowered for tag in ("instruct", "chat", "-it"))
@@ -504,5 +506,5 @@ def load_model(
     adapters.spec_for(model)  # unsupported architecture -> one clear error, before any work
     model.layerskip_name = name
     if instruct is None:
-        instruct = _looks_instruct(name, tokenizer)
+        instruct = looks_instruct(name, tokenizer)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, instruct=instruct)
