@@ -1,14 +1,16 @@
 """What a search computes before its first trial, cached between runs.
 
-Two entries, JSON files under ``$LAYERSKIP_SEARCH_CACHE`` or ``<model cache>/search``
-(``layerskip.hf.models.cache_dir()``), each written atomically:
+Two entries in the ``search`` result cache (``layerskip.engine.result_cache``, auto's calibration's
+mechanism: JSON files under ``$LAYERSKIP_SEARCH_CACHE`` or ``<model cache>/search``, each written
+atomically):
 
 references-<key>.json  the full model's greedy references (and, once computed, the ranked
                        space's sublayer order), keyed by the model (shape fingerprint and a
                        sample of its weight values), the prompt token ids, reference length,
                        device, dtype, torch and transformers versions;
 latency-<key>.json     the measured plain-step and verify-block seconds, keyed by all that, the
-                       timing context, block lengths, repeats, torch threads and the machine.
+                       timing context, block lengths, repeats, torch threads and the machine
+                       record (``layerskip.machine.this_machine``).
 
 An entry is used only when its stored key equals the run's whole key; one that cannot be read or
 does not match is ignored with a warning, rebuilt and replaced. Latency is machine-state
@@ -18,9 +20,6 @@ repeated plain-step timings spread widely (a busy machine) is warned about and n
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -32,28 +31,15 @@ from torch import nn
 
 from layerskip.drafts.costs import DraftCosts
 from layerskip.engine.latency import PLAIN_REPEATS, VERIFY_PATH, VERIFY_REPEATS, Latency
-from layerskip.errors import LayerskipError
-from layerskip.fileio import UnreadableFile, load_json, write_json_atomic
+from layerskip.engine.result_cache import ResultCache, cache_env, model_key
 from layerskip.hf import adapters
+from layerskip.machine import this_machine
 from layerskip.measure.agreement import Reference
 from layerskip.search.log import Log, to_stderr
 
 FORMAT = 1
-CACHE_ENV = "LAYERSKIP_SEARCH_CACHE"
-
-
-def cache_root() -> Path:
-    from layerskip.hf.models import cache_dir
-
-    return Path(os.environ.get(CACHE_ENV) or cache_dir() / "search")
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+CACHE = "search"  # the result cache that holds a search's references and latency
+CACHE_ENV = cache_env(CACHE)
 
 
 class CalibrationCache:
@@ -71,23 +57,12 @@ class CalibrationCache:
         enabled: bool = True,
         log: Log = to_stderr,
     ) -> None:
-        self.root = Path(root) if root is not None else cache_root()
+        self.files = ResultCache(CACHE, root, "search cache", log)
+        self.root = self.files.root
         self.read = read
         self.enabled = enabled
         self.log = log
-        parameter = next(model.parameters())
-        import transformers
-
-        self.identity: dict[str, Any] = {
-            "format": FORMAT,
-            "architecture": adapters.architecture_of(model),
-            "fingerprint": adapters.weights_fingerprint(model),
-            "weights_sample": adapters.weights_sample_digest(model),
-            "device": str(parameter.device),
-            "dtype": str(parameter.dtype),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        }
+        self.identity: dict[str, Any] = {"format": FORMAT, **model_key(model)}
         # Every sublayer of the model, as a cached order must list them (not part of the key: the
         # fingerprint already fixes the layer count).
         self.sublayers = {(i, kind) for i in range(adapters.num_layers(model)) for kind in ("attention", "mlp")}
@@ -95,37 +70,22 @@ class CalibrationCache:
 
     # -- files ----------------------------------------------------------------------------------------------------
     def path(self, kind: str, key: dict[str, Any]) -> Path:
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-        return self.root / f"{kind}-{digest}.json"
+        return self.files.path(kind, key)
 
     def _load(self, kind: str, key: dict[str, Any], check: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
-        path = self.path(kind, key)
-        if not (self.enabled and self.read) or not (path.exists() or path.is_symlink()):
+        if not (self.enabled and self.read):
             return None
-        try:
-            # The project's one JSON reader: a FIFO, a link to /dev/zero or deep nesting is refused, never a hang.
-            data = load_json(path, "search cache", "it is rebuilt")
-            if data.get("key") != json.loads(json.dumps(key)):
-                raise ValueError("it was made for other inputs")
-            check(data)
-        except UnreadableFile as error:
-            self.log(f"warning: ignoring damaged search cache {path} ({error.reason}); rebuilding it")
-            return None
-        except (ValueError, KeyError, TypeError) as error:
-            self.log(f"warning: ignoring damaged search cache {path} ({error}); rebuilding it")
-            return None
-        return data
 
-    def _store(self, kind: str, key: dict[str, Any], payload: dict[str, Any]) -> Path | None:
-        if not self.enabled:
-            return None
-        path = self.path(kind, key)
-        try:
-            write_json_atomic(path, {"key": key, **payload})
-        except (OSError, LayerskipError) as error:  # read-only, or a FIFO in its place: costs time, never the search
-            self.log(f"warning: could not write search cache {path} ({error})")
-            return None
-        return path
+        def checked(data: dict[str, Any]) -> dict[str, Any]:
+            check(data)
+            return data
+
+        return self.files.load(kind, key, checked)
+
+    def _store(self, kind: str, key: dict[str, Any], payload: dict[str, Any]) -> None:
+        problem = self.files.store(kind, key, payload) if self.enabled else None
+        if problem is not None:  # read-only, or a FIFO in its place: costs time, never the search
+            self.log(f"warning: {problem}")
 
     # -- references -----------------------------------------------------------------------------------------------
     def _references_key(self, prompts: Sequence[Sequence[int]], reference_tokens: int) -> dict[str, Any]:
@@ -197,8 +157,6 @@ class CalibrationCache:
 
     # -- latency --------------------------------------------------------------------------------------------------
     def _latency_key(self, context: Sequence[int], blocks: Sequence[int]) -> dict[str, Any]:
-        device = torch.device(self.identity["device"])
-        machine = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
         return {
             **self.identity,
             "kind": "latency",
@@ -208,7 +166,7 @@ class CalibrationCache:
             "verify": VERIFY_PATH,
             "threads": torch.get_num_threads(),
             "host": platform.node(),
-            "machine": machine,
+            "machine": this_machine(self.identity["device"]).to_dict(),
         }
 
     def latency(self, context: Sequence[int], blocks: Sequence[int]) -> Latency | None:

@@ -2,40 +2,34 @@
 
 Measured with the latency model the search uses (``engine.latency``): a plain step and the
 engine's greedy verify per block length (the verify curve t(n)), and one draft step (nothing
-bypassed, the draft's precision) per candidate head size. It is cached as JSON under
-``$LAYERSKIP_CALIBRATION_CACHE`` (default: ``auto/`` in the model cache, ``~/.cache/layerskip``),
-keyed by the model (shape fingerprint and a sample of its weight values), dtype, device, the
-machine record (CPU model and kernel flags, or the GPU's name), torch threads and the torch and
-transformers versions: a calibration made on another machine, dtype or model is never used. A
-calibration whose plain-step timings spread widely (a busy machine) is used by this process
-only, never cached.
+bypassed, the draft's precision) per candidate head size. It is cached in the ``calibration``
+cache (``engine.result_cache``: ``$LAYERSKIP_CALIBRATION_CACHE``, default ``calibration/`` in
+the model cache, ``~/.cache/layerskip``), keyed by the model (shape fingerprint and a sample of
+its weight values), dtype, device, the machine record (CPU model and kernel flags, or the GPU's
+name), torch threads and the torch and transformers versions: a calibration made on another
+machine, dtype or model is never used. A calibration whose plain-step timings spread widely (a
+busy machine) is used by this process only, never cached.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import head_size_timings, measure_latency
-from layerskip.errors import LayerskipError
-from layerskip.fileio import load_json, write_json_atomic
+from layerskip.engine.result_cache import ResultCache, cache_env, model_key
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import full_logits
-from layerskip.hf.models import cache_dir
 from layerskip.hf.prompting import first_token_id
 from layerskip.machine import this_machine
 
@@ -49,12 +43,8 @@ CONTEXT_TOKENS = 96  # attention over a realistic context, as after a short prom
 Log = Callable[[str], None]
 
 
-CACHE_ENV = "LAYERSKIP_CALIBRATION_CACHE"
-
-
-def calibration_root() -> Path:
-    """Where calibrations are cached: ``$LAYERSKIP_CALIBRATION_CACHE``, else ``auto/`` in the model cache."""
-    return Path(os.environ.get(CACHE_ENV) or cache_dir() / "auto")
+CACHE = "calibration"  # the result cache that holds calibrations
+CACHE_ENV = cache_env(CACHE)
 
 
 def calibration_key(model: nn.Module, policy: SkipPolicy) -> dict[str, Any]:
@@ -64,16 +54,10 @@ def calibration_key(model: nn.Module, policy: SkipPolicy) -> dict[str, Any]:
     vocab = adapters.lm_head(model).weight.shape[0]
     return {
         "format": FORMAT,
-        "architecture": adapters.architecture_of(model),
-        "fingerprint": adapters.weights_fingerprint(model),
-        "weights_sample": adapters.weights_sample_digest(model),
-        "dtype": str(parameter.dtype),
-        "device": str(parameter.device),
+        **model_key(model),
         "machine": this_machine(parameter.device).to_dict(),
         "host": platform.node(),
         "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
         "precision": policy.draft.precision,
         "head_sizes": list(policy.auto.head_sizes(vocab)),
         "blocks": list(VERIFY_BLOCKS),
@@ -96,20 +80,17 @@ def calibrate(
     ``models`` may hold it already)."""
     start = time.perf_counter()
     key = calibration_key(model, policy)
-    path = Path(root if root is not None else calibration_root()) / f"costs-{_digest(key)}.json"
-    cached = _read(path, key) if read else None
+    cache = ResultCache(CACHE, root, "calibration cache")
+    cached = cache.load("costs", key, lambda data: _costs(data, key)) if read else None
     if cached is not None:
         cached.info.update(cached=True, seconds=round(time.perf_counter() - start, 3))
         return cached
     costs = _measure(model, policy, models, context, key, progress)
     costs.info.update(cached=False, seconds=round(time.perf_counter() - start, 3))
-    if "warning" not in costs.info:
-        try:
-            write_json_atomic(path, {"key": key, "costs": costs.to_dict()})
-        except OSError as error:  # a read-only cache costs time at the next load, never this one
-            costs.info["not_cached"] = f"could not write {path}: {error.strerror}"
-        except LayerskipError as error:  # a FIFO or device in the cache's place is left as it is
-            costs.info["not_cached"] = str(error)
+    if "warning" not in costs.info:  # measured on a busy machine: used by this process only
+        problem = cache.store("costs", key, {"costs": costs.to_dict()})
+        if problem is not None:
+            costs.info["not_cached"] = problem
     return costs
 
 
@@ -146,18 +127,7 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
     return (ids * (CONTEXT_TOKENS // len(ids) + 1))[:CONTEXT_TOKENS]
 
 
-def _digest(key: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _read(path: Path, key: dict[str, Any]) -> DraftCosts | None:
-    """The cached costs at ``path`` if they were made for ``key`` and hold what it asked for; None
-    for anything else (missing, not a regular file, damaged, costs out of range or for other head
-    sizes or blocks, or made for another model, dtype or machine): ``calibrate`` then measures again."""
-    try:
-        data = load_json(path, "calibration cache", "it is measured again")
-        if data.get("key") != json.loads(json.dumps(key)):
-            return None
-        return DraftCosts.from_dict(data.get("costs"), key["head_sizes"], [1, *key["blocks"]])
-    except (LayerskipError, ValueError):
-        return None
+def _costs(data: dict[str, Any], key: dict[str, Any]) -> DraftCosts:
+    """The cached costs, if they hold what ``key`` asked for (ValueError: out of range, or for other
+    head sizes or blocks; ``calibrate`` then measures again)."""
+    return DraftCosts.from_dict(data.get("costs"), key["head_sizes"], [1, *key["blocks"]])
