@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache, model_cache
 from layerskip.hf.forward import full_hidden, full_logits
 
+K = TypeVar("K")
 PLAIN_REPEATS = 15  # plain-step timings: their spread tells whether the machine was busy
 VERIFY_REPEATS = 7
 BUSY_SPREAD = 0.25  # interquartile range / median of the plain-step timings above this: busy
@@ -79,6 +80,39 @@ def prefilled_cache(
     return cache, device
 
 
+class DraftStep:
+    """One draft token (the bypassed stack in the draft's precision, then its head on ``head_rows``
+    and the context's tokens, or every row) after ``context``: a call runs it and rolls the cache
+    back, so that it can be timed again and again. Build and call it under ``torch.inference_mode``."""
+
+    def __init__(
+        self,
+        draft_model: DraftModel,
+        context: Sequence[int],
+        attention: Sequence[int] = (),
+        mlp: Sequence[int] = (),
+        head_rows: Sequence[int] | None = None,
+    ) -> None:
+        self.draft_model, self.attention, self.mlp = draft_model, attention, mlp
+        self.cache, self.device = prefilled_cache(draft_model.model, context, draft_model.exit)
+        self.length = len(context)
+        self.token = torch.tensor([[context[-1]]], device=self.device)
+        rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
+        self.head = draft_model.head(rows)
+
+    def __call__(self) -> None:
+        with self.draft_model.active(self.attention, self.mlp):
+            self.draft_model.logits(self.token, self.cache, self.length, self.head)
+        self.cache.rollback(self.length)
+
+    def hidden(self) -> torch.Tensor:
+        """The hidden state the step's head reads."""
+        with self.draft_model.active(self.attention, self.mlp):
+            hidden = self.draft_model.hidden(self.token, self.cache, self.length)[0, -1]
+        self.cache.rollback(self.length)
+        return hidden
+
+
 @torch.inference_mode()
 def draft_step_seconds(
     draft_model: DraftModel,
@@ -88,19 +122,9 @@ def draft_step_seconds(
     head_rows: Sequence[int] | None = None,
     repeats: int = 7,
 ) -> float:
-    """Median seconds of one draft token (bypassed stack in the draft's precision + its head) after ``context``."""
-    cache, device = prefilled_cache(draft_model.model, context, draft_model.exit)
-    length = len(context)
-    token = torch.tensor([[context[-1]]], device=device)
-    rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
-    head = draft_model.head(rows)
-
-    def step() -> None:
-        with draft_model.active(attention, mlp):
-            draft_model.logits(token, cache, length, head)
-        cache.rollback(length)
-
-    return median_seconds(step, device, repeats)
+    """Median seconds of one draft token (``DraftStep``) after ``context``."""
+    step = DraftStep(draft_model, context, attention, mlp, head_rows)
+    return median_seconds(step, step.device, repeats)
 
 
 @torch.inference_mode()
@@ -123,11 +147,7 @@ def head_size_timings(
             cache.rollback(length)
 
         steps[size] = step
-        _time_once(step, device)  # warm-up
-    seconds: dict[int, list[float]] = {size: [] for size in sizes}
-    for _ in range(repeats):
-        for size, step in steps.items():
-            seconds[size].append(_time_once(step, device))
+    seconds = interleaved_timings(steps, device, repeats)
     return {size: statistics.median(values) for size, values in seconds.items()}
 
 
@@ -172,11 +192,20 @@ def curve_timings(
             cache.rollback(length)
 
         steps[block] = step
-        _time_once(step, device)  # warm-up
-    seconds: dict[int, list[float]] = {block: [] for block in blocks}
+    return interleaved_timings(steps, device, repeats)
+
+
+def interleaved_timings(
+    steps: dict[K, Callable[[], object]], device: torch.device, repeats: int
+) -> dict[K, list[float]]:
+    """Seconds of ``repeats`` calls of each step (after one warm-up call each), the steps taking turns
+    in every round: a load that comes and goes touches them all alike."""
+    for step in steps.values():
+        _time_once(step, device)
+    seconds: dict[K, list[float]] = {key: [] for key in steps}
     for _ in range(repeats):
-        for block, step in steps.items():
-            seconds[block].append(_time_once(step, device))
+        for key, step in steps.items():
+            seconds[key].append(_time_once(step, device))
     return seconds
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from layerskip.drafts.model import DraftModel
-from layerskip.engine.latency import median_seconds, prefilled_cache
+from layerskip.engine.latency import DraftStep, median_seconds
 from layerskip.hf import adapters
 
 PROJECTION_OPS = ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
@@ -30,22 +30,10 @@ def draft_step_breakdown(
     of the wall time (Python, module calls, op dispatch). Op times are torch.profiler self times."""
     from torch.profiler import ProfilerActivity, profile
 
-    cache, device = prefilled_cache(draft_model.model, context, draft_model.exit)
-    length = len(context)
-    token = torch.tensor([[context[-1]]], device=device)
-    rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
-    head = draft_model.head(rows)
-
-    def step() -> None:
-        with draft_model.active(attention, mlp):
-            draft_model.logits(token, cache, length, head)
-        cache.rollback(length)
-
-    wall = median_seconds(step, device, repeats)
-    with draft_model.active(attention, mlp):
-        hidden = draft_model.hidden(token, cache, length)[0, -1]
-    cache.rollback(length)
-    head_seconds = median_seconds(lambda: head(hidden), device, repeats)
+    step = DraftStep(draft_model, context, attention, mlp, head_rows)
+    wall = median_seconds(step, step.device, repeats)
+    hidden = step.hidden()
+    head_seconds = median_seconds(lambda: step.head(hidden), step.device, repeats)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             step()
