@@ -31,7 +31,7 @@ from layerskip.measure.results import (
     auto_lines,
     between_markers,
     cpu_name,
-    divergence_table,
+    divergences_by_method,
     draft_cost_section,
     load_draft_costs,
     load_result_files,
@@ -270,7 +270,7 @@ def test_divergences_are_summarised_from_the_recorded_gaps_and_bounds() -> None:
     overall = data["methods"]["self-spec:smollm2-135m-fp32-hybrid"]["overall"]
     overall.update(n_rounding=1, n_defect=0)
     overall["divergences"] = [{"fp32_gap": -0.02, "error_bound": 0.2}, {"fp32_gap": 0.1, "error_bound": 0.3}]
-    table = divergence_table(data)
+    table = divergences_by_method(data)
     assert "| self-spec:smollm2-135m-fp32-hybrid | 2 / 2 | 1 / 0 | 0.060 / 0.100 | 0.250 / 0.300 |" in table
     page = (REPO / "docs" / "results.md").read_text()
     assert "- / -" not in page and "not recorded" not in page  # every committed divergence has its figures

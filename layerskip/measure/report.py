@@ -66,8 +66,9 @@ def _identity(figures: dict[str, Any]) -> str:
     return f"{cell} (+{unclassified} unclassified)" if unclassified else cell
 
 
-def divergence_table(results: dict[str, Any]) -> str:
-    """Every divergence from hf-ar: where, the two tokens, the fp32 gap against the error bound, the class."""
+def divergences_by_prompt(results: dict[str, Any]) -> str:
+    """Every divergence from hf-ar, a row each: where, the two tokens, the fp32 gap against the error
+    bound, the class ('' if none)."""
     rows = [row for row in results.get("per_prompt", []) if row.get("divergence")]
     if not rows:
         return ""
@@ -149,20 +150,22 @@ def held_out_table(results: dict[str, Any]) -> str:
 
 def markdown_report(results: dict[str, Any]) -> str:
     """The figures table, the divergences, the held-out check, then the time profile of our engine's methods."""
-    parts = [markdown_table(results)]
-    divergences = divergence_table(results)
-    if divergences:
-        parts.append(
-            "Divergences from hf-ar (first differing token; `rounding`: the fp32 gap between the two tokens is "
-            f"within the measured rounding error of the two paths, `defect`: it is not):\n\n{divergences}"
-        )
-    held_out = held_out_table(results)
-    if held_out:
-        parts.append(f"Held-out check (categories the policy was not tuned on):\n\n{held_out}")
-    profile = profile_table(results)
-    if profile:
-        parts.append(f"Time per generated token (ms):\n\n{profile}")
+    divergences = (
+        "Divergences from hf-ar (first differing token; `rounding`: the fp32 gap between the two tokens is "
+        "within the measured rounding error of the two paths, `defect`: it is not):"
+    )
+    parts = [
+        markdown_table(results),
+        *section(divergences, divergences_by_prompt(results)),
+        *section("Held-out check (categories the policy was not tuned on):", held_out_table(results)),
+        *section("Time per generated token (ms):", profile_table(results)),
+    ]
     return "\n\n".join(parts)
+
+
+def section(lead: str, table: str) -> list[str]:
+    """A part of a report: its lead-in, then its table; none where the table is empty."""
+    return [f"{lead}\n\n{table}"] if table else []
 
 
 def csv_text(results: dict[str, Any]) -> str:

@@ -42,7 +42,7 @@ from layerskip.measure.batch_results import batch_outputs, load_batch_runs
 from layerskip.measure.bench import BASELINE
 from layerskip.measure.labels import FLAG_LABELS, cpu_label, cpu_name
 from layerskip.measure.labels import replace_between_markers as replace_readme_block
-from layerskip.measure.report import markdown_report
+from layerskip.measure.report import markdown_report, section
 
 RESULTS_DIR = Path("docs/results")
 RESULTS_PAGE = Path("docs/results.md")
@@ -602,8 +602,8 @@ def _policy_line(label: str, data: dict[str, Any]) -> str:
     return f"- `{label}` ({policy_kind(data)}{', ' + origin if origin else ''}): {description}"
 
 
-def divergence_table(data: dict[str, Any]) -> str:
-    """Methods whose greedy output left HF `generate`'s: how many prompts, how the divergence check
+def divergences_by_method(data: dict[str, Any]) -> str:
+    """Methods whose greedy output left HF `generate`'s, a row each: how many prompts, how the divergence check
     classed them, and the fp32 gap between the two tokens at the divergence against the rounding
     error bound the check allowed there (``measure.divergence``)."""
     lines = []
@@ -762,28 +762,23 @@ def file_section(f: ResultFile) -> str:
     ]
     if env.get("date"):
         facts.append(f"- run ended {env['date']}")
+    trees = (
+        "Token trees against chains: each method that drafted token trees, beside the same policy with "
+        "trees off in the same run (its `(chain)` run; `-` when the run has none). *Tree steps* are the "
+        "verify steps whose draft was a tree (share of all steps); *accepted off the first branch*, those "
+        "whose accepted path left the tree's first branch, where a chain would have stopped sooner."
+    )
+    policies = "\n".join(_policy_line(label, p) for label, p in data["policies"].items())
     parts = [
         f'<a id="{f.name}"></a>\n## {f.name}',
         "\n".join(facts),
         f"```bash\n{data['command']}\n```",
+        *section("Policies:", policies),
+        markdown_report(data),
+        *section(trees, tree_table(data)),
+        *section("What `auto` chose:", auto_lines(data)),
+        *section("Where greedy output differs from HF `generate`:", divergences_by_method(data)),
     ]
-    if data["policies"]:
-        parts.append("Policies:\n\n" + "\n".join(_policy_line(label, p) for label, p in data["policies"].items()))
-    parts.append(markdown_report(data))
-    trees = tree_table(data)
-    if trees:
-        parts.append(
-            "Token trees against chains: each method that drafted token trees, beside the same policy with "
-            "trees off in the same run (its `(chain)` run; `-` when the run has none). *Tree steps* are the "
-            "verify steps whose draft was a tree (share of all steps); *accepted off the first branch*, those "
-            f"whose accepted path left the tree's first branch, where a chain would have stopped sooner.\n\n{trees}"
-        )
-    auto = auto_lines(data)
-    if auto:
-        parts.append(f"What `auto` chose:\n\n{auto}")
-    divergences = divergence_table(data)
-    if divergences:
-        parts.append(f"Where greedy output differs from HF `generate`:\n\n{divergences}")
     return "\n\n".join(parts)
 
 
