@@ -200,7 +200,7 @@ def calibration_prompts(prompts: str | tuple[Prompt, ...], args: SearchSettings)
     )
 
 
-def auto_choices(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int, name: str) -> SkipPolicy:
+def auto_policy(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int, name: str) -> SkipPolicy:
     """``--warm-start auto``: what auto chooses on this machine (its skip set, head size, padding,
     lookup and tree settings) after generating from the calibration prompts, as a fixed policy."""
     decoder = Decoder.for_policy(model, SkipPolicy.auto_choice(next(model.parameters()).device))
@@ -242,7 +242,7 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     for prompt, ids in zip(inputs.prompts, prompt_ids):
         check_fits(model, len(ids), max(args.reference_tokens, args.max_new_tokens), f"calibration prompt {prompt.id}")
     if AUTO in inputs.seeds:
-        inputs.seeds[AUTO] = auto_choices(model, prompt_ids, args.max_new_tokens, loaded.name)
+        inputs.seeds[AUTO] = auto_policy(model, prompt_ids, args.max_new_tokens, loaded.name)
     calibration_info = {
         "source": inputs.request.prompts_source,
         "prompts": [p.id for p in inputs.prompts],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.lookup import LookupMatch, LookupRunLength, find_lookup, match_lookup
+from layerskip.drafts.lookup import LookupMatch, LookupRunLength, match_lookup
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
 from layerskip.measure.agreement import Reference, simulate_greedy
@@ -15,7 +15,7 @@ def test_match_prefers_the_longest_then_the_latest_ngram() -> None:
     history = [1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3]
     assert match_lookup(history, 1, 3, 2) == LookupMatch([9, 2], 3)  # [1, 2, 3] occurred at 0
     assert match_lookup(history, 1, 2, 2) == LookupMatch([7, 8], 2)  # latest [2, 3] is at 4
-    assert find_lookup([5, 6, 7], 1, 3, 4) == []
+    assert match_lookup([5, 6, 7], 1, 3, 4).tokens == []
 
 
 def _score(cut: LookupRunLength, match: LookupMatch, actual: list[int]) -> None:

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+from drawn_siblings import sampled_siblings
 
 from layerskip.drafts.branching import (
     Sibling,
     add_siblings,
     ranked_siblings,
-    sampled_siblings,
     uncertain_positions,
 )
 from layerskip.drafts.lookup import LookupMatch, match_lookup, match_lookups
-from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder, tree_from_candidates
+from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder
 from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Proposal, accept_tree_greedy
+
+
+def tree_from_candidates(candidates: list[list[int]], budget: int) -> TokenTree:
+    """Deterministic candidates in priority order, merged into one tree by ``TreeBuilder.add_path``."""
+    builder = TreeBuilder(budget)
+    for candidate in candidates:
+        builder.add_path(candidate)
+    return builder.build()
+
 
 # -- merging ---------------------------------------------------------------------------------------
 

@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from drawn_siblings import sampled_siblings
 
 from layerskip import sampling
-from layerskip.drafts.branching import add_siblings, ranked_siblings, sampled_siblings
+from layerskip.drafts.branching import add_siblings, ranked_siblings
 from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder
 from layerskip.sampling import Attempt, Proposal, sample, verify_sampled, verify_tree_sampled
 

@@ -4,14 +4,12 @@ A draft that is sure of its next token (a wide top-2 margin) is usually right; w
 is narrow its second choice is often the model's. There the tree gets the draft's next choices
 as siblings of the chain token (leaves: children of the chain's previous node).
 
-Inputs are plain tensors recorded while drafting, one row per chain position:
-
-* greedy (or deterministic alternatives when sampling): the draft's top-K tokens and their
-  probabilities, ``top_tokens [k, K]`` / ``top_probs [k, K]``, best first. The siblings are the
-  best tokens other than the chain's, in rank order: deterministic proposals (one-hot q).
-* sampling, Sequoia style: the draft's proposal rows ``q [k, V]`` from which the chain tokens were
-  drawn. The siblings are further draws from ``q[t]`` without replacement (the chain token being
-  the first), and the verify tests each against q renormalised without the earlier draws.
+The inputs are plain tensors recorded while drafting greedily, one row per chain position: the
+draft's top-K tokens and their probabilities, ``top_tokens [k, K]`` / ``top_probs [k, K]``, best
+first. The siblings are the best tokens other than the chain's, in rank order: deterministic
+proposals (one-hot q). A sampled draft stays a chain (the builder branches greedy drafts only).
+A sibling marked ``drawn`` names a draw from the chain's proposal row without replacement, which
+the sampled tree verify tests against q renormalised without the earlier draws.
 """
 
 from __future__ import annotations
@@ -53,24 +51,6 @@ def ranked_siblings(
             break
         alternatives = [token for token in top_tokens[t].tolist() if token != chain[t]]
         siblings.extend(Sibling(t, token) for token in alternatives[: width - 1])
-    return siblings
-
-
-def sampled_siblings(
-    chain: Sequence[int], q: torch.Tensor, margin: float, width: int, generator: torch.Generator | None
-) -> list[Sibling]:
-    """Up to ``width - 1`` more draws from ``q[t]`` (``[k, V]``) without replacement where its
-    top-2 margin is below ``margin``; ``chain[t]`` must have been the first draw from ``q[t]``.
-    How many are drawn depends on q only (never on the tokens drawn), as exactness requires."""
-    siblings: list[Sibling] = []
-    for t in uncertain_positions(q.topk(2, dim=-1).values, margin):
-        if t >= len(chain):
-            break
-        rest = q[t].float().index_fill(0, torch.tensor([chain[t]], device=q.device), 0.0)  # [V]
-        count = min(width - 1, int((rest > 0).sum()))
-        if count > 0:
-            draws = torch.multinomial(rest, count, replacement=False, generator=generator)
-            siblings.extend(Sibling(t, token, drawn=True) for token in draws.tolist())
     return siblings
 
 

@@ -61,10 +61,6 @@ def match_lookups(
     return matches
 
 
-def find_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> list[int]:
-    return match_lookup(history, min_ngram, max_ngram, max_tokens).tokens
-
-
 @dataclass
 class _Pending:
     start: int  # history index the match's first token would take

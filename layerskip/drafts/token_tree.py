@@ -194,11 +194,3 @@ class TreeBuilder:
             attempts=attempts,
             q=q,
         )
-
-
-def tree_from_candidates(candidates: Sequence[Sequence[int]], budget: int) -> TokenTree:
-    """Deterministic candidates (lookup matches, greedy drafts) in priority order, merged into one tree."""
-    builder = TreeBuilder(budget)
-    for candidate in candidates:
-        builder.add_path(candidate)
-    return builder.build()

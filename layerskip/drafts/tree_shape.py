@@ -93,15 +93,6 @@ def shape_tree(
     return Shape(builder.build(), tokens, seconds)
 
 
-def chain_candidates(tokens: Sequence[int], chances: Sequence[float], first: int = 0) -> list[Candidate]:
-    """A chain as candidates: token i the child of token i-1; ``first`` is the index the first one
-    will have in the caller's list (so that chains can be appended to one list)."""
-    return [
-        Candidate(ROOT if i == 0 else first + i - 1, token, chance)
-        for i, (token, chance) in enumerate(zip(tokens, chances, strict=True))
-    ]
-
-
 def merged_paths(paths: Sequence[tuple[Sequence[int], Sequence[float]]]) -> list[Candidate]:
     """Deterministic continuations (lookup matches, greedy chains), each with its per-token
     chances, merged on shared prefixes: a shared node counts once, with the larger chance."""
