@@ -172,8 +172,22 @@ class BatchStepper:
                 generators = [row.generator for row in self.rows]
                 with self.threads.phase("draft") as run:
                     run.units = steps
-                    return self.batch_draft.propose(self.cache, histories, budgets, steps, generators)
+                    drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators)
+                return [self._longer_lookup(row, draft, steps) for row, draft in zip(self.rows, drafts, strict=True)]
         return [self._propose(b, row, kind) for b, row in enumerate(self.rows)]
+
+    def _longer_lookup(self, row: BatchRow, draft: Draft, steps: int) -> Draft:
+        """A row whose text repeats its last n-gram (the longest the policy matches) proposes the
+        repeat instead of its skip draft where the repeat is longer: up to twice the draft, so one
+        row's long match does not widen every row's verify far."""
+        if self.lookup is None:
+            return draft
+        s = self.lookup
+        cap = min(row.output.remaining - 1, 2 * steps)
+        match = match_lookup(row.output.history, s.lookup_max_ngram, s.lookup_max_ngram, cap)
+        if len(match.tokens) <= len(draft.tokens):
+            return draft
+        return chain_draft(match.tokens, "lookup", match.ngram, self.vocab_size, self.sampling, self.device)
 
     def _propose(self, b: int, row: BatchRow, kind: str) -> Draft:
         budget = row.output.remaining - 1

@@ -66,6 +66,9 @@ class Decoder:
         self.draft = draft
         self.device = next(model.parameters()).device
         self.threads = ThreadTuner(threads, self.device)
+        # A batch's products are wide enough for every core: it runs on the caller's thread count
+        # (tuning one phase's count would also bend the step kinds' measured rates).
+        self.batch_threads = ThreadTuner(threads if isinstance(threads, int) else torch.get_num_threads(), self.device)
         # Greedy verifies take their argmax from a bf16 head certified against fp32 (engine/
         # verify_head.py): by default on the CPU, where the fp32 head is a large part of a step.
         self.head: VerifyHead = engine_verify_head(model, certified_head)
@@ -201,7 +204,7 @@ class Decoder:
                 self.decode(prompt, settings, tokenizer=tokenizer, logits_hook=hook, stop_check=stop)
                 for prompt, hook, stop in zip(ids, hooks, stops, strict=True)
             ]
-        with self.threads.session():
+        with self.batch_threads.session():
             clock = DeviceClock(self.device)
             start = clock.now()
             fallbacks_before = self.head.stats.fallbacks
@@ -230,7 +233,7 @@ class Decoder:
                 settings.sampling,
                 adapters.lm_head(self.model).weight.shape[0],
                 0,
-                self.threads,
+                self.batch_threads,
                 clock,
                 self.device,
                 batch_draft,
@@ -239,14 +242,14 @@ class Decoder:
             results = []
             for row in run_batch(stepper):
                 row.drafter.report(row.stats)
-                self._finish(row.stats, fallbacks_before)
+                self._finish(row.stats, fallbacks_before, self.batch_threads)
                 row.stats.new_tokens = len(row.output.generated)
                 row.stats.batch_steps = dict(stepper.kinds.steps)
                 results.append((row.output.generated, row.stats))
             return results
 
-    def _finish(self, stats: GenerationStats, fallbacks_before: int) -> None:
-        stats.thread_runs = dict(self.threads.used)
+    def _finish(self, stats: GenerationStats, fallbacks_before: int, threads: ThreadTuner | None = None) -> None:
+        stats.thread_runs = dict((threads or self.threads).used)
         for path in self.paths():
             stats.paths[path] = 1
         stats.head_fallback_rows = self.head.stats.fallbacks - fallbacks_before
