@@ -19,7 +19,6 @@ against the plain step of its dtype.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import shlex
@@ -30,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
+from layerskip.cli.common import check_policies, load_policies, model_parser, run_cli
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import DraftModels, head_rows
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine.latency import draft_step_seconds, verify_seconds
+from layerskip.engine.latency import DraftStep, draft_step_seconds, median_seconds, verify_seconds
 from layerskip.engine.verify_head import engine_verify_head
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
@@ -122,8 +121,7 @@ def compile_measurement(model: torch.nn.Module, context: list[int], precision: s
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
+    parser = model_parser(__doc__, raw=True)
     parser.add_argument("--policy", action="append", default=[], help="also time this policy's draft (repeatable)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default="results/draft_cost")
@@ -159,9 +157,12 @@ def _main(argv: list[str] | None) -> int:
         draft_model = draft_models.for_policy(policy, all_sublayers=True)
         memory_mb[precision] = max(memory_mb.get(precision, 0.0), draft_model.nbytes / 2**20)
         head_ids = head_rows(policy, head.shape[0])
-        args_ = (draft_model, context, policy.skip_attention, policy.skip_mlp, head_ids)
-        seconds = draft_step_seconds(*args_, repeats=args.repeats)
-        read = draft_bytes_read(draft_model, context, policy.skip_attention, policy.skip_mlp, head_ids)
+        with torch.inference_mode():  # the step timed, profiled and counted in bytes below
+            step = DraftStep(
+                draft_model, context, attention=policy.skip_attention, mlp=policy.skip_mlp, head_rows=head_ids
+            )
+            seconds = median_seconds(step, step.device, args.repeats)
+        read = draft_bytes_read(step)
         # Compute per token: the layers' weights plus the head rows scored (embedding lookups are free).
         layer_weights = sum(attn) + sum(mlp)
         kept = layer_weights - sum(attn[i] for i in policy.skip_attention) - sum(mlp[i] for i in policy.skip_mlp)
@@ -179,7 +180,7 @@ def _main(argv: list[str] | None) -> int:
             "floor_relative_to_plain_step": read / bandwidth / plain,
         }
         if cpu:
-            row.update(draft_step_breakdown(*args_, repeats=args.repeats))
+            row.update(draft_step_breakdown(step, repeats=args.repeats))
         rows.append(row)
     compiled = (
         compile_measurement(model, context, "int4" if cpu else "bfloat16", args.repeats) if args.compile else None

@@ -13,7 +13,6 @@ independent acceptance (the same model the search's cheap proxy uses, without it
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import shlex
@@ -21,7 +20,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, float_list, int_list, run_cli
+from layerskip.cli.common import float_list, int_list, model_parser, run_cli
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.precision import PRECISIONS
@@ -43,8 +42,7 @@ def projected_speedup(acceptance: float, draft_cost: float, verify_cost: float, 
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
+    parser = model_parser(__doc__, raw=True)
     parser.add_argument("--prompts", default="builtin", help="'builtin' or a Spec-Bench JSONL")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--reference-tokens", type=int, default=48, help="greedy tokens per prompt to score")

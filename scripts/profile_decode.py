@@ -9,12 +9,11 @@ each policy, generated interleaved on the same prompts.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
 
-from layerskip.cli.common import add_model_arguments, check_policies, load_policies, run_cli
+from layerskip.cli.common import check_policies, load_policies, model_parser, run_cli
 from layerskip.data import load_prompts
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
@@ -27,8 +26,7 @@ OUTPUT_FILES = ("profile.json", "profile.md", "profile.csv")
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
+    parser = model_parser(__doc__, raw=True)
     parser.add_argument("--prompts", default="builtin")
     parser.add_argument("--per-category", type=int)
     parser.add_argument("--n-prompts", type=int)

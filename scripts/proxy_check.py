@@ -7,13 +7,12 @@ over its predicted-speedup range by real generation and prints the rank correlat
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import optuna
 from optuna.trial import TrialState
 
-from layerskip.cli.common import add_model_arguments, run_cli
+from layerskip.cli.common import model_parser, run_cli
 from layerskip.data import load_prompts
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
@@ -24,8 +23,7 @@ from layerskip.search.study import confirmations, open_storage, record_confirmat
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
+    parser = model_parser(__doc__, raw=True)
     parser.add_argument("--storage", required=True)
     parser.add_argument("--study-name", required=True)
     parser.add_argument("--n", type=int, default=8, help="trials to confirm (spread over predicted speedup)")

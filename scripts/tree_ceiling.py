@@ -15,7 +15,6 @@ extra tokens per step outgrow those costs.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from layerskip.cli.common import add_model_arguments, int_list, run_cli
+from layerskip.cli.common import int_list, model_parser, run_cli
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftRun
 from layerskip.drafts.model import DraftModel
@@ -91,8 +90,7 @@ def markdown(summary: dict, verify: dict[int, float], draft: dict[int, float]) -
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
+    parser = model_parser(__doc__, raw=True)
     parser.add_argument("--prompts", default="builtin", help="'builtin', 'code' or a Spec-Bench JSONL")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)

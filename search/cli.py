@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from layerskip.cli.common import add_model_arguments, float_list, int_list, run_cli, str_list
+from layerskip.cli.common import add_prompt_arguments, float_list, int_list, model_parser, run_cli, str_list
 from layerskip.search.api import run_study
 from layerskip.search.calibration_cache import CACHE_ENV
 from layerskip.search.confirmation import MIN_ROUNDS
@@ -52,7 +52,7 @@ def given_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, dict[st
     """The command line (every setting, defaults included), and the settings its flags give."""
     args = build_parser().parse_args(argv)
     typed = build_parser(argparse.SUPPRESS)
-    typed.set_defaults(dtype=argparse.SUPPRESS, device=argparse.SUPPRESS)  # add_model_arguments names defaults
+    typed.set_defaults(dtype=argparse.SUPPRESS, device=argparse.SUPPRESS)  # the model options name their defaults
     given = {name: value for name, value in vars(typed.parse_args(argv)).items() if name in SETTINGS}
     return args, {name: value for name, value in given.items() if value != argparse.SUPPRESS}
 
@@ -68,13 +68,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
     """The parser; ``argument_default=argparse.SUPPRESS`` leaves out every setting not typed."""
-    parser = argparse.ArgumentParser(
-        prog="layerskip-search",
-        description=__doc__.split("\n\n# ")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        argument_default=argument_default,
-    )
-    add_model_arguments(parser)
+    parser = model_parser(__doc__.split("\n\n# ")[0], prog="layerskip-search", raw=True)
+    parser.argument_default = argument_default
     parser.add_argument("--preset", choices=PRESETS, help=_preset_help())
     _add_prompt_arguments(parser)
     _add_study_arguments(parser)
@@ -91,12 +86,7 @@ APPENDED = ("warm_start", "exit_adapters")
 
 def _add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     """The calibration prompts: which, how many, chat template or not."""
-    parser.add_argument(
-        "--prompts",
-        default="builtin",
-        help="'builtin', 'code' (12 code prompts), a Spec-Bench-style JSONL, or a json/csv/parquet file",
-    )
-    parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
+    add_prompt_arguments(parser)
     parser.add_argument("--n-prompts", type=int, help="calibration prompts (spread over categories)")
     parser.add_argument("--per-category", type=int, help="sample this many prompts from each category first")
     parser.add_argument("--categories", type=str_list, help="only these prompt categories, e.g. qa,rag")

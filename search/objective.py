@@ -113,6 +113,7 @@ class CheapScore:
     draft_timed_by_trial: int | None = None  # the trial whose timing of this same draft priced it
 
 
+@dataclass(eq=False, repr=False)
 class CheapObjective:
     """Optuna objective: samples a policy from the space and scores it cheaply.
 
@@ -122,26 +123,21 @@ class CheapObjective:
     truncated draft heads (the policy of a trial keeps its first ``draft_vocab_size`` ids).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        calibration: Calibration,
-        space: SearchSpace,
-        mode: str,
-        ranking: Sequence[int] = (),
-        latency_repeats: int = 5,
-    ) -> None:
-        self.model = model
-        self.calibration = calibration
-        self.space = space
-        self.mode = mode
-        self.ranking = tuple(ranking)
-        self.latency_repeats = latency_repeats
-        # One draft forward per (precision, exit adapter), every sublayer kept: an adapter is loaded
-        # and checked once per study process, never trained by a trial.
-        self.draft_models = DraftModels(model)
-        # One timing per distinct draft in the study (layerskip.search.draft_timing): noise cannot price it twice.
-        self.draft_timings = DraftTimings()
+    model: nn.Module
+    calibration: Calibration
+    space: SearchSpace
+    mode: str
+    ranking: Sequence[int] = ()
+    latency_repeats: int = 5
+    # One draft forward per (precision, exit adapter), every sublayer kept: an adapter is loaded
+    # and checked once per study process, never trained by a trial.
+    draft_models: DraftModels = field(init=False)
+    # One timing per distinct draft in the study (layerskip.search.draft_timing): noise cannot price it twice.
+    draft_timings: DraftTimings = field(init=False, default_factory=DraftTimings)
+
+    def __post_init__(self) -> None:
+        self.ranking = tuple(self.ranking)
+        self.draft_models = DraftModels(self.model)
 
     def score(self, policy: SkipPolicy, trial: optuna.Trial | None = None) -> CheapScore:
         cal = self.calibration

@@ -281,18 +281,17 @@ class SearchSpace:
         )
         if "precision" in params:
             params["precision"] = nearest(d.precision, self.precision_choices, lambda c: c != d.precision)
-        if "min_verify_block" in params:
-            params["min_verify_block"] = nearest(d.min_verify_block, self.verify_pad_choices)
-        if "lookup_max_tokens" in params:
-            params["lookup_max_tokens"] = nearest(d.lookup_max_tokens, self.lookup_token_choices)
-        if "lookup_confidence" in params:
-            params["lookup_confidence"] = nearest(d.lookup_confidence, self.lookup_confidence_choices)
-        if "lookup_min_ngram" in params:
-            params["lookup_min_ngram"] = nearest(d.lookup_min_ngram, self.lookup_min_ngram_choices)
-        if "tree_matches" in params:
-            params["tree_matches"] = nearest(d.tree_matches, self.tree_match_choices)
-        if "tree_siblings" in params:
-            params["tree_siblings"] = nearest(d.tree_siblings, self.tree_sibling_choices)
+        # Draft settings a trial samples where the space offers them, under their own names.
+        for name, choices in (
+            ("min_verify_block", self.verify_pad_choices),
+            ("lookup_max_tokens", self.lookup_token_choices),
+            ("lookup_confidence", self.lookup_confidence_choices),
+            ("lookup_min_ngram", self.lookup_min_ngram_choices),
+            ("tree_matches", self.tree_match_choices),
+            ("tree_siblings", self.tree_sibling_choices),
+        ):
+            if name in params:
+                params[name] = nearest(getattr(d, name), choices)
         # What a trial with these parameters evaluates, built as the study builds it.
         evaluated = self.suggest(optuna.trial.FixedTrial(params))
         if evaluated.draft.use_skip_draft:

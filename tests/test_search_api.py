@@ -4,6 +4,8 @@ resuming, presets, the command line as its caller, its refusals, and docs/python
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,15 @@ def test_the_python_api_page_script_runs(tiny_llama, tmp_path, monkeypatch) -> N
     monkeypatch.chdir(tmp_path)
     exec(compile(script, "docs/python-api.md", "exec"), {})
     assert list(tmp_path.glob("*.json")) and list(tmp_path.glob("*.db"))
+
+
+def test_the_search_installs_as_layerskip_search_only(tmp_path) -> None:
+    """Outside the checkout there is no top-level ``search`` (a user's own search.py cannot shadow
+    it, nor it theirs), and no script re-executes Python to keep its folder off the path."""
+    probe = (
+        "import importlib.util, sys; from layerskip.search import run_study; "
+        "sys.exit(importlib.util.find_spec('search') is not None)"
+    )
+    found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
+    assert not [p.name for p in (ROOT / "scripts").glob("*.py") if "execv" in p.read_text(encoding="utf-8")]

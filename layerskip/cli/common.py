@@ -41,6 +41,25 @@ def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = No
         return 130
 
 
+def model_parser(description: str | None, prog: str | None = None, raw: bool = False) -> argparse.ArgumentParser:
+    """A tool's parser, with the model options every tool takes (``add_model_arguments``); ``raw``
+    keeps the description's own line breaks."""
+    formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=formatter)
+    add_model_arguments(parser)
+    return parser
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a tool's prompts come from (``layerskip.data.load_prompts``)."""
+    parser.add_argument(
+        "--prompts",
+        default="builtin",
+        help="'builtin', 'code' (12 code prompts), a Spec-Bench-style JSONL, or a json/csv/parquet file",
+    )
+    parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",

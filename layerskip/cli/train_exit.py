@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from layerskip.cli.common import add_model_arguments, int_list, run_cli, str_list
+from layerskip.cli.common import int_list, model_parser, run_cli, str_list
 from layerskip.distill.corpus import (
     CODE_DOMAIN,
     OWN_SUFFIX,
@@ -65,8 +65,7 @@ REPORT_FILES = ("report.json", "report.csv", "agreement.png")  # what write_repo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerskip-train-exit", description=__doc__)
-    add_model_arguments(parser)
+    parser = model_parser(__doc__, prog="layerskip-train-exit")
     parser.add_argument(
         "--data",
         action="append",

@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -55,17 +55,12 @@ class TeacherData:
         )
 
     def state(self) -> dict[str, object]:
-        return {
-            "ids": self.ids,
-            "hidden": self.hidden,
-            "top_ids": self.top_ids,
-            "top_probs": self.top_probs,
-            "domains": self.domains,
-        }
+        """The fields by name, the tensors themselves (``torch.save`` writes them)."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
 
     @classmethod
     def from_state(cls, state: dict) -> TeacherData:
-        return cls(state["ids"], state["hidden"], state["top_ids"], state["top_probs"], list(state["domains"]))
+        return cls(**{field.name: state[field.name] for field in fields(cls)} | {"domains": list(state["domains"])})
 
 
 def chunk_documents(

@@ -89,6 +89,7 @@ class DraftStep:
         self,
         draft_model: DraftModel,
         context: Sequence[int],
+        *,
         attention: Sequence[int] = (),
         mlp: Sequence[int] = (),
         head_rows: Sequence[int] | None = None,
@@ -99,6 +100,7 @@ class DraftStep:
         self.token = torch.tensor([[context[-1]]], device=self.device)
         rows = None if head_rows is None else torch.tensor(sorted({*head_rows, *context}), dtype=torch.long)
         self.head = draft_model.head(rows)
+        self.head_rows = None if rows is None else len(rows)  # the rows the head scores (None: every row)
 
     def __call__(self) -> None:
         with self.draft_model.active(self.attention, self.mlp):
@@ -123,7 +125,7 @@ def draft_step_seconds(
     repeats: int = 7,
 ) -> float:
     """Median seconds of one draft token (``DraftStep``) after ``context``."""
-    step = DraftStep(draft_model, context, attention, mlp, head_rows)
+    step = DraftStep(draft_model, context, attention=attention, mlp=mlp, head_rows=head_rows)
     return median_seconds(step, step.device, repeats)
 
 

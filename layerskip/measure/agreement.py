@@ -114,16 +114,12 @@ class TeacherForcedDraft:
 
 
 def teacher_forced_agreement(
-    draft_model: DraftModel,
-    references: Sequence[Reference],
-    attention: Sequence[int] = (),
-    mlp: Sequence[int] = (),
-    head_rows: Sequence[int] | None = None,
+    draft_model: DraftModel, references: Sequence[Reference], attention: Sequence[int] = (), mlp: Sequence[int] = ()
 ) -> float:
-    """Fraction of reference positions where the draft's top-1 equals the full model's token."""
+    """Fraction of reference positions where the draft's full head's top-1 equals the full model's token."""
     matches = total = 0
     for reference in references:
-        m, n = TeacherForcedDraft(draft_model, reference, attention, mlp, head_rows).agreement()
+        m, n = TeacherForcedDraft(draft_model, reference, attention, mlp).agreement()
         matches += m
         total += n
     return matches / total if total else 0.0

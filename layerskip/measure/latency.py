@@ -4,11 +4,8 @@ the bytes a step must read. The timings themselves come from the latency model (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from layerskip.drafts.model import DraftModel
 from layerskip.engine.latency import DraftStep, median_seconds
 from layerskip.hf import adapters
 
@@ -17,20 +14,12 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_sc
 
 
 @torch.inference_mode()
-def draft_step_breakdown(
-    draft_model: DraftModel,
-    context: Sequence[int],
-    attention: Sequence[int] = (),
-    mlp: Sequence[int] = (),
-    head_rows: Sequence[int] | None = None,
-    repeats: int = 15,
-) -> dict[str, float]:
+def draft_step_breakdown(step: DraftStep, repeats: int = 15) -> dict[str, float]:
     """Where one draft step's milliseconds go (CPU): the LM head, the kept projections, attention
     kernels, the other tensor ops (norms, rotary, residual adds, casts, cache writes), and the rest
     of the wall time (Python, module calls, op dispatch). Op times are torch.profiler self times."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = DraftStep(draft_model, context, attention, mlp, head_rows)
     wall = median_seconds(step, step.device, repeats)
     hidden = step.hidden()
     head_seconds = median_seconds(lambda: step.head(hidden), step.device, repeats)
@@ -62,19 +51,13 @@ def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 7)
     return 2 * source.numel() * source.element_size() / seconds
 
 
-def draft_bytes_read(
-    draft_model: DraftModel,
-    context: Sequence[int],
-    attention: Sequence[int] = (),
-    mlp: Sequence[int] = (),
-    head_rows: Sequence[int] | None = None,
-) -> int:
-    """Bytes one draft step after ``context`` must read: the kept projections (the draft's copies,
-    or the model's own weights), the head rows it scores in the draft's dtype, and the K/V of the
-    kept attention layers (``len(context)`` positions each, the model's dtype). Norms, biases and
-    the embedding row are left out: a rounding error next to these."""
-    model = draft_model.model
-    skipped = {(i, "attention") for i in attention} | {(i, "mlp") for i in mlp}
+def draft_bytes_read(step: DraftStep) -> int:
+    """Bytes one draft step must read: the kept projections (the draft's copies, or the model's own
+    weights), the head rows it scores in the draft's dtype, and the K/V of the kept attention
+    layers (the context's positions each, the model's dtype). Norms, biases and the embedding row
+    are left out: a rounding error next to these."""
+    draft_model, model, attention = step.draft_model, step.draft_model.model, step.attention
+    skipped = {(i, "attention") for i in attention} | {(i, "mlp") for i in step.mlp}
     weights = 0
     for index in range(adapters.num_layers(model)):
         for kind in ("attention", "mlp"):
@@ -88,7 +71,7 @@ def draft_bytes_read(
     if draft_model.exit is not None:
         weights += sum(p.numel() * p.element_size() for p in draft_model.exit.module.parameters())
     head = adapters.lm_head(model).weight
-    rows = head.shape[0] if head_rows is None else len({*head_rows, *context})
+    rows = head.shape[0] if step.head_rows is None else step.head_rows
     head_bytes = rows * head.shape[1] * torch.tensor([], dtype=draft_model.dtype).element_size()
     kv = 0
     config = model.config.get_text_config(decoder=True)
@@ -98,6 +81,6 @@ def draft_bytes_read(
     element = next(model.parameters()).element_size()
     for index in range(adapters.num_layers(model)):
         if index not in attention:
-            seen = len(context) if windows[index] is None else min(len(context), windows[index])
+            seen = step.length if windows[index] is None else min(step.length, windows[index])
             kv += 2 * kv_heads * head_dim * seen * element
     return weights + head_bytes + kv
