@@ -45,8 +45,11 @@ class StudyResult:
 
     @property
     def trials(self) -> int:
-        """The study's trials that ran to the end or were pruned, by every worker."""
+        """The study's trials that ran to the end or were pruned, by every worker, counted now."""
         return counted_trials(self.study)
+
+    def __repr__(self) -> str:
+        return f"StudyResult(study={self.study.study_name!r}, policy={self.policy.describe()!r}, out={self.out})"
 
     @property
     def verdict(self) -> str:

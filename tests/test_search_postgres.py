@@ -119,3 +119,23 @@ def test_kill_9_then_the_same_command_resumes_on_postgresql(postgres_url, tiny_l
         )
     finally:
         _delete_study(postgres_url, name)
+
+
+def test_run_study_workers_share_a_postgresql_study(postgres_url, tiny_llama, tmp_path):
+    """``layerskip.search.run_study`` on the same URL, one worker after the other: one study, the
+    second worker's trials numbered after the first's, its policy from the whole study."""
+    from layerskip.search import run_study
+
+    name = f"layerskip-api-{uuid.uuid4().hex[:12]}"
+    fast = dict(reference_tokens=8, max_new_tokens=8, confirm_top=1, draft_tokens=[2, 3], no_progress=True)
+    try:
+        first = run_study(tiny_llama, "builtin", n_prompts=2, storage=postgres_url, study_name=name, worker=0,
+                          n_trials=3, **fast)  # fmt: skip
+        assert first.trials == 3
+        second = run_study(tiny_llama, "builtin", n_prompts=2, storage=postgres_url, study_name=name, worker=1,
+                           n_trials=3, **fast)  # fmt: skip
+        assert second.trials == 6 and first.trials == 6  # counted in the study, now
+        assert trial_numbers(second.study) == list(range(6))
+        assert second.policy.provenance["study"] == name
+    finally:
+        _delete_study(postgres_url, name)
