@@ -222,3 +222,14 @@ def test_a_batch_of_sampled_rows_is_reproducible_with_a_seed(rotate_kinds: Rotat
     rotate_kinds.reset()
     again = [tokens for tokens, _ in decoder.decode_batch(_prompts(), settings)]
     assert first == again
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+def test_prompts_of_one_length_go_in_one_padded_prefill(arch: str, rotate_kinds: Rotation) -> None:
+    """Prompts of similar lengths are prefilled in one forward; far apart, row by row: both exact."""
+    prompts = [random_prompt(length=9, seed=s) for s in range(3)]
+    references = [hf_greedy(_model(arch), prompt, NEW_TOKENS) for prompt in prompts]
+    decoder = Decoder.for_policy(_model(arch), POLICIES["auto"])
+    results = decoder.decode_batch(prompts, DecodeSettings(max_new_tokens=NEW_TOKENS))
+    for (tokens, _), (ref, logits) in zip(results, references, strict=True):
+        assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} one length")

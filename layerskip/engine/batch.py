@@ -39,6 +39,7 @@ from layerskip.engine.step import StepOutcome, record_outcome
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import Verifier, verify_rows
 from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import full_hidden
 from layerskip.hf.ragged import RaggedCache, ragged_hidden
 from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock, GenerationStats
@@ -47,6 +48,9 @@ PLAIN, LOOKUP, DRAFT = "plain", "lookup", "draft"
 # The batched skip draft's lengths on the menu (kind "skip:N"): a longer draft pays where the
 # draft is right more often; which one does on this model, text and machine is measured.
 SKIP_LENGTHS = (3, 6)
+# Prompts go in one padded forward unless padding them to the longest adds more than this share
+# of their real tokens; then each is prefilled alone at its own length.
+PREFILL_PADDING = 1.25
 RECENT_STEPS = 5  # a kind's rate is the median of its last few steps' (one busy step moves it little)
 # A kind not chosen is tried again once this many times its last trial's seconds have passed:
 # exploring then costs about 1 / (1 + this) of the time, and a kind whose price fell is found.
@@ -117,20 +121,42 @@ class BatchStepper:
     finished: list[BatchRow] = field(default_factory=list)
 
     def prefill(self) -> None:
-        """Every prompt in one forward (right padded: each row's tokens from position 0)."""
+        """Every prompt into the cache, and each row's first token. Prompts of similar lengths go
+        in one forward (right padded: each row's tokens from position 0); where padding would
+        add more than ``PREFILL_PADDING`` of the real tokens, row by row, each at its own length
+        (a batched ``generate`` pads every row to the longest; nothing here needs to)."""
         prompts = [row.output.history for row in self.rows]
         longest = max(len(p) for p in prompts)
-        block = torch.tensor([[*p, *[p[-1]] * (longest - len(p))] for p in prompts], device=self.device)
         with self.threads.phase("verify") as run:
             run.units = 0  # the prefill teaches nothing about a step
-            hidden = ragged_hidden(self.model, block, self.cache)  # [B, longest, H]
+            if len(prompts) * longest > PREFILL_PADDING * sum(len(p) for p in prompts):
+                lasts = self._prefill_rows(prompts)
+            else:
+                block = torch.tensor([[*p, *[p[-1]] * (longest - len(p))] for p in prompts], device=self.device)
+                hidden = ragged_hidden(self.model, block, self.cache)  # [B, longest, H]
+                lasts = [hidden[b, len(p) - 1 : len(p)] for b, p in enumerate(prompts)]  # [1, H] each
         self.cache.set_lengths([len(p) for p in prompts])
-        lasts = [hidden[b, len(p) - 1 : len(p)] for b, p in enumerate(prompts)]  # [1, H] each
         verdicts = verify_rows([row.verifier for row in self.rows], lasts, [Draft([])] * len(prompts), prompts)
         for row, verdict in zip(self.rows, verdicts, strict=True):
             row.stats.record_step(0, 0)
             row.output.emit([verdict.next_token])
         self._leave()
+
+    def _prefill_rows(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Each prompt alone through its row's slice of the cache; the last hidden state of each."""
+        # Position 0 of every row in one forward first: the buffers take their shapes from it.
+        first = ragged_hidden(self.model, torch.tensor([[p[0]] for p in prompts], device=self.device), self.cache)
+        self.cache.set_lengths([1] * len(prompts))
+        self.cache.reserve(max(len(p) for p in prompts) + 1)  # the row views write in place, never grow
+        lasts = []
+        for b, prompt in enumerate(prompts):
+            if len(prompt) == 1:
+                lasts.append(first[b, :1])
+                continue
+            view = self.cache.row_view(b)
+            ids = torch.tensor([prompt[1:]], device=self.device)  # [1, P-1] at positions 1..P-1
+            lasts.append(full_hidden(self.model, ids, view, 1, 1))  # [1, H]
+        return lasts
 
     def step(self) -> None:
         kind = self.kinds.choose()
