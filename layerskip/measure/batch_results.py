@@ -100,15 +100,23 @@ def run_section(run: BatchRun) -> str:
         f"`{d['command']}` ([{run.name}](results/batches/{run.name}/batches.json)), "
         f"{d['max_new_tokens']} new tokens, greedy.",
         "",
-        "| batch | layout | HF batched tok/s | ours tok/s | speedup | row latency HF / ours (s) | identical rows |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | layout | HF batched tok/s | ours tok/s | speedup | row latency HF / ours (s) | identical rows "
+        "| steps chosen |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    steps = {
+        (run["size"], run["layout"]): run.get("steps") or {}
+        for run in d.get("runs", [])
+        if isinstance(run, dict) and run.get("method") == "self-spec-batched"
+    }
     for row in sorted(d["batches"], key=lambda r: (r["layout"], r["batch_size"])):
+        chosen = steps.get((row["batch_size"], row["layout"]), {})
+        kinds = ", ".join(f"{kind} {count}" for kind, count in chosen.items() if isinstance(count, int))
         lines.append(
             f"| {row['batch_size']} | {row['layout']} | {row['hf_tokens_per_second']:.1f} | "
             f"{row['ours_tokens_per_second']:.1f} | {row['speedup']:.2f}× | "
             f"{row['row_latency_hf_s']:.2f} / {row['row_latency_ours_s']:.2f} | "
-            f"{row['identical_rows']}/{row['rows']} |"
+            f"{row['identical_rows']}/{row['rows']} | {kinds or 'one prompt: no batch'} |"
         )
     return "\n".join(lines)
 
@@ -124,7 +132,10 @@ def batches_section(runs: list[BatchRun]) -> str:
         "median of the repeats (`scripts/bench.py --batch-size`). Throughput is the batch's new tokens over "
         "its seconds; every row comes back when its batch does, so a row's latency is the batch's seconds. "
         "`similar` batches hold prompts of neighbouring lengths, `mixed` ones prompts from the shortest to "
-        "the longest (HF pads every row to the longest). Rows are compared with HF's token for token."
+        "the longest (HF pads every row to the longest). Rows are compared with HF's token for token. "
+        "Besides drafting, two things count: a finished row leaves the batch (HF computes it until the "
+        "last row ends), and prompts far apart in length are prefilled at their own lengths; `steps` in "
+        "each run's file says which kinds of step the batch chose (large batches mostly chose plain steps)."
     )
     return "\n\n".join([intro, *[run_section(run) for run in runs]])
 
