@@ -195,14 +195,7 @@ def _main(argv: list[str] | None) -> int:
     if not isinstance(args.ablate, bool) and set(args.ablate) - set(ABLATIONS):
         unknown = sorted(set(args.ablate) - set(ABLATIONS))
         raise LayerskipError(f"unknown --ablate name(s) {unknown}; choose from {', '.join(ABLATIONS)}")
-    prompts = load_prompts(
-        args.prompts,
-        n=args.n_prompts,
-        per_category=args.per_category,
-        text_field=args.text_field,
-        seed=args.seed,
-        categories=args.categories,
-    )
+    prompts = _prompts(args)
     policies = load_policies(args.policy, resolve_device(args.device))
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -261,6 +254,18 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
+def _prompts(args: argparse.Namespace) -> list:
+    """The prompts the run's options select (``--prompts``, ``--n-prompts``, ``--per-category`` ...)."""
+    return load_prompts(
+        args.prompts,
+        n=args.n_prompts,
+        per_category=args.per_category,
+        text_field=args.text_field,
+        seed=args.seed,
+        categories=args.categories,
+    )
+
+
 def run_batch_bench(args: argparse.Namespace, command: str) -> int:
     """``--batch-size``: HF batched against the plug-in on the same batches (``measure.batches``)."""
     sizes = _batch_sizes(args.batch_size)
@@ -270,14 +275,7 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
     if args.batch_repeats < 1:
         raise LayerskipError(f"--batch-repeats must be >= 1 (got {args.batch_repeats})")
     check_output_dir(args.out, "--out", BATCH_FILES)
-    prompts = load_prompts(
-        args.prompts,
-        n=args.n_prompts,
-        per_category=args.per_category,
-        text_field=args.text_field,
-        seed=args.seed,
-        categories=args.categories,
-    )
+    prompts = _prompts(args)
     if len(prompts) < max(sizes):
         raise LayerskipError(f"--batch-size {max(sizes)} needs as many prompts; --prompts gave {len(prompts)}")
     policy = args.policy[0] if args.policy else "auto"
