@@ -23,7 +23,7 @@ def encode_prompt(tokenizer: object, prompt: str, chat: bool) -> list[int]:
     else:
         ids = list(tokenizer(prompt)["input_ids"])
     if not ids:
-        raise LayerskipError("the prompt is empty to the tokenizer (it encodes to no token); pass some text to continue")
+        raise LayerskipError("the prompt is empty: it encodes to no token; pass some text to continue")
     return ids
 
 
