@@ -63,25 +63,26 @@ class StepKinds:
 
     kinds: tuple[str, ...]
     recent: dict[str, list[float]] = field(default_factory=dict)  # tokens per second of the last steps
-    rate: dict[str, float] = field(default_factory=dict)
     last_seconds: dict[str, float] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)  # seconds of other kinds since each was tried
     steps: dict[str, int] = field(default_factory=dict)
 
+    def rate(self, kind: str) -> float:
+        return statistics.median(self.recent[kind])
+
     def choose(self) -> str:
         for kind in self.kinds:  # each kind once, the plain step first
-            if kind not in self.rate:
+            if kind not in self.recent:
                 return kind
         for kind in self.kinds:
             if self.since.get(kind, 0.0) > EXPLORE_AFTER * self.last_seconds[kind]:
                 return kind
-        return max(self.kinds, key=lambda kind: self.rate[kind])
+        return max(self.kinds, key=self.rate)
 
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
         recent = self.recent.setdefault(kind, [])
         recent.append(tokens / max(seconds, 1e-9))
         del recent[:-RECENT_STEPS]
-        self.rate[kind] = statistics.median(recent)
         self.last_seconds[kind] = seconds
         self.steps[kind] = self.steps.get(kind, 0) + 1
         for other in self.kinds:
@@ -112,7 +113,6 @@ class BatchStepper:
     lookup: DraftSettings | None  # the policy's lookup settings (None: the policy has no lookup)
     sampling: Sampling | None
     vocab_size: int
-    pad_block: int  # a drafted block is padded to at least this many positions (0: never)
     threads: ThreadTuner
     clock: DeviceClock
     device: torch.device
@@ -165,8 +165,6 @@ class BatchStepper:
         drafted = self.clock.now()
         blocks = [[row.output.history[-1], *draft.tokens] for row, draft in zip(self.rows, drafts, strict=True)]
         width = max(len(block) for block in blocks)
-        if width > 1:
-            width = max(width, self.pad_block)
         ids = torch.tensor([[*block, *[block[-1]] * (width - len(block))] for block in blocks], device=self.device)
         committed = list(self.cache.lengths)
         with self.threads.phase("verify") as run:
@@ -208,11 +206,14 @@ class BatchStepper:
         row's long match does not widen every row's verify far."""
         if self.lookup is None:
             return draft
-        s = self.lookup
         cap = min(row.output.remaining - 1, 2 * steps)
-        match = match_lookup(row.output.history, s.lookup_max_ngram, s.lookup_max_ngram, cap)
-        if len(match.tokens) <= len(draft.tokens):
-            return draft
+        repeat = self._lookup_draft(row, self.lookup.lookup_max_ngram, cap)
+        return repeat if len(repeat.tokens) > len(draft.tokens) else draft
+
+    def _lookup_draft(self, row: BatchRow, min_ngram: int, cap: int) -> Draft:
+        """Prompt lookup for one row: n-grams from ``min_ngram`` to the policy's longest, at most ``cap`` tokens."""
+        assert self.lookup is not None
+        match = match_lookup(row.output.history, min_ngram, self.lookup.lookup_max_ngram, cap)
         return chain_draft(match.tokens, "lookup", match.ngram, self.vocab_size, self.sampling, self.device)
 
     def _propose(self, b: int, row: BatchRow, kind: str) -> Draft:
@@ -221,10 +222,7 @@ class BatchStepper:
             return Draft([])
         if kind == LOOKUP:
             assert self.lookup is not None
-            s = self.lookup
-            cap = min(budget, s.max_draft_tokens)
-            match = match_lookup(row.output.history, s.lookup_min_ngram, s.lookup_max_ngram, cap)
-            return chain_draft(match.tokens, "lookup", match.ngram, self.vocab_size, self.sampling, self.device)
+            return self._lookup_draft(row, self.lookup.lookup_min_ngram, min(budget, self.lookup.max_draft_tokens))
         # The row's own drafter, through its slice of the cache (room for its draft reserved first).
         self.cache.reserve(self.cache.longest + budget + 2)
         row.view = self.cache.row_view(b, row.view)

@@ -39,7 +39,7 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from layerskip.hf.ragged import RaggedCache
+from layerskip.hf.ragged import model_ragged_cache
 from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
 
@@ -226,13 +226,12 @@ class Decoder:
             batch_draft = None if self.draft is None else self.draft.batch_draft(run, ids)
             stepper = BatchStepper(
                 self.model,
-                RaggedCache(self.cache_windows(), len(rows), dtype=next(self.model.parameters()).dtype),
+                model_ragged_cache(self.model, len(rows)),
                 rows,
                 step_kinds(len(rows), self.draft is not None, lookup is not None, batch_draft is not None),
                 lookup,
                 settings.sampling,
                 adapters.lm_head(self.model).weight.shape[0],
-                0,
                 self.batch_threads,
                 clock,
                 self.device,

@@ -269,9 +269,16 @@ def _mlp(
     mlp: _MLP, matmuls: Callable[[int, str], Matmul], index: int, h: torch.Tensor, compute_dtype: torch.dtype
 ) -> torch.Tensor:
     """One MLP sublayer's output ``[H]`` for the residual stream ``h [H]``."""
-    x = _rms(h, mlp.norm).to(compute_dtype).unsqueeze(0)  # [1, H]
+    return _mlp_rows(mlp, matmuls, index, h.unsqueeze(0), compute_dtype)[0]
+
+
+def _mlp_rows(
+    mlp: _MLP, matmuls: Callable[[int, str], Matmul], index: int, h: torch.Tensor, compute_dtype: torch.dtype
+) -> torch.Tensor:
+    """One MLP sublayer's output ``[R, H]`` for the residual streams ``h [R, H]``."""
+    x = _rms(h, mlp.norm).to(compute_dtype)  # [R, H]
     gate, up = matmuls(index, "gate_up")(x).chunk(2, dim=-1)
-    out = matmuls(index, "down")(mlp.activation(gate) * up)[0]  # [H]
+    out = matmuls(index, "down")(mlp.activation(gate) * up)  # [R, H]
     if mlp.post_norm is not None:
         out = _rms(out, mlp.post_norm)
     return out
@@ -287,11 +294,26 @@ def _rotated_qkv(
     compute_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys ``[q_heads + kv_heads, d]``, normed and rotated, and values ``[kv_heads, d]``."""
+    qk, value = _rotated_qkv_rows(attn, matmuls, index, h.unsqueeze(0), cos, sin, compute_dtype)
+    return qk[0], value[0]
+
+
+def _rotated_qkv_rows(
+    attn: _Attention,
+    matmuls: Callable[[int, str], Matmul],
+    index: int,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_rotated_qkv`` for the residual streams ``h [R, H]``: ``[R, q_heads + kv_heads, d]`` and
+    ``[R, kv_heads, d]`` (``cos``/``sin``: ``[d]`` for every row, or ``[R, 1, d]``)."""
     q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
-    x = _rms(h, attn.norm).to(compute_dtype).unsqueeze(0)  # [1, H]
-    qkv = matmuls(index, "qkv")(x)[0]  # [(q_heads + 2 kv_heads) d]
-    qk = qkv[: (q_heads + kv_heads) * d].view(q_heads + kv_heads, d)  # queries and keys rotate together
-    value = qkv[(q_heads + kv_heads) * d :].view(kv_heads, d)
+    x = _rms(h, attn.norm).to(compute_dtype)  # [R, H]
+    qkv = matmuls(index, "qkv")(x)  # [R, (q_heads + 2 kv_heads) d]
+    qk = qkv[:, : (q_heads + kv_heads) * d].reshape(-1, q_heads + kv_heads, d)  # queries and keys rotate together
+    value = qkv[:, (q_heads + kv_heads) * d :].reshape(-1, kv_heads, d)
     if attn.qk_norm is not None:
         qk = _rms(qk, attn.qk_norm).to(compute_dtype)
     return torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin), value
@@ -453,12 +475,7 @@ def lean_hidden_rows(
             out = _attention_rows(attn, matmuls, i, h, cos, sin, cache, index, where, longest, masks[attn.window])
             h = h + out.to(model_dtype)
         if i not in skip_mlp:
-            x = _rms(h, mlp.norm).to(compute_dtype)  # [R, H]
-            gate, up = matmuls(i, "gate_up")(x).chunk(2, dim=-1)
-            out = matmuls(i, "down")(mlp.activation(gate) * up)  # [R, H]
-            if mlp.post_norm is not None:
-                out = _rms(out, mlp.post_norm)
-            h = h + out.to(model_dtype)
+            h = h + _mlp_rows(mlp, matmuls, i, h, compute_dtype).to(model_dtype)
     return _rms(h, plan.final_norm).to(model_dtype)
 
 
@@ -477,14 +494,7 @@ def _attention_rows(
 ) -> torch.Tensor:
     """One attention sublayer's output ``[R, H]`` for the residual streams ``h [R, H]``."""
     q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
-    compute_dtype = cos.dtype
-    x = _rms(h, attn.norm).to(compute_dtype)  # [R, H]
-    qkv = matmuls(index, "qkv")(x)  # [R, (q_heads + 2 kv_heads) d]
-    qk = qkv[:, : (q_heads + kv_heads) * d].reshape(-1, q_heads + kv_heads, d)
-    value = qkv[:, (q_heads + kv_heads) * d :].reshape(-1, kv_heads, d)
-    if attn.qk_norm is not None:
-        qk = _rms(qk, attn.qk_norm).to(compute_dtype)
-    qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)  # [R, q + kv, d]
+    qk, value = _rotated_qkv_rows(attn, matmuls, index, h, cos, sin, cos.dtype)  # [R, q + kv, d], [R, kv, d]
     layer = cache.layers[index]
     if not layer.is_initialized:
         raise RuntimeError("a batched draft runs after the prefill has filled every layer")
@@ -495,7 +505,7 @@ def _attention_rows(
     out = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=q_heads != kv_heads
     )
-    out = matmuls(index, "o")(out.reshape(-1, q_heads * d).to(compute_dtype))  # [R, H]
+    out = matmuls(index, "o")(out.reshape(-1, q_heads * d).to(cos.dtype))  # [R, H]
     if attn.post_norm is not None:
         out = _rms(out, attn.post_norm)
     return out

@@ -101,7 +101,7 @@ class RaggedCache(DynamicCache):
         self.dtype = dtype
         self.capacity = _MIN_CAPACITY
         self.lengths = [0] * rows
-        self._lengths_tensor: torch.Tensor | None = None
+        self._write_index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (q, rows, positions)
         self.layers = [RaggedLayer(window, self) for window in sliding_windows]
         self.layer_class_to_replicate = None
 
@@ -131,12 +131,14 @@ class RaggedCache(DynamicCache):
             layer.grow(self.capacity)
 
     def write_index(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row indices ``[B, 1]`` and buffer positions ``[B, q]`` a block of ``q`` is written at."""
-        device = self._device()
-        if self._lengths_tensor is None:
-            self._lengths_tensor = torch.tensor(self.lengths, device=device)
-        rows = torch.arange(self.rows, device=device)[:, None]
-        return rows, self._lengths_tensor[:, None] + torch.arange(q, device=device)
+        """Row indices ``[B, 1]`` and buffer positions ``[B, q]`` a block of ``q`` is written at
+        (made once per forward: every layer writes at the same places)."""
+        if self._write_index is None or self._write_index[0] != q:
+            device = self._device()
+            rows = torch.arange(self.rows, device=device)[:, None]
+            where = torch.tensor(self.lengths, device=device)[:, None] + torch.arange(q, device=device)
+            self._write_index = (q, rows, where)
+        return self._write_index[1], self._write_index[2]
 
     def _device(self) -> torch.device:
         for layer in self.layers:
@@ -149,7 +151,7 @@ class RaggedCache(DynamicCache):
         if len(lengths) != self.rows:
             raise ValueError(f"{len(lengths)} lengths for {self.rows} rows")
         self.lengths = [int(n) for n in lengths]
-        self._lengths_tensor = None
+        self._write_index = None
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Drop every row not in ``rows`` (finished rows leave the batch); the others keep their order."""
@@ -157,7 +159,7 @@ class RaggedCache(DynamicCache):
         for layer in self.layers:
             layer.keep(index)
         self.lengths = [self.lengths[r] for r in rows]
-        self._lengths_tensor = None
+        self._write_index = None
 
     def row_view(self, row: int, view: RollbackCache | None = None) -> RollbackCache:
         """Row ``row`` as a single-row ``RollbackCache`` over these buffers (updated in place when
