@@ -58,47 +58,28 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def verify_greedy(drafted: list[int], logits: torch.Tensor) -> tuple[int, int]:
-    """Greedy acceptance. ``logits [k+1, V]``: the full model's at each block position.
-
-    Returns (number of drafts accepted n, the full model's own token after them): the longest
-    prefix of ``drafted`` that equals the full model's argmax chain, then its argmax at n.
-    """
-    return accept_greedy(drafted, logits.argmax(dim=-1).tolist())
-
-
 def accept_greedy(drafted: list[int], targets: list[int]) -> tuple[int, int]:
-    """Greedy acceptance from ``targets``, the full model's token after each block position (k+1 of them)."""
-    accepted = 0
-    while accepted < len(drafted) and drafted[accepted] == targets[accepted]:
-        accepted += 1
-    return accepted, targets[accepted]
+    """Greedy acceptance of a chain from ``targets``, the full model's token after each block
+    position (k+1 of them): (drafts accepted n, the full model's own token after them). A chain is
+    a tree with one branch: this is ``accept_tree_greedy`` on one."""
+    path, token = accept_tree_greedy(drafted, list(range(-1, len(drafted) - 1)), targets)
+    return len(path), token
 
 
 def verify_sampled(
     drafted: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[int, int]:
-    """Standard speculative rejection sampling.
+    """Standard speculative rejection sampling of a chain, as ``verify_tree_sampled`` runs it on a
+    tree with one branch.
 
     drafted: k proposed tokens; p: ``[k+1, V]`` target probabilities at each block position;
     q: ``[k, V]`` the draft's proposal probabilities. Returns (number accepted n, next token):
     token i is kept with probability min(1, p_i/q_i); at the first rejection the next token is
     drawn from normalise(max(0, p - q)); if all k are kept it is drawn from p[k].
     """
-    k = len(drafted)
-    if k:
-        index = torch.tensor(drafted, device=p.device)
-        rows = torch.arange(k, device=p.device)
-        ratio = p[rows, index] / q[rows, index]
-        uniform = torch.rand(k, device=p.device, generator=generator)
-        rejected = (uniform >= ratio).tolist()
-        for i in range(k):
-            if rejected[i]:
-                residual = (p[i] - q[i]).clamp_min(0)
-                total = residual.sum()
-                residual = residual / total if total > 0 else p[i]
-                return i, int(sample(residual, generator))
-    return k, int(sample(p[k], generator))
+    attempts = [Attempt(node - 1, node, Draw(node)) for node in range(len(drafted))]
+    path, token = verify_tree_sampled(drafted, attempts, p, q, generator)
+    return len(path), token
 
 
 # -- token trees -----------------------------------------------------------------------------------
@@ -111,7 +92,7 @@ ROOT = -1
 
 
 @dataclass(frozen=True)
-class Proposal:
+class Draw:
     """How a drafted token was chosen, which decides how a sampled verify must test it.
 
     * ``q_row is None``: deterministic (a prompt-lookup match, the draft's argmax or its top-k
@@ -133,7 +114,7 @@ class Proposal:
     without_replacement: bool = False
 
 
-DETERMINISTIC = Proposal()
+DETERMINISTIC = Draw()
 
 
 @dataclass(frozen=True)
@@ -146,7 +127,7 @@ class Attempt:
 
     parent: int  # node index, ROOT for the pending token
     node: int
-    proposal: Proposal = DETERMINISTIC
+    proposal: Draw = DETERMINISTIC
 
 
 def accept_tree_greedy(tokens: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
@@ -173,7 +154,7 @@ def verify_tree_greedy(tokens: list[int], parents: list[int], logits: torch.Tens
 
 
 def proposal_distribution(
-    proposal: Proposal, token: int, q: torch.Tensor | None, drawn: list[int], like: torch.Tensor
+    proposal: Draw, token: int, q: torch.Tensor | None, drawn: list[int], like: torch.Tensor
 ) -> torch.Tensor:
     """The ``[V]`` distribution ``token`` was drawn from; ``drawn``: tokens drawn from the same q row
     before it at this parent. ``like``: a ``[V]`` float tensor giving the device and dtype."""
@@ -205,7 +186,7 @@ def verify_tree_sampled(
 
     tokens: ``[n]`` node tokens; attempts: every proposal, in drawing order per parent; p:
     ``[n+1, V]`` target probabilities per block position; q: ``[m, V]`` the proposal rows that
-    ``Proposal.q_row`` indexes (None if every proposal is deterministic). At each node, starting
+    ``Draw.q_row`` indexes (None if every proposal is deterministic). At each node, starting
     with r = p there, the node's attempts are tried in order: child x is accepted with
     min(1, r(x)/q_x(x)), where q_x is the distribution x was drawn from (``proposal_distribution``);
     on rejection r <- norm(max(0, r - q_x)) and the next attempt is tried. An accepted child
@@ -217,24 +198,58 @@ def verify_tree_sampled(
     by_parent: dict[int, list[tuple[int, Attempt]]] = {}
     for order, attempt in enumerate(attempts):
         by_parent.setdefault(attempt.parent, []).append((order, attempt))
-    # One uniform per attempt, drawn up front: one generator call for the whole tree.
+    # One uniform per attempt, drawn up front: one generator call for the whole tree (a chain
+    # draws as many as it has tokens, as the chain rule does).
     uniform = torch.rand(len(attempts), generator=generator, device=p.device).tolist() if attempts else []
+    # Each attempt's p(x) and q(x) before any rejection at its parent, read back at once: a chain
+    # that is accepted reads nothing else.
+    first_p, first_q = _first_chances(tokens, attempts, p, q)
     path: list[int] = []
     node = ROOT
     while True:
         r = p[node + 1].float()
+        rejected = False
         drawn: dict[int, list[int]] = {}  # q row -> tokens drawn from it at this node so far
         for order, attempt in by_parent.get(node, []):
             token = tokens[attempt.node]
             row = attempt.proposal.q_row
-            q_x = proposal_distribution(attempt.proposal, token, q, drawn.get(row, []), r)
+            earlier = list(drawn.get(row, [])) if row is not None else []
             if row is not None:
                 drawn.setdefault(row, []).append(token)
+            q_x: torch.Tensor | None = None
+            if rejected or (attempt.proposal.without_replacement and earlier):
+                q_x = proposal_distribution(attempt.proposal, token, q, earlier, r)
+                r_token, q_token = float(r[token]), float(q_x[token])
+            else:
+                r_token, q_token = first_p[order], first_q[order]
             # u < r(x)/q(x), written without the division (q(x) > 0 for a token drawn from q).
-            if uniform[order] * float(q_x[token]) < float(r[token]):
+            if uniform[order] * q_token < r_token:
                 path.append(attempt.node)
                 node = attempt.node
                 break
+            if q_x is None:
+                q_x = proposal_distribution(attempt.proposal, token, q, earlier, r)
             r = residual_after_rejection(r, q_x)
+            rejected = True
         else:
             return path, int(sample(r, generator))
+
+
+def _first_chances(
+    tokens: list[int], attempts: list[Attempt], p: torch.Tensor, q: torch.Tensor | None
+) -> tuple[list[float], list[float]]:
+    """Per attempt, p(x) at its parent and the q(x) it was drawn with (1 for a deterministic one)."""
+    if not attempts:
+        return [], []
+    index = torch.tensor([tokens[a.node] for a in attempts], device=p.device)
+    rows = torch.tensor([a.parent + 1 for a in attempts], device=p.device)
+    first_p = p[rows, index].float().tolist()
+    first_q = [1.0] * len(attempts)
+    drawn = [i for i, a in enumerate(attempts) if a.proposal.q_row is not None]
+    if drawn:
+        assert q is not None, "an attempt drawn from q needs the q rows"
+        q_rows = torch.tensor([attempts[i].proposal.q_row for i in drawn], device=q.device)
+        values = q[q_rows, index[drawn].to(q.device)].float().tolist()
+        for i, value in zip(drawn, values, strict=True):
+            first_q[i] = value
+    return first_p, first_q

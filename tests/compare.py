@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -85,3 +85,26 @@ def mismatch_message(
 def assert_same_tokens(got: Sequence[int], ref: Sequence[int], **kwargs: object) -> None:
     got, ref = list(got), list(ref)
     assert got == ref, mismatch_message(got, ref, **kwargs)
+
+
+ChainRule = Callable[[list[int], torch.Tensor, torch.Tensor, "torch.Generator | None"], tuple[int, int]]
+
+
+def chain_rule_as_tree(rule: ChainRule) -> Callable[..., tuple[list[int], int]]:
+    """A chain's rejection rule ``rule(drafted, p, q [k, V], generator) -> (accepted, next)`` in the
+    shape of ``verify_tree_sampled`` (what the engine's verifier calls), for chain proposals: a
+    deterministic node (a lookup match) gets its one-hot q row. Tests put broken rules in the
+    verifier's place with it."""
+
+    def verify(tokens: list[int], attempts: list, p: torch.Tensor, q: torch.Tensor | None, generator):  # noqa: ANN001
+        rows = torch.zeros(len(tokens), p.shape[-1])
+        for attempt in attempts:
+            if attempt.proposal.q_row is None:
+                rows[attempt.node, tokens[attempt.node]] = 1.0
+            else:
+                assert q is not None
+                rows[attempt.node] = q[attempt.proposal.q_row].to(rows.dtype)
+        accepted, token = rule(tokens, p, rows, generator)
+        return list(range(accepted)), token
+
+    return verify

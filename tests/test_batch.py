@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from compare import assert_same_tokens, hf_greedy
+from compare import assert_same_tokens, chain_rule_as_tree, hf_greedy
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, always_accept, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
@@ -209,7 +209,7 @@ def test_batched_sampling_keeps_each_rows_distribution(rotate_kinds: Rotation) -
 
 def test_batched_sampling_with_always_accept_fails(rotate_kinds: Rotation, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same test catches a verify that keeps every draft."""
-    monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
+    monkeypatch.setattr(verifiers, "verify_tree_sampled", chain_rule_as_tree(always_accept))
     _, p2, _ = _exact_laws(_e2e_model(), SAMPLED_PROMPT)
     assert any(tv(law, p2) > E2E_TV_BOUND for law in _batched_laws())
 

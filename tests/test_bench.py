@@ -287,18 +287,18 @@ def test_bf16_bench_classes_every_method_hf_pld_included(monkeypatch: pytest.Mon
     policy = _policy()
     methods = build_methods(model, ["hf-ar", "self-spec", "hf-pld"], (), {"p": policy})
 
-    def one_past(drafted: list[int], targets: list[int]) -> tuple[int, int]:
-        accepted, token = accept_greedy(drafted, targets)
+    def one_past(drafted: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
+        accepted, token = accept_greedy(drafted, targets)  # a chain policy: its path is its prefix
         if accepted < len(drafted):
             accepted += 1
             token = targets[accepted]
-        return accepted, token
+        return list(range(accepted)), token
 
     sloppy = build_methods(model, ["self-spec"], (), {"p": policy})[1].run
 
     def defective(ids: list[int], max_new: int):
         with monkeypatch.context() as patch:
-            patch.setattr(verifiers, "accept_greedy", one_past)
+            patch.setattr(verifiers, "accept_tree_greedy", one_past)
             return sloppy(ids, max_new)
 
     methods.append(Method("sloppy", defective, policy))

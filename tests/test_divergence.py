@@ -10,6 +10,7 @@ divergence is the defect's. If the classifier were "always rounding", each defec
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -48,13 +49,14 @@ def _decode(model: torch.nn.Module, policy: SkipPolicy | None, prompt: list[int]
 # -- the defects ---------------------------------------------------------------------------------------
 
 
-def _one_past_the_mismatch(drafted: list[int], targets: list[int]) -> tuple[int, int]:
-    """Greedy acceptance that also keeps the first draft token the full model rejected."""
+def _one_past_the_mismatch(drafted: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance that also keeps the first draft token the full model rejected (chain
+    policies: the accepted path is a prefix)."""
     accepted, token = accept_greedy(drafted, targets)
     if accepted < len(drafted):
         accepted += 1
         token = targets[accepted]
-    return accepted, token
+    return list(range(accepted)), token
 
 
 def _rollback_one_short(cache: RollbackCache, length: int) -> None:
@@ -62,6 +64,16 @@ def _rollback_one_short(cache: RollbackCache, length: int) -> None:
     for layer in cache.layers:
         if layer.length > length + 1:
             layer.truncate(length + 1)
+
+
+_KEEP_PATH = RollbackCache.keep_path
+
+
+def _keep_one_row_too_many(cache: RollbackCache, start: int, rows: Sequence[int]) -> None:
+    """The accepted path kept with the block row after it: a rejected draft's K/V stays in the cache."""
+    if cache.length >= start + rows[-1] + 2:
+        rows = [*rows, rows[-1] + 1]
+    _KEEP_PATH(cache, start, rows)
 
 
 def _read_the_draft_logits(patch: pytest.MonkeyPatch) -> None:
@@ -75,17 +87,21 @@ def _read_the_draft_logits(patch: pytest.MonkeyPatch) -> None:
         draft_choices.append(int(head.token_ids(logits.argmax())))
         return logits
 
-    def verify(drafted: list[int], targets: list[int]) -> tuple[int, int]:
+    def verify(drafted: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
         mixed = [*draft_choices[len(draft_choices) - len(drafted) :], targets[len(drafted)]] if drafted else targets
-        return accept_greedy(drafted, mixed)
+        accepted, token = accept_greedy(drafted, mixed)
+        return list(range(accepted)), token
 
     patch.setattr(DraftModel, "logits", recording)
-    patch.setattr(verifiers, "accept_greedy", verify)
+    patch.setattr(verifiers, "accept_tree_greedy", verify)
 
 
 INJECT = {
-    "accepted past the mismatch": lambda patch: patch.setattr(verifiers, "accept_greedy", _one_past_the_mismatch),
-    "cache rolled back one short": lambda patch: patch.setattr(RollbackCache, "rollback", _rollback_one_short),
+    "accepted past the mismatch": lambda patch: patch.setattr(verifiers, "accept_tree_greedy", _one_past_the_mismatch),
+    "cache rolled back one short": lambda patch: (
+        patch.setattr(RollbackCache, "rollback", _rollback_one_short),
+        patch.setattr(RollbackCache, "keep_path", _keep_one_row_too_many),
+    ),
     "verify reads the draft's logits": _read_the_draft_logits,
 }
 

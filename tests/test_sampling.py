@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from compare import chain_rule_as_tree
 from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.auto import AutoDrafter
@@ -251,7 +252,7 @@ def test_end_to_end_sampling_follows_the_model() -> None:
 
 
 def test_end_to_end_with_always_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
+    monkeypatch.setattr(verifiers, "verify_tree_sampled", chain_rule_as_tree(always_accept))
     p1, p2, q2 = _exact_laws(_e2e_model(), random_prompt(E2E_VOCAB, 6))
     _, second, _ = _e2e_laws(E2E_SEEDS)
     assert tv(second, p2) > E2E_TV_BOUND
@@ -327,7 +328,7 @@ def test_end_to_end_sampling_with_auto_follows_the_model(monkeypatch: pytest.Mon
 
 def test_end_to_end_sampling_with_auto_and_always_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     _, p2, _ = _exact_laws(_e2e_model(), AUTO_PROMPT)
-    monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
+    monkeypatch.setattr(verifiers, "verify_tree_sampled", chain_rule_as_tree(always_accept))
     _, second, _ = _auto_laws(E2E_SEEDS, monkeypatch)
     assert tv(second, p2) > E2E_TV_BOUND
 

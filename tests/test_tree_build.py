@@ -14,7 +14,7 @@ from layerskip.drafts.branching import (
 )
 from layerskip.drafts.lookup import LookupMatch, match_lookup, match_lookups
 from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder
-from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Proposal, accept_tree_greedy
+from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Draw, accept_tree_greedy
 
 
 def tree_from_candidates(candidates: list[list[int]], budget: int) -> TokenTree:
@@ -78,8 +78,8 @@ def test_drawn_duplicates_stay_attempts() -> None:
     assert tree.attempts == [
         Attempt(ROOT, 0, DETERMINISTIC),
         Attempt(0, 1, DETERMINISTIC),
-        Attempt(ROOT, 0, Proposal(0)),
-        Attempt(0, 2, Proposal(1)),
+        Attempt(ROOT, 0, Draw(0)),
+        Attempt(0, 2, Draw(1)),
     ]
 
 
@@ -88,7 +88,7 @@ def test_a_full_tree_refuses_every_draw() -> None:
     builder = TreeBuilder(budget=1)
     builder.add_chain([3], torch.full((1, 10), 0.1))
     assert builder.full
-    assert builder.add_child(ROOT, 3, Proposal(0)) is None
+    assert builder.add_child(ROOT, 3, Draw(0)) is None
     assert builder.add_child(ROOT, 3) == 0  # deterministic merges still walk the tree
     assert builder.add_child(ROOT, 4) is None
     with pytest.raises(ValueError):

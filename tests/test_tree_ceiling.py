@@ -12,7 +12,7 @@ from cli_helpers import assert_bad_input, run_script
 from compare import assert_same_tokens, hf_greedy
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.base import Draft
+from layerskip.drafts.base import Proposal
 from layerskip.drafts.builder import DraftRun
 from layerskip.drafts.lookup import LookupMatch
 from layerskip.drafts.policy import SkipPolicy
@@ -104,10 +104,9 @@ def test_first_branch_is_the_chain_a_tree_was_built_around() -> None:
     builder.add_path([4, 9])
     builder.add_path([7])
     tree = builder.build()
-    draft = Draft(tokens=list(tree.tokens), source="lookup", tree=tree, chain=[4, 5, 6])
-    chain = first_branch(draft)
-    assert chain.tokens == [4, 5, 6] and chain.tree is None
-    plain = Draft(tokens=[1, 2], source="skip")
+    chain = first_branch(Proposal(tree, "lookup"))
+    assert chain.tokens == [4, 5, 6] and chain.tree.is_chain and chain.source == "lookup"
+    plain = Proposal.chain([1, 2], "skip")
     assert first_branch(plain) is plain
 
 

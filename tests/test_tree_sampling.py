@@ -23,7 +23,7 @@ from drawn_siblings import sampled_siblings
 from layerskip import sampling
 from layerskip.drafts.branching import add_siblings, ranked_siblings
 from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder
-from layerskip.sampling import Attempt, Proposal, sample, verify_sampled, verify_tree_sampled
+from layerskip.sampling import Attempt, Draw, sample, verify_sampled, verify_tree_sampled
 
 V = 4
 DRAWS = 4_000
@@ -72,7 +72,7 @@ def specinfer_tree(laws: dict, g: torch.Generator) -> TokenTree:
     builder = TreeBuilder(budget=8)
     _, _, nodes = _chain(laws, g, builder)
     for _ in range(2):
-        builder.add_child(-1, int(sample(laws["q_root"], g)), Proposal(nodes.q_offset))
+        builder.add_child(-1, int(sample(laws["q_root"], g)), Draw(nodes.q_offset))
     return builder.build()
 
 
@@ -155,9 +155,9 @@ def _keep_residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def _with_replacement(proposal: Proposal, token: int, q, drawn: list[int], like: torch.Tensor) -> torch.Tensor:
+def _with_replacement(proposal: Draw, token: int, q, drawn: list[int], like: torch.Tensor) -> torch.Tensor:
     """Broken: siblings drawn without replacement tested against the raw q."""
-    return original_proposal(Proposal(proposal.q_row), token, q, [], like)
+    return original_proposal(Draw(proposal.q_row), token, q, [], like)
 
 
 original_proposal = sampling.proposal_distribution
@@ -183,7 +183,7 @@ def iid_tree(laws: dict, g: torch.Generator) -> TokenTree:
     builder = TreeBuilder(budget=8)
     row = builder.add_q(laws["q_root"][None])
     for _ in range(4):
-        builder.add_child(-1, int(sample(laws["q_root"], g)), Proposal(row))
+        builder.add_child(-1, int(sample(laws["q_root"], g)), Draw(row))
     return builder.build()
 
 
@@ -233,7 +233,7 @@ def test_deterministic_edges() -> None:
     p = torch.tensor([[0.2, 0.3, 0.5, 0.0], [0.0, 0.0, 0.0, 1.0]])
     for _ in range(50):
         x = int(sample(p[0], g))
-        path, nxt = verify_tree_sampled([x], [Attempt(-1, 0, Proposal(0))], p, p[:1], g)
+        path, nxt = verify_tree_sampled([x], [Attempt(-1, 0, Draw(0))], p, p[:1], g)
         assert path == [0] and nxt == 3
     sure = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     tokens, attempts = [0, 1], [Attempt(-1, 0), Attempt(-1, 1)]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from compare import assert_same_tokens, hf_greedy
+from compare import assert_same_tokens, chain_rule_as_tree, hf_greedy
 from tiny_models import VOCAB, random_prompt, tiny_model, tiny_tokenizer
 
 from layerskip.drafts import base, skip
@@ -68,7 +68,7 @@ def _spy_on_skip_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[set[int],
     proposed: list[tuple[set[int], list[int]]] = []
     real = skip.SkipDrafter.propose
 
-    def propose(self: skip.SkipDrafter, request: base.DraftRequest) -> base.Draft:
+    def propose(self: skip.SkipDrafter, request: base.DraftRequest) -> base.Proposal:
         draft = real(self, request)
         proposed.append((set(request.history), list(draft.tokens)))
         return draft
@@ -312,13 +312,13 @@ def test_sampled_truncated_draft_proposes_from_the_rows_only(monkeypatch: pytest
     prompt, _, rows, policy = _e2e_setup()
     policy = SkipPolicy(**SKIP, draft=DraftSettings(max_draft_tokens=3, draft_vocab_size=len(rows)))
     seen: list[tuple[list[int], torch.Tensor]] = []
-    real = verifiers.verify_sampled
+    real = verifiers.verify_tree_sampled
 
-    def spy(drafted: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None):
+    def spy(drafted: list[int], attempts: list, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None):
         seen.append((list(drafted), q))
-        return real(drafted, p, q, generator)
+        return real(drafted, attempts, p, q, generator)
 
-    monkeypatch.setattr(verifiers, "verify_sampled", spy)
+    monkeypatch.setattr(verifiers, "verify_tree_sampled", spy)
     settings = DecodeSettings(max_new_tokens=20, sampling=Sampling(temperature=1.3), seed=3)
     tokens, _ = decode_speculative(_e2e_model(), prompt, policy, settings, vocab_rows=rows)
     assert len(tokens) == 20
@@ -366,7 +366,7 @@ def test_end_to_end_sampling_with_a_truncated_head_follows_the_model() -> None:
 def test_end_to_end_with_always_accept_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check catches a verify that keeps every draft: no token outside the rows ever comes out."""
     _fixed_rows(monkeypatch)
-    monkeypatch.setattr(verifiers, "verify_sampled", always_accept)
+    monkeypatch.setattr(verifiers, "verify_tree_sampled", chain_rule_as_tree(always_accept))
     model = _e2e_model()
     prompt, law, rows, policy = _e2e_setup()
     counts = torch.zeros(E2E_VOCAB)

@@ -28,20 +28,21 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
-from layerskip.drafts.base import BaseDrafter, Draft, Drafter, DraftRequest
+from layerskip.drafts.base import LOOKUP, SKIP, BaseDrafter, DraftRequest, Proposal, Verdict, chain_run
+from layerskip.drafts.branching import sibling_paths
 from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
-from layerskip.drafts.draft_length import CONFIDENCE_BINS, WARM_UP_STEPS, DraftLengthByCost
-from layerskip.drafts.lookup import RankedRunLengths, match_lookups, tree_draft
+from layerskip.drafts.draft_length import DraftLengthByCost, LengthPrior
+from layerskip.drafts.lookup import LookupDrafter, RankedRunLengths
 from layerskip.drafts.policy import DraftSettings
+from layerskip.drafts.skip import ChainDraft, ChainDrafter
 from layerskip.drafts.token_tree import TokenTree
 from layerskip.drafts.tree_shape import Shape, merged_paths, shape_tree
 from layerskip.hf.cache import RollbackCache
-from layerskip.sampling import ROOT, Sampling
+from layerskip.sampling import ROOT
 from layerskip.stats import DeviceClock, GenerationStats
 
 VERIFY_SMOOTHING = 0.2  # weight of the newest verify timing in the running curve
@@ -58,6 +59,16 @@ PROMPT_PRIOR_WEIGHT = 16.0  # pseudo-observations a prompt's coverage counts for
 COVERAGE_PRIOR = 0.95
 COVERAGE_PRIOR_WEIGHT = 16.0
 COVERAGE_DECAY = 0.995  # per token: coverage follows the text being generated
+# Before any tree has been verified, the draft's second choice is taken to be the model's token
+# in this share of the positions where its first choice was not (as this many observations):
+# the narrow top-2 margins a sibling is offered at split about evenly, less the cases where
+# the model wanted a third token.
+SIBLING_PRIOR = 0.3
+SIBLING_PRIOR_WEIGHT = 4.0
+LOOKUP_TIME_SMOOTHING = 0.3  # weight of the newest lookup scan's time in its running figure
+LOOKUP_TIME_START = 1e-4  # seconds of a lookup scan before one is timed (a Python scan of the history)
+MAX_ACCEPTANCE = 0.98  # per-token acceptance never assumed above this: a rate priced at 1 has no bound
+MIN_COVERAGE = 1e-3  # a head's coverage divided by is never taken below this
 
 
 @dataclass
@@ -117,16 +128,13 @@ class AutoState:
     costs: DraftCosts
     settings: DraftSettings  # caps: max_draft_tokens, lookup n-gram range and lookup_max_tokens
     coverage: HeadCoverage
-    confidence_reached: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
-    confidence_right: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
+    # What the skip drafts' length rule learned: acceptance by confidence, and the rate it reached.
+    length_prior: LengthPrior = field(default_factory=LengthPrior)
     # Lookup runs by the rank of their match, and siblings: counts carried between generations.
     lookup_reached: list[dict[tuple[int, int], float]] = field(default_factory=list)
     lookup_right: list[dict[tuple[int, int], float]] = field(default_factory=list)
     sibling_reached: float = 0.0
     sibling_right: float = 0.0
-    steps: int = 0  # skip-drafted steps, their tokens and seconds: the rate the length rule beats
-    step_tokens: float = 0.0
-    step_cost: float = 0.0
     head_rows: int = -1  # the head size in use (0 = full); -1 before the first choice
     measured_at_rows: int = -1  # the head size the acceptance counts were gathered with
     # Seconds of a verify per block length, unpadded: the calibration's, then every verify timed
@@ -179,32 +187,23 @@ class AutoState:
     def full_head_acceptance(self) -> float:
         """Per-token acceptance of skip drafts as a full head would see it: the measured one over
         the coverage of the head it was measured with (``SKIP_PRIOR`` before any)."""
-        right, reached = sum(self.confidence_right), sum(self.confidence_reached)
+        right, reached = sum(self.length_prior.right), sum(self.length_prior.reached)
         measured = (right + SKIP_PRIOR * SKIP_PRIOR_WEIGHT) / (reached + SKIP_PRIOR_WEIGHT)
         held = self.coverage.share(self.measured_at_rows) if self.measured_at_rows >= 0 else 1.0
-        return min(0.98, measured / max(held, 1e-3))
+        return min(MAX_ACCEPTANCE, measured / max(held, MIN_COVERAGE))
 
     # --- carrying estimators between generations -------------------------------------------
 
     def length_rule(self, draft_seconds: float) -> DraftLengthByCost:
-        """A draft-length rule priced by the calibration, its acceptance bins from earlier generations."""
+        """A draft-length rule priced by the calibration, its acceptance bins from earlier
+        generations (before any skip draft: a prior of ``SKIP_PRIOR`` acceptance, as a few
+        confident drafts; an int4 copy bypassing little agrees with its model most of the time,
+        and the prior decides only the first steps of the first generation)."""
         blocks = range(2, self.settings.node_budget + 2)
+        verify = {b: self.verify_seconds(b) for b in blocks}
+        assumed = LengthPrior.assumed(SKIP_PRIOR, SKIP_PRIOR_WEIGHT)
         cap = self.settings.max_draft_tokens
-        rule = DraftLengthByCost(
-            cap, 0, draft_cost=draft_seconds, verify_cost={b: self.verify_seconds(b) for b in blocks}
-        )
-        rule.reached = [round(CARRY_OVER * n) for n in self.confidence_reached]
-        rule.right = [min(round(CARRY_OVER * r), n) for r, n in zip(self.confidence_right, rule.reached)]
-        if not any(rule.reached):
-            # Before any skip draft: a prior of SKIP_PRIOR acceptance, as a few confident drafts. An
-            # int4 copy bypassing little agrees with its model most of the time; the prior decides
-            # only the first steps of the first generation.
-            rule.reached[-1] = SKIP_PRIOR_WEIGHT
-            rule.right[-1] = round(SKIP_PRIOR * SKIP_PRIOR_WEIGHT)
-        if self.step_cost > 0:  # the rate reached so far: no warm-up at the cap after the first generation
-            rule.steps = max(WARM_UP_STEPS, round(CARRY_OVER * self.steps))
-            rule.step_tokens, rule.step_cost = self.step_tokens, self.step_cost
-        return rule
+        return DraftLengthByCost.from_prior(cap, draft_seconds, verify, self.length_prior, CARRY_OVER, assumed)
 
     def run_lengths(self) -> RankedRunLengths:
         """Lookup run statistics by match rank, from earlier generations' (auto cuts runs by cost itself)."""
@@ -216,18 +215,15 @@ class AutoState:
 
     def sibling_chance(self) -> float:
         """Chance that a sibling (the draft's next choice) is the model's token where the draft's
-        own was not: measured on earlier trees, 0.3 before any."""
-        return (self.sibling_right + 0.3 * 4) / (self.sibling_reached + 4)
+        own was not: measured on earlier trees, ``SIBLING_PRIOR`` before any."""
+        prior = SIBLING_PRIOR * SIBLING_PRIOR_WEIGHT
+        return (self.sibling_right + prior) / (self.sibling_reached + SIBLING_PRIOR_WEIGHT)
 
     def keep(self, length: DraftLengthByCost | None, ranks: RankedRunLengths) -> None:
         """A generation's counts become the next one's prior."""
         if length is not None:
-            self.confidence_reached = [float(n) for n in length.reached]
-            self.confidence_right = [float(n) for n in length.right]
+            self.length_prior = length.learned(CARRY_OVER)
             self.measured_at_rows = self.head_rows
-            if length.step_cost > 0:
-                self.steps = length.steps
-                self.step_tokens, self.step_cost = CARRY_OVER * length.step_tokens, CARRY_OVER * length.step_cost
         self.lookup_reached = [{k: float(v) for k, v in rule.reached.items()} for rule in ranks.by_rank]
         self.lookup_right = [{k: float(v) for k, v in rule.right.items()} for rule in ranks.by_rank]
         self.sibling_reached *= CARRY_OVER
@@ -239,142 +235,123 @@ def best_skip_rate(acceptance: float, draft_seconds: float, verify: Callable[[in
     return max(expected_tokens(acceptance, g) / (g * draft_seconds + verify(g + 1)) for g in range(1, cap + 1))
 
 
-class AutoDrafter(BaseDrafter):
-    """One generation's drafter under ``auto``: lookup, the skip draft or nothing, step by step.
+# Builds the skip drafter once the head size (rows; 0 = the full head) is chosen, its length
+# decided by the given rule: at the first proposal, when the prompt is known.
+SkipFactory = Callable[[int, DraftLengthByCost], ChainDrafter]
 
-    ``make_skip(head_rows, length)`` builds the skip drafter once the head size is chosen (at the
-    first proposal, when the prompt is known).
+
+class AutoDrafter(BaseDrafter):
+    """One generation's drafter under ``auto``: a chooser over the drafters, step by step.
+
+    Each offers its candidates priced by one cost model (``costs`` and ``tree_shape``): the
+    lookup drafter its matches with their learned chances, the skip drafter its chain (its
+    length decided by ``DraftLengthByCost``) with its siblings (``branching``) and this step's
+    matches as further branches. It proposes the offer with the most expected tokens per second,
+    or nothing when neither beats a plain step.
     """
 
-    def __init__(
-        self,
-        state: AutoState,
-        make_skip: Any,
-        vocab_size: int,
-        sampling: Sampling | None,
-    ) -> None:
+    def __init__(self, state: AutoState, make_skip: SkipFactory) -> None:
         self.state = state
         self.make_skip = make_skip
-        self.vocab_size = vocab_size
-        self.sampling = sampling
-        self.skip: Drafter | None = None
+        self.lookup = LookupDrafter(state.settings, state.run_lengths())
+        self.skip: ChainDrafter | None = None
         self.clock: DeviceClock | None = None
         self.length: DraftLengthByCost | None = None
-        self.ranks = state.run_lengths()
-        self.lookup_seconds = 1e-4  # running time of one lookup match (a Python scan of the history)
+        self.lookup_seconds = LOOKUP_TIME_START  # running time of one lookup scan
         self.since_skip = 0
         self._earlier: set[int] = set()
         self._known = 0  # history tokens already counted for coverage
         self.kinds: dict[str, int] = {}
-        self._matches: list[tuple[list[int], list[float]]] = []  # this step's lookup runs and their chances
+        self.last_chain: ChainDraft | None = None  # the skip chain of this step (None: not a skip step)
 
     # --- the choice ----------------------------------------------------------------------------
 
-    def propose(self, request: DraftRequest) -> Draft:
-        history = request.history
+    def propose(self, request: DraftRequest) -> Proposal:
         if self.skip is None:
             self.clock = DeviceClock(request.device)
-            rows = self.state.choose_head(history)
+            rows = self.state.choose_head(request.history)
             self.length = self.state.length_rule(self.state.costs.draft_step[rows])
             self.skip = self.make_skip(rows, self.length)
-        self._observe(history)
-        plan = self._lookup(request)
+        self._observe(request.history)
+        self.last_chain = None
+        runs, plan = self._lookup_offer(request)
         kind = self._choose(plan, self._skip_rate(request.max_tokens))
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
-        self.since_skip = 0 if kind == "skip" else self.since_skip + 1
-        if kind == "lookup":
+        self.since_skip = 0 if kind == SKIP else self.since_skip + 1
+        if kind == LOOKUP:
             assert plan is not None
-            tree = self._lookup_tree(plan)
-            return tree_draft(tree, "lookup", 0, self.vocab_size, self.sampling, request.device)
+            return Proposal(self._lookup_tree(runs, plan), LOOKUP)
         if kind == "none":
-            return Draft([], source="none")
-        return self._branched(self.skip.propose(request))
+            return Proposal.nothing()
+        return self._skip_offer(request, runs)
 
     def _choose(self, plan: Shape | None, skip_rate: float) -> str:
         """ "lookup", "skip" or "none": the highest expected tokens per second (a skip draft now
         and then whatever the estimates say, so that they follow the text)."""
         if self.since_skip >= EXPLORE_EVERY:
-            return "skip"
+            return SKIP
         if plan is not None and plan.rate >= skip_rate:
-            return "lookup"
+            return LOOKUP
         plain_rate = 1.0 / self.state.verify_seconds(1)
-        return "skip" if skip_rate >= plain_rate else "none"
+        return SKIP if skip_rate >= plain_rate else "none"
 
     def _skip_rate(self, budget: int) -> float:
+        """The skip draft's offer: tokens per second at its best length, as its length rule prices it."""
         assert self.length is not None
         cap = max(1, min(budget, self.state.settings.max_draft_tokens))
-        acceptance = self.length.pooled_acceptance
         draft_seconds = self.length.draft_cost or self.state.costs.draft_step[self.state.head_rows]
-        rate = 0.0
-        for g in range(1, cap + 1):
-            rate = max(rate, expected_tokens(acceptance, g) / (g * draft_seconds + self.length.verify_price(g + 1)))
-        return rate
+        return best_skip_rate(self.length.pooled_acceptance, draft_seconds, self.length.verify_price, cap)
 
-    def _lookup(self, request: DraftRequest) -> Shape | None:
-        """The best match's run, cut where the expected tokens per second peak: what lookup is
-        weighed by against the skip draft (as a chain would be; other matches join as branches
-        only once lookup is chosen, ``_lookup_tree``)."""
+    def _lookup_offer(self, request: DraftRequest) -> tuple[list[tuple[list[int], list[float]]], Shape | None]:
+        """This step's lookup matches with their chances, and the best one's run cut where the
+        expected tokens per second peak: what lookup is weighed by against the skip draft (as a
+        chain would be; the other matches join as branches once a kind is chosen)."""
         assert self.length is not None
-        s = self.state.settings
+        cap = min(self.state.settings.lookup_max_tokens, request.max_tokens)
         start = time.perf_counter()
-        cap = min(s.lookup_max_tokens, request.max_tokens)
-        matches = match_lookups(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap, s.tree_matches)
-        self.ranks.track(matches, len(request.history))
-        self.lookup_seconds = 0.7 * self.lookup_seconds + 0.3 * (time.perf_counter() - start)
-        self._matches = [(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)]
-        if not matches:
-            return None
-        shape = shape_tree(merged_paths(self._matches[:1]), self.length.verify_price, self.lookup_seconds, cap)
-        return shape if len(shape.tree) else None
+        runs = self.lookup.runs(request, cap)
+        seconds = time.perf_counter() - start
+        self.lookup_seconds = (1 - LOOKUP_TIME_SMOOTHING) * self.lookup_seconds + LOOKUP_TIME_SMOOTHING * seconds
+        if not runs:
+            return runs, None
+        shape = shape_tree(merged_paths(runs[:1]), self.length.verify_price, self.lookup_seconds, cap)
+        return runs, (shape if len(shape.tree) else None)
 
-    def _lookup_tree(self, plan: Shape) -> TokenTree:
+    def _lookup_tree(self, runs: list[tuple[list[int], list[float]]], plan: Shape) -> TokenTree:
         """The chosen run, whole, with the other matches added as branches where they pay."""
-        if len(self._matches) < 2:
+        if len(runs) < 2:
             return plan.tree
         assert self.length is not None
         price, spent, budget = self.length.verify_price, self.lookup_seconds, self.state.settings.node_budget
-        return shape_tree(merged_paths(self._matches), price, spent, budget, required=len(plan.tree)).tree
+        return shape_tree(merged_paths(runs), price, spent, budget, required=len(plan.tree)).tree
 
-    def _branched(self, draft: Draft) -> Draft:
-        """A greedy skip draft with the draft's next choices as siblings where they pay (a token
-        tree; the chain stays its first branch, whole unless the node budget is shorter)."""
-        s = self.state.settings
-        if draft.top_tokens is None or draft.top_probs is None or not draft.confidence or self.length is None:
-            return draft
-        accept = [self.length.acceptance(c) for c in draft.confidence]  # each token, its earlier ones right
+    def _skip_offer(self, request: DraftRequest, runs: list[tuple[list[int], list[float]]]) -> Proposal:
+        """The skip chain, with the draft's next choices as siblings and this step's lookup matches
+        as branches where they pay (a token tree; the chain stays its first branch, whole unless
+        the node budget is shorter)."""
+        assert self.skip is not None and self.length is not None
+        chain = self.skip.draft_chain(request)
+        self.last_chain = chain
+        if chain.top_tokens is None or chain.top_probs is None or not chain.confidence:
+            return chain.proposal()
+        accept = [self.length.acceptance(c) for c in chain.confidence]  # each token, its earlier ones right
         reach = [1.0]
         for a in accept:
             reach.append(reach[-1] * a)
-        paths: list[tuple[list[int], list[float]]] = [(list(draft.tokens), reach[1:])]
-        sibling = self.state.sibling_chance()
-        for t, token in enumerate(draft.tokens):
-            probs = draft.top_probs[t]
-            if probs.shape[0] < 2 or float(probs[0] - probs[1]) >= s.tree_margin:
-                continue
-            alternative = int(draft.top_tokens[t, 1])
-            if alternative != token:  # the chain up to t, then the draft's second choice
-                paths.append(
-                    ([*draft.tokens[:t], alternative], [*reach[1 : t + 1], reach[t] * (1 - accept[t]) * sibling])
-                )
-        # This step's lookup matches too, as branches: free to propose, cheap to verify.
-        paths.extend(self._matches)
+        paths = [(list(chain.tokens), reach[1:])]
+        paths += sibling_paths(chain, reach, accept, self.state.sibling_chance(), self.state.settings.tree_margin)
+        paths += runs  # free to propose, cheap to verify
         # The chain's length was decided token by token as it was drafted: the tree keeps all of it
         # (merged_paths puts it first) and adds only the branches that pay.
-        price, spent = self.length.verify_price, draft.seconds
-        shape = shape_tree(merged_paths(paths), price, spent, s.node_budget, required=len(draft.tokens))
-        tree = shape.tree
-        kept = min(tree.first_branch_length, len(draft.tokens))  # the chain's tokens the tree kept
-        if not kept:
-            return draft
-        # What the length rule learns from must be what was verified: the kept chain only.
-        chain = replace(draft, tokens=draft.tokens[:kept], confidence=draft.confidence[:kept])
-        if tree.is_chain:
-            return chain
-        return replace(chain, tokens=list(tree.tokens), tree=tree, chain=list(chain.tokens))
+        budget = self.state.settings.node_budget
+        price, required = self.length.verify_price, len(chain.tokens)
+        tree = shape_tree(merged_paths(paths), price, chain.seconds, budget, required=required).tree
+        if not min(tree.first_branch_length, len(chain.tokens)):  # the budget kept none of the chain
+            return chain.proposal()
+        return Proposal(tree, SKIP)
 
     def _observe(self, history: list[int]) -> None:
-        """Score earlier lookup matches and head sizes against the tokens produced since."""
-        self.ranks.observe(history)
+        """Score head sizes against the tokens produced since (the lookup drafter scores its matches)."""
         if not self._known:
             self._earlier.update(history)
             self._known = len(history)
@@ -386,14 +363,16 @@ class AutoDrafter(BaseDrafter):
 
     # --- the rest of the drafter interface: the skip drafter's ----------------------------------
 
-    def update(self, draft: Draft, accepted: int) -> None:
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
         if self.skip is not None:
-            self.skip.update(draft, accepted)
-        if draft.tree is not None and draft.chain:
-            run = draft.chain_accepted(accepted)
-            if run < len(draft.chain) and len(draft.tree.children(run - 1 if run else ROOT)) > 1:
-                self.state.sibling_reached += 1  # the chain failed where the tree had a sibling
-                self.state.sibling_right += accepted > run
+            self.skip.learn(proposal, verdict)
+        chain, self.last_chain = self.last_chain, None
+        if chain is None or proposal.tree.is_chain:
+            return
+        verified, run = chain_run(proposal, verdict, chain.tokens)
+        if run < verified and len(proposal.tree.children(run - 1 if run else ROOT)) > 1:
+            self.state.sibling_reached += 1  # the chain failed where the tree had a sibling
+            self.state.sibling_right += verdict.accepted > run
 
     @contextlib.contextmanager
     def watch_verify(self, block: int) -> Iterator[None]:
@@ -413,8 +392,8 @@ class AutoDrafter(BaseDrafter):
     def report(self, stats: GenerationStats) -> None:
         if self.skip is not None:
             self.skip.report(stats)
-        self.state.keep(self.length, self.ranks)
-        skip_steps = self.kinds.get("skip", 0)
+        self.state.keep(self.length, self.lookup.ranks)
+        skip_steps = self.kinds.get(SKIP, 0)
         if skip_steps:
             stats.head_rows[self.state.head_rows] = stats.head_rows.get(self.state.head_rows, 0) + skip_steps
         stats.calibration = dict(self.state.costs.info)

@@ -1,62 +1,120 @@
-"""The drafter interface: what a draft is, what a drafter is asked, and the plain "no draft".
+"""The drafter interface: what a step proposes, what the verify answers, and the plain "no draft".
 
-Every drafter has two methods, after Hugging Face's candidate generators: ``propose`` returns
-up to ``max_tokens`` candidates (with their proposal distribution q when sampling), and
-``update(draft, accepted)`` learns from how many of them the full model accepted. What a
-drafter needs to learn from a draft travels in the ``Draft`` itself (its source, the n-gram
-that matched), so no drafter remembers its previous call. The engine uses drafters through
-this interface only.
+Every drafter has two methods, after Hugging Face's candidate generators: ``propose`` returns a
+``Proposal`` of up to ``max_tokens`` candidates, and ``learn(proposal, verdict)`` learns from the
+full model's ``Verdict`` on it. A proposal holds what the verify needs and nothing else; what a
+drafter wants to remember about its own draft (the n-gram that matched, each token's
+confidence, the draft's time, its alternatives) it keeps itself, and compares with the verdict
+in ``learn``. The engine uses drafters through this interface only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from layerskip.drafts.token_tree import TokenTree
 from layerskip.hf.cache import RollbackCache
+from layerskip.sampling import DETERMINISTIC, Attempt, Draw
 from layerskip.stats import GenerationStats
 
+# Where a proposal's candidates came from: what the stats count by.
+NONE, SKIP, LOOKUP = "none", "skip", "lookup"
 
-@dataclass
-class Draft:
-    """What a drafter proposes: a chain of tokens, or a token tree (``tree``: its nodes are then
-    ``tokens``, depth-first; the verify runs over all of them at once)."""
 
-    tokens: list[int]
-    q: torch.Tensor | None = None  # [k, V] proposal probabilities (sampling only)
-    source: str = "none"  # "skip", "lookup" or "none"
-    ngram: int = 0  # lookup: length of the n-gram that matched
-    # Skip drafts with draft length by cost: each token's top-2 confidence, and the draft's time.
-    confidence: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-    tree: TokenTree | None = None
-    # The chain a tree was built around (a skip draft's own tokens), and after the verify the
-    # accepted path (node indices): what a drafter learns from.
-    chain: list[int] = field(default_factory=list)
-    path: list[int] | None = None
-    # Skip drafts asked for alternatives: the draft's best tokens and probabilities per position,
-    # [k, K] best first (greedy).
-    top_tokens: torch.Tensor | None = None
-    top_probs: torch.Tensor | None = None
+@dataclass(frozen=True)
+class Proposal:
+    """One row's candidates for one verify: a token tree (node tokens and their parents; a chain is
+    a tree with one branch, parents ``-1, 0, 1, ...``), with the draft's probabilities and how each
+    node was drawn where sampling needs them (``TokenTree.q`` / ``attempts``), and where it came from.
+
+    Node ``i`` sits at verify block position ``i + 1``, after the pending token at position 0; its
+    position id is the committed length plus its depth (``TokenTree.positions``).
+    """
+
+    tree: TokenTree
+    source: str = NONE
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], source: str, q: torch.Tensor | None = None) -> Proposal:
+        """A chain: token t follows token t-1; drawn from ``q[t]`` (``[k, V]``, a sampled draft), or
+        chosen deterministically (an argmax, a lookup match) when ``q`` is None."""
+        tokens = list(tokens)
+        parents = list(range(-1, len(tokens) - 1))
+        draws = [Draw(t) for t in range(len(tokens))] if q is not None else [DETERMINISTIC] * len(tokens)
+        attempts = [Attempt(parent, node, draw) for node, (parent, draw) in enumerate(zip(parents, draws))]
+        return cls(TokenTree(tokens, parents, attempts, q), source)
+
+    @classmethod
+    def nothing(cls) -> Proposal:
+        return cls.chain([], NONE)
 
     @property
-    def from_lookup(self) -> bool:
-        return self.source == "lookup"
+    def tokens(self) -> list[int]:
+        return self.tree.tokens
 
-    def chain_accepted(self, accepted: int) -> int:
-        """How many of the chain's own tokens were accepted (a tree may accept a sibling's path)."""
-        if self.tree is None or self.path is None:
-            return accepted
-        run = 0
-        for node, token in zip(self.path, self.chain):
-            if node != run or self.tree.tokens[node] != token:  # the chain is the first branch
-                break
-            run += 1
-        return run
+    def __len__(self) -> int:
+        return len(self.tree)
+
+
+@dataclass(frozen=True)
+class Proposals:
+    """A batch's proposals, one per row (several sequences verified in one forward)."""
+
+    rows: tuple[Proposal, ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(row) for row in self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The full model's answer to a proposal: the accepted path (node indices from the root down;
+    along a chain ``0, 1, ..., n-1``) and its own token after it."""
+
+    path: tuple[int, ...]
+    next_token: int
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+    def tokens(self, proposal: Proposal) -> list[int]:
+        """The accepted candidates, then the full model's own token."""
+        return [*(proposal.tree.tokens[node] for node in self.path), self.next_token]
+
+    def cut(self, kept: int) -> Verdict:
+        """The verdict as far as ``kept`` accepted candidates were used (an EOS or the budget came first)."""
+        return self if kept >= len(self.path) else Verdict(self.path[:kept], self.next_token)
+
+
+def chain_run(proposal: Proposal, verdict: Verdict, chain: Sequence[int]) -> tuple[int, int]:
+    """How a drafter's own ``chain`` fared when it went into ``proposal`` as its first branch (a
+    tree may add branches around it, or a chooser cut it): (its tokens that were verified, those
+    of them accepted: the accepted path's leading nodes on that branch)."""
+    tree = proposal.tree
+    verified = 0
+    while verified < min(len(chain), len(tree)) and tree.parents[verified] == verified - 1:
+        if tree.tokens[verified] != chain[verified]:
+            break
+        verified += 1
+    run = 0
+    while run < min(verified, len(verdict.path)) and verdict.path[run] == run:
+        run += 1
+    return verified, run
+
+
+def off_first_branch(verdict: Verdict) -> bool:
+    """Whether the accepted path left the tree's first branch (a sibling or another match held)."""
+    return any(node != depth for depth, node in enumerate(verdict.path))
 
 
 @dataclass
@@ -78,9 +136,11 @@ class DraftRequest:
 
 
 class Drafter(Protocol):
-    def propose(self, request: DraftRequest) -> Draft: ...
+    def propose(self, request: DraftRequest) -> Proposal: ...
 
-    def update(self, draft: Draft, accepted: int) -> None: ...
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        """What the full model made of the step's proposal (the verdict cut to what was used)."""
+        ...
 
     def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
         """Entered around every verify forward of ``block`` positions (on-the-fly selection reads
@@ -100,7 +160,10 @@ class Drafter(Protocol):
 
 
 class BaseDrafter:
-    """Defaults for the optional drafter methods: nothing to watch, nothing to report."""
+    """Defaults for the optional drafter methods: nothing to learn, watch or report."""
+
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        pass
 
     def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
@@ -120,11 +183,11 @@ class WrappingDrafter(BaseDrafter):
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def propose(self, request: DraftRequest) -> Proposal:
         return self.inner.propose(request)
 
-    def update(self, draft: Draft, accepted: int) -> None:
-        self.inner.update(draft, accepted)
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        self.inner.learn(proposal, verdict)
 
     def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
         return self.inner.watch_verify(block)
@@ -141,8 +204,5 @@ class WrappingDrafter(BaseDrafter):
 class NoDrafter(BaseDrafter):
     """Plain decoding: nothing proposed, so every step verifies just the pending token."""
 
-    def propose(self, request: DraftRequest) -> Draft:
-        return Draft([])
-
-    def update(self, draft: Draft, accepted: int) -> None:
-        pass
+    def propose(self, request: DraftRequest) -> Proposal:
+        return Proposal.nothing()

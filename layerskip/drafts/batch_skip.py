@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from layerskip.drafts.base import Draft
+from layerskip.drafts.base import SKIP, Proposal, Proposals
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.model import DraftModel
 from layerskip.hf.ragged import RaggedCache
@@ -43,7 +43,7 @@ class BatchSkipDraft:
         budgets: Sequence[int],
         steps: int,
         generators: Sequence[torch.Generator | None],
-    ) -> list[Draft]:
+    ) -> Proposals:
         """Row ``r`` drafts after ``histories[r]`` (its last token pending, the rest in the cache),
         at most ``budgets[r]`` tokens of the ``steps`` drafted; the cache's lengths come back as
         they were (the draft's K/V stay written after them, for the verify to overwrite)."""
@@ -74,5 +74,5 @@ class BatchSkipDraft:
         for r, tokens in enumerate(drafted):
             keep = max(0, min(budgets[r], steps))
             q = torch.stack(q_rows[r][:keep]) if self.sampling is not None and keep else None
-            drafts.append(Draft(tokens=tokens[:keep], q=q, source="skip"))
-        return drafts
+            drafts.append(Proposal.chain(tokens[:keep], SKIP, q))
+        return Proposals(tuple(drafts))

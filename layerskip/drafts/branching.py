@@ -15,13 +15,14 @@ the sampled tree verify tests against q renormalised without the earlier draws.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from layerskip.drafts.base import Draft, Drafter, DraftRequest, WrappingDrafter
+from layerskip.drafts.base import SKIP, DraftRequest, Proposal, WrappingDrafter
+from layerskip.drafts.skip import ChainDraft, ChainDrafter
 from layerskip.drafts.token_tree import ChainNodes, TreeBuilder
-from layerskip.sampling import DETERMINISTIC, ROOT, Proposal
+from layerskip.sampling import DETERMINISTIC, ROOT, Draw
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def add_siblings(builder: TreeBuilder, chain: ChainNodes, siblings: Sequence[Sib
         if sibling.drawn:
             if chain.q_offset is None:
                 raise ValueError("drawn siblings need a sampled chain (its q rows)")
-            proposal = Proposal(chain.q_offset + sibling.position, without_replacement=True)
+            proposal = Draw(chain.q_offset + sibling.position, without_replacement=True)
         else:
             proposal = DETERMINISTIC
         node = builder.add_child(parent, sibling.token, proposal)
@@ -77,32 +78,54 @@ def add_siblings(builder: TreeBuilder, chain: ChainNodes, siblings: Sequence[Sib
     return nodes
 
 
-def branched_draft(draft: Draft, margin: float, width: int, budget: int) -> Draft:
-    """A greedy skip draft with its recorded alternatives (``Draft.top_tokens``) as a token tree:
-    the chain first, then up to ``width - 1`` siblings at each position whose top-2 margin is
-    below ``margin``, at most ``budget`` nodes. A draft with no uncertain position stays a chain."""
-    if draft.tree is not None or draft.top_tokens is None or draft.top_probs is None or not draft.tokens:
-        return draft
-    siblings = ranked_siblings(draft.tokens, draft.top_tokens, draft.top_probs, margin, width)
+def branched(chain: ChainDraft, margin: float, width: int, budget: int) -> Proposal:
+    """A greedy skip chain with its recorded alternatives (``ChainDraft.top_tokens``) as a token
+    tree: the chain first, then up to ``width - 1`` siblings at each position whose top-2 margin
+    is below ``margin``, at most ``budget`` nodes. A chain with no alternatives recorded or no
+    uncertain position stays the chain."""
+    if chain.top_tokens is None or chain.top_probs is None or not chain.tokens:
+        return chain.proposal()
+    siblings = ranked_siblings(chain.tokens, chain.top_tokens, chain.top_probs, margin, width)
     if not siblings:
-        return draft
+        return chain.proposal()
     builder = TreeBuilder(budget)
-    chain = builder.add_chain(draft.tokens)
-    add_siblings(builder, chain, siblings)
+    nodes = builder.add_chain(chain.tokens)
+    add_siblings(builder, nodes, siblings)
     tree = builder.build()
-    if tree.is_chain:
-        return draft
-    return replace(draft, tokens=list(tree.tokens), tree=tree, chain=list(draft.tokens))
+    return chain.proposal() if tree.is_chain else Proposal(tree, SKIP)
+
+
+def sibling_paths(
+    chain: ChainDraft, reach: Sequence[float], accept: Sequence[float], sibling_chance: float, margin: float
+) -> list[tuple[list[int], list[float]]]:
+    """The chain's candidate branches for a tree shaped by cost (``tree_shape``): at each position
+    whose top-2 margin is below ``margin``, the chain up to it and then the draft's second choice,
+    with the chance of each token (``reach[t]``: the chain's first t tokens all accepted;
+    ``accept[t]``: token t accepted after them; ``sibling_chance``: the second choice is the
+    model's token where the chain's was not)."""
+    paths: list[tuple[list[int], list[float]]] = []
+    if chain.top_tokens is None or chain.top_probs is None:
+        return paths
+    for t, token in enumerate(chain.tokens):
+        probs = chain.top_probs[t]
+        if probs.shape[0] < 2 or float(probs[0] - probs[1]) >= margin:
+            continue
+        alternative = int(chain.top_tokens[t, 1])
+        if alternative != token:
+            chances = [*reach[1 : t + 1], reach[t] * (1 - accept[t]) * sibling_chance]
+            paths.append(([*chain.tokens[:t], alternative], chances))
+    return paths
 
 
 class BranchingDrafter(WrappingDrafter):
-    """A skip drafter whose greedy drafts become token trees (``branched_draft``)."""
+    """A skip drafter whose greedy drafts become token trees (``branched``)."""
 
-    def __init__(self, inner: Drafter, margin: float, width: int, budget: int) -> None:
+    def __init__(self, inner: ChainDrafter, margin: float, width: int, budget: int) -> None:
         super().__init__(inner)
+        self.chains = inner
         self.margin = margin
         self.width = width
         self.budget = budget
 
-    def propose(self, request: DraftRequest) -> Draft:
-        return branched_draft(self.inner.propose(request), self.margin, self.width, self.budget)
+    def propose(self, request: DraftRequest) -> Proposal:
+        return branched(self.chains.draft_chain(request), self.margin, self.width, self.budget)

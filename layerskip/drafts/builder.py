@@ -37,7 +37,7 @@ from layerskip.drafts.lookup import LookupDrafter
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
 from layerskip.drafts.policy import ExitSettings, SkipPolicy, check_vocabulary_ids
-from layerskip.drafts.skip import SkipDrafter
+from layerskip.drafts.skip import ChainDrafter, SkipDrafter
 from layerskip.errors import LayerskipError, few
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling
@@ -348,18 +348,20 @@ class PreparedDraft:
             head = self.draft_model.head(self.vocab_rows, growth=run.prompt_length + run.max_new_tokens)
             args = (self.draft_model, policy.skip_attention, policy.skip_mlp, settings, head)
             args += (run.sampling, run.generator)
+            chains: ChainDrafter
             if policy.exit is not None:
-                skip = ExitDrafter(*args, reuse_kv=policy.exit.reuse_kv)
+                chains = ExitDrafter(*args, reuse_kv=policy.exit.reuse_kv)
             else:
-                skip = SkipDrafter(*args, alternatives=settings.tree_siblings)
+                chains = SkipDrafter(*args, alternatives=settings.tree_siblings)
             if self.selection is not None:
-                skip = OnTheFlyDrafter(skip, self.model, self.selection)
+                chains = OnTheFlyDrafter(chains, self.model, self.selection)
+            skip = chains
             if settings.tree_siblings and run.sampling is None:
-                skip = BranchingDrafter(skip, settings.tree_margin, 1 + settings.tree_siblings, settings.node_budget)
+                skip = BranchingDrafter(chains, settings.tree_margin, 1 + settings.tree_siblings, settings.node_budget)
         if not settings.lookup_max_ngram:
             assert skip is not None  # a policy validates to lookup, a skip draft, or both
             return skip
-        return HybridDrafter(LookupDrafter(settings, self.vocab_size, run.sampling), skip)
+        return HybridDrafter(LookupDrafter(settings), skip)
 
     def batch_draft(self, run: DraftRun, prompts: list[list[int]]) -> BatchSkipDraft | None:
         """The skip draft for a batch's rows at once (None where the draft has no lean step, or
@@ -385,7 +387,7 @@ class PreparedDraft:
         draft_model, selection, settings = self.draft_model, self.selection, self.policy.draft
         ranking = self.policy.draft_vocabulary or range(self.vocab_size)
 
-        def make_skip(rows: int, length: DraftLengthByCost) -> Drafter:
+        def make_skip(rows: int, length: DraftLengthByCost) -> ChainDrafter:
             head_rows = None if rows == 0 else torch.tensor(ranking[:rows], dtype=torch.long)
             head = draft_model.head(head_rows, growth=run.prompt_length + run.max_new_tokens)
             skip = SkipDrafter(
@@ -393,7 +395,7 @@ class PreparedDraft:
             )
             return OnTheFlyDrafter(skip, self.model, selection)
 
-        return AutoDrafter(self.auto, make_skip, self.vocab_size, run.sampling)
+        return AutoDrafter(self.auto, make_skip)
 
 
 def prepare_draft(

@@ -36,6 +36,26 @@ SMOOTHING = 0.3  # weight of the newest timing in the running estimates
 LONGEST_TIMED_BLOCK = 64  # longer verifies (prompt prefills) say nothing about draft blocks
 
 
+@dataclass(frozen=True)
+class LengthPrior:
+    """What earlier skip drafts taught a length rule: acceptance counts per confidence bin, and
+    the skip-drafted steps' tokens and cost (the rate a further token must beat)."""
+
+    reached: Sequence[float] = (0.0,) * CONFIDENCE_BINS
+    right: Sequence[float] = (0.0,) * CONFIDENCE_BINS
+    steps: int = 0
+    step_tokens: float = 0.0
+    step_cost: float = 0.0
+
+    @classmethod
+    def assumed(cls, acceptance: float, weight: int) -> LengthPrior:
+        """Before any draft: ``acceptance`` as ``weight`` drafts of the most confident bin."""
+        reached = [0.0] * CONFIDENCE_BINS
+        right = [0.0] * CONFIDENCE_BINS
+        reached[-1], right[-1] = weight, round(acceptance * weight)
+        return cls(tuple(reached), tuple(right))
+
+
 @dataclass
 class DraftLengthByCost:
     cap: int  # max_draft_tokens
@@ -53,6 +73,42 @@ class DraftLengthByCost:
         """A rule with fixed prices (the search's replay: costs in plain steps, not measured here)."""
         blocks = range(2, max(cap + 1, pad_to) + 1)
         return cls(cap, pad_to, draft_cost=draft_cost, verify_cost={b: verify_cost(b) for b in blocks})
+
+    @classmethod
+    def from_prior(
+        cls,
+        cap: int,
+        draft_cost: float,
+        verify_cost: dict[int, float],
+        prior: LengthPrior,
+        weight: float,
+        assumed: LengthPrior,
+    ) -> DraftLengthByCost:
+        """A rule priced by ``draft_cost`` and ``verify_cost`` that starts from ``prior``'s counts
+        weighed by ``weight`` (a short memory of earlier generations); where they round to
+        nothing, from ``assumed``'s. A prior with a rate skips the warm-up at the cap."""
+        reached = [round(weight * n) for n in prior.reached]
+        right = [min(round(weight * r), n) for r, n in zip(prior.right, reached, strict=True)]
+        if not any(reached):
+            reached, right = [round(n) for n in assumed.reached], [round(r) for r in assumed.right]
+        rule = cls(cap, 0, reached, right, draft_cost=draft_cost, verify_cost=dict(verify_cost))
+        if prior.step_cost > 0:
+            rule.steps = max(WARM_UP_STEPS, round(weight * prior.steps))
+            rule.step_tokens, rule.step_cost = prior.step_tokens, prior.step_cost
+        return rule
+
+    def learned(self, weight: float) -> LengthPrior:
+        """What this rule learned, as the next generation's prior: its counts, and its rate's
+        tokens and cost weighed by ``weight`` (no rate before a skip-drafted step was costed)."""
+        if self.step_cost <= 0:
+            return LengthPrior(tuple(map(float, self.reached)), tuple(map(float, self.right)))
+        return LengthPrior(
+            tuple(map(float, self.reached)),
+            tuple(map(float, self.right)),
+            self.steps,
+            weight * self.step_tokens,
+            weight * self.step_cost,
+        )
 
     # --- what is measured ---
 

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from layerskip.drafts.base import Draft, DraftRequest
+from layerskip.drafts.base import DraftRequest
 from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.skip import SkipDrafter
+from layerskip.drafts.skip import ChainDraft, SkipDrafter
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import positions
@@ -96,14 +96,14 @@ class ExitDrafter(SkipDrafter):
         extra = [count] if self.adapter.uses_cache else []
         return list(range(self.adapter.spec.layer + 1)) + extra
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def draft_chain(self, request: DraftRequest) -> ChainDraft:
         self._block_hidden = None
         if not self.reuse_kv:
-            return super().propose(request)
+            return super().draft_chain(request)
         outputs: list[torch.Tensor] = []
         self.draft_model.exit_outputs = outputs
         try:
-            draft = super().propose(request)
+            draft = super().draft_chain(request)
             if draft.tokens:
                 # The last drafted token has not been through layers 0..L yet: the verify needs
                 # its K/V and its layer-L output too. Its head is not needed.

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from layerskip.drafts.base import BaseDrafter, Draft, Drafter, DraftRequest
+from layerskip.drafts.base import BaseDrafter, Drafter, DraftRequest, Proposal, Verdict
 from layerskip.drafts.lookup import LookupDrafter
 from layerskip.hf.cache import RollbackCache
 from layerskip.stats import GenerationStats
@@ -19,15 +19,15 @@ class HybridDrafter(BaseDrafter):
         self.lookup = lookup
         self.skip = skip
 
-    def propose(self, request: DraftRequest) -> Draft:
-        draft = self.lookup.propose(request)
-        if not draft.tokens and self.skip is not None:
-            draft = self.skip.propose(request)
-        return draft
+    def propose(self, request: DraftRequest) -> Proposal:
+        proposal = self.lookup.propose(request)
+        if not len(proposal) and self.skip is not None:
+            proposal = self.skip.propose(request)
+        return proposal
 
-    def update(self, draft: Draft, accepted: int) -> None:
-        if self.skip is not None:  # it learns from skip drafts only, but sees every verify
-            self.skip.update(draft, accepted)
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        if self.skip is not None:  # it learns from its own drafts only, but sees every verify
+            self.skip.learn(proposal, verdict)
 
     def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
         return self.skip.watch_verify(block) if self.skip is not None else contextlib.nullcontext()

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from layerskip.drafts.base import BaseDrafter, Draft, DraftRequest
+from layerskip.drafts.base import LOOKUP, BaseDrafter, DraftRequest, Proposal
 from layerskip.drafts.policy import DraftSettings
-from layerskip.drafts.token_tree import TokenTree
-from layerskip.drafts.tree_shape import merged_paths, shape_tree
-from layerskip.sampling import Sampling
+from layerskip.drafts.tree_shape import likeliest_tree, merged_paths
 
 
 @dataclass
@@ -77,7 +73,9 @@ class LookupRunLength:
     ones is almost free. For each matched n-gram length ``n`` and run position ``i`` this counts
     how often position ``i`` was reached (every earlier token right) and right;
     ``p(n, i) = (right + 1) / (reached + 2)`` (a uniform prior, so unseen positions are tried).
-    A run keeps token ``i`` while ``prod_{j <= i} p(n, j) >= confidence``; 0 keeps every run whole.
+    A run keeps token ``i`` while ``prod_{j <= i} p(n, j) >= confidence``; 0 keeps every run whole
+    (and then scores no run, unless ``score_every_run``: a token tree ranks its matches by these
+    chances without cutting them).
 
     Every match is scored against the tokens the generation really produced (``observe``), not
     only the part that was proposed: a run cut to nothing still teaches, so a cut can never
@@ -85,6 +83,7 @@ class LookupRunLength:
     """
 
     confidence: float
+    score_every_run: bool = False
     reached: dict[tuple[int, int], int] = field(default_factory=dict)
     right: dict[tuple[int, int], int] = field(default_factory=dict)
     pending: list[_Pending] = field(default_factory=list)
@@ -95,14 +94,26 @@ class LookupRunLength:
         chance = 1.0
         for i in range(len(match.tokens)):
             key = (match.ngram, i)
-            chance *= (self.right.get(key, 0) + 1) / (self.reached.get(key, 0) + 2)
+            chance *= self.chance(key)
             if chance < self.confidence:
                 return match.tokens[:i]
         return match.tokens
 
+    def chance(self, key: tuple[int, int]) -> float:
+        """``p(n, i)`` for ``key = (n, i)``: token i of a match of an n-gram is right, its earlier ones were."""
+        return (self.right.get(key, 0) + 1) / (self.reached.get(key, 0) + 2)
+
+    def chances(self, match: LookupMatch) -> list[float]:
+        """Chance that each token of ``match`` is accepted, its earlier ones included."""
+        chances, chance = [], 1.0
+        for i in range(len(match.tokens)):
+            chance *= self.chance((match.ngram, i))
+            chances.append(chance)
+        return chances
+
     def track(self, match: LookupMatch, start: int) -> None:
         """Score ``match`` (its first token at history index ``start``) as the history grows."""
-        if self.confidence > 0.0 and match.tokens:
+        if (self.confidence > 0.0 or self.score_every_run) and match.tokens:
             self.pending.append(_Pending(start, match.ngram, list(match.tokens)))
 
     def observe(self, history: list[int]) -> None:
@@ -124,17 +135,17 @@ class LookupRunLength:
 
 
 class LookupDrafter(BaseDrafter):
-    """Proposes the continuation of a matching n-gram from the prompt or the text so far (no model call)."""
+    """Proposes the continuation of a matching n-gram from the prompt or the text so far (no model
+    call); with ``tree_matches`` > 1 several matches merged into a token tree. It learns from the
+    history itself (``LookupRunLength.observe``), so a verdict teaches it nothing more."""
 
-    def __init__(self, settings: DraftSettings, vocab_size: int, sampling: Sampling | None) -> None:
+    def __init__(self, settings: DraftSettings, ranks: RankedRunLengths | None = None) -> None:
         self.settings = settings
-        self.vocab_size = vocab_size
-        self.sampling = sampling
         self.run_length = LookupRunLength(settings.lookup_confidence)
         # Token trees: the other matches' runs, scored by rank as the first one's is.
-        self.ranks = RankedRunLengths(settings.tree_matches)
+        self.ranks = ranks if ranks is not None else RankedRunLengths(settings.tree_matches)
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def propose(self, request: DraftRequest) -> Proposal:
         s = self.settings
         self.run_length.observe(request.history)
         cap = min(s.lookup_max_tokens, request.max_tokens)
@@ -142,24 +153,24 @@ class LookupDrafter(BaseDrafter):
             return self._tree(request, cap)
         match = match_lookup(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap)
         self.run_length.track(match, len(request.history))
-        tokens = self.run_length.cut(match)
-        return chain_draft(tokens, "lookup", match.ngram, self.vocab_size, self.sampling, request.device)
+        return Proposal.chain(self.run_length.cut(match), LOOKUP)
 
-    def _tree(self, request: DraftRequest, cap: int) -> Draft:
+    def _tree(self, request: DraftRequest, cap: int) -> Proposal:
         """Several matches merged into a token tree of at most the policy's node budget, the
         likeliest nodes first (each match's runs scored by rank)."""
+        matches = self.runs(request, cap)
+        if not matches:
+            return Proposal.chain([], LOOKUP)
+        return Proposal(likeliest_tree(merged_paths(matches), self.settings.node_budget), LOOKUP)
+
+    def runs(self, request: DraftRequest, cap: int) -> list[tuple[list[int], list[float]]]:
+        """This step's matches of up to ``cap`` tokens, best first, each with the chance of each of
+        its tokens (its earlier ones included), scored against the text as it grows."""
         s = self.settings
         matches = match_lookups(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap, s.tree_matches)
         self.ranks.observe(request.history)
         self.ranks.track(matches, len(request.history))
-        if not matches:
-            return Draft([], source="lookup")
-        candidates = merged_paths([(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)])
-        shape = shape_tree(candidates, lambda block: 1.0, 0.0, s.node_budget)  # no costs known: the budget
-        return tree_draft(shape.tree, "lookup", matches[0].ngram, self.vocab_size, self.sampling, request.device)
-
-    def update(self, draft: Draft, accepted: int) -> None:
-        pass  # it learns from the history itself (``LookupRunLength.observe``)
+        return [(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)]
 
 
 class RankedRunLengths:
@@ -167,7 +178,7 @@ class RankedRunLengths:
     n-gram length and position, as ``LookupRunLength`` learns it for one match."""
 
     def __init__(self, matches: int) -> None:
-        self.by_rank = [LookupRunLength(confidence=1e-9) for _ in range(matches)]  # > 0: every match scored
+        self.by_rank = [LookupRunLength(confidence=0.0, score_every_run=True) for _ in range(matches)]
 
     def observe(self, history: list[int]) -> None:
         for rule in self.by_rank:
@@ -179,35 +190,4 @@ class RankedRunLengths:
 
     def chances(self, rank: int, match: LookupMatch) -> list[float]:
         """Chance that each token of ``match`` is accepted, its earlier ones included."""
-        rule = self.by_rank[rank]
-        chances, chance = [], 1.0
-        for i in range(len(match.tokens)):
-            key = (match.ngram, i)
-            chance *= (rule.right.get(key, 0) + 1) / (rule.reached.get(key, 0) + 2)
-            chances.append(chance)
-        return chances
-
-
-def tree_draft(
-    tree: TokenTree,
-    source: str,
-    ngram: int,
-    vocab_size: int,
-    sampling: Sampling | None,
-    device: torch.device,
-) -> Draft:
-    """A draft of deterministic tree nodes (one-hot q rows when sampling: the tree's attempts say so)."""
-    if tree.is_chain:  # one branch: the plain chain's block, verified as a chain
-        return chain_draft(tree.tokens, source, ngram, vocab_size, sampling, device)
-    return Draft(tokens=list(tree.tokens), source=source, ngram=ngram, tree=tree)
-
-
-def chain_draft(
-    tokens: list[int], source: str, ngram: int, vocab_size: int, sampling: Sampling | None, device: torch.device
-) -> Draft:
-    """A deterministic chain; sampled, its q is one-hot on each proposed token."""
-    q = None
-    if tokens and sampling is not None:
-        q = torch.zeros(len(tokens), vocab_size, device=device)
-        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-    return Draft(tokens=tokens, q=q, source=source, ngram=ngram)
+        return self.by_rank[rank].chances(match)

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.drafts.base import BaseDrafter, Draft, DraftRequest
+from layerskip.drafts.base import BaseDrafter, DraftRequest, Proposal, Verdict
 from layerskip.drafts.policy import OnTheFlySettings, SkipPolicy
-from layerskip.drafts.skip import SkipDrafter
+from layerskip.drafts.skip import ChainDraft, SkipDrafter
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 from layerskip.stats import GenerationStats
@@ -201,6 +201,7 @@ class OnTheFlyDrafter(BaseDrafter):
         self.changes = 0
         self.steps_per_set: dict[str, int] = {}
         self.started = time.perf_counter()
+        self._drafted = False  # whether the step being verified is its own skip draft
         self._apply()
 
     def _apply(self) -> None:
@@ -224,24 +225,29 @@ class OnTheFlyDrafter(BaseDrafter):
                 yield
             self.record = record
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def propose(self, request: DraftRequest) -> Proposal:
+        return self.draft_chain(request).proposal()
+
+    def draft_chain(self, request: DraftRequest) -> ChainDraft:
         self.started = time.perf_counter()  # the step's clock: this draft, its verify, the acceptance
         if self.record is not None:  # the prefill: every prompt position is the full model's own
             self._learn(positions=len(request.history) - 1)
             self.verifies += 1
-        draft = self.skip.propose(request)
-        if draft.tokens:
+        chain = self.skip.draft_chain(request)
+        self._drafted = bool(chain.tokens)
+        if chain.tokens:
             label = skip_set_label(self.skip.attention, self.skip.mlp)
             self.steps_per_set[label] = self.steps_per_set.get(label, 0) + 1
-        return draft
+        return chain
 
-    def update(self, draft: Draft, accepted: int) -> None:
-        self.skip.update(draft, accepted)
-        if draft.source == "skip" and draft.tokens:
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        self.skip.learn(proposal, verdict)
+        if self._drafted:
             # Host time: the acceptance has read the verify's tokens back, so device work is done.
-            self.state.observe(accepted + 1, time.perf_counter() - self.started)
+            self.state.observe(verdict.accepted + 1, time.perf_counter() - self.started)
+            self._drafted = False
         if self.record is not None:
-            self._learn(positions=accepted + 1)  # pending and the accepted drafts: the committed tokens
+            self._learn(positions=verdict.accepted + 1)  # pending and the accepted drafts: the committed tokens
         self.verifies += 1
 
     def _learn(self, positions: int) -> None:

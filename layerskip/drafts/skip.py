@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from layerskip.drafts.base import BaseDrafter, Draft, DraftRequest
+from layerskip.drafts.base import SKIP, BaseDrafter, Drafter, DraftRequest, Proposal, Verdict, chain_run
 from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.model import DraftModel
@@ -25,6 +27,31 @@ def top2_confidence(logits: torch.Tensor) -> torch.Tensor:
     """
     top = torch.topk(logits.float(), 2, dim=-1).values
     return torch.tanh((top[..., 0] - top[..., 1]) / 2)
+
+
+@dataclass(frozen=True)
+class ChainDraft:
+    """A skip draft's chain and what its drafter noted while drafting it: the drafters' own record
+    (a wrapper may make a tree of it, ``auto`` may price it), never handed to the engine."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None  # [k, V] proposal probabilities (sampling only)
+    confidence: list[float] = field(default_factory=list)  # each token's top-2 confidence (by cost)
+    seconds: float = 0.0  # the draft's time (draft length by cost)
+    # Greedy drafts asked for alternatives: the draft's best tokens and probabilities per position,
+    # [k, K] best first.
+    top_tokens: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
+
+    def proposal(self) -> Proposal:
+        return Proposal.chain(self.tokens, SKIP, self.q)
+
+
+class ChainDrafter(Drafter, Protocol):
+    """A drafter that drafts a skip chain: ``draft_chain`` gives the chain with its notes (wrappers
+    that branch or price it read them); ``propose`` is that chain as a proposal."""
+
+    def draft_chain(self, request: DraftRequest) -> ChainDraft: ...
 
 
 class AdaptiveStop:
@@ -89,8 +116,12 @@ class SkipDrafter(BaseDrafter):
         self.clock = DeviceClock(draft_model.device)
         self._last_verify_seconds = 0.0
         self._known = 0  # how much of the history the head has been given
+        self._last: ChainDraft | None = None  # the chain proposed, until its verdict is learned
 
-    def propose(self, request: DraftRequest) -> Draft:
+    def propose(self, request: DraftRequest) -> Proposal:
+        return self.draft_chain(request).proposal()
+
+    def draft_chain(self, request: DraftRequest) -> ChainDraft:
         start = self.clock.now() if self.length is not None else 0.0
         self.head.add(request.history[self._known :])
         self._known = len(request.history)
@@ -121,14 +152,20 @@ class SkipDrafter(BaseDrafter):
                         break
                 token = chosen.view(1, 1)
         ids = torch.stack(tokens).tolist() if tokens else []
-        draft = Draft(tokens=ids, q=torch.stack(q_rows) if q_rows else None, source="skip", confidence=confidences)
-        if tops:
-            draft.top_tokens = torch.stack([t for t, _ in tops])  # [k, K]
-            draft.top_probs = torch.stack([p for _, p in tops])
+        seconds = 0.0
         if self.length is not None:
-            draft.seconds = self.clock.now() - start  # the confidences were read back: device work is done
-            self.length.observe_draft(len(ids), draft.seconds)
-        return draft
+            seconds = self.clock.now() - start  # the confidences were read back: device work is done
+            self.length.observe_draft(len(ids), seconds)
+        chain = ChainDraft(
+            tokens=ids,
+            q=torch.stack(q_rows) if q_rows else None,
+            confidence=confidences,
+            seconds=seconds,
+            top_tokens=torch.stack([t for t, _ in tops]) if tops else None,  # [k, K]
+            top_probs=torch.stack([p for _, p in tops]) if tops else None,
+        )
+        self._last = chain
+        return chain
 
     @contextlib.contextmanager
     def watch_verify(self, block: int) -> Iterator[None]:
@@ -140,9 +177,14 @@ class SkipDrafter(BaseDrafter):
         self._last_verify_seconds = self.clock.now() - start
         self.length.observe_verify(block, self._last_verify_seconds)
 
-    def update(self, draft: Draft, accepted: int) -> None:
-        accepted = draft.chain_accepted(accepted)  # a tree may have accepted a sibling's path instead
-        if self.stop is not None and draft.source == "skip":
-            self.stop.update(len(draft.tokens), accepted)
-        if self.length is not None and draft.source == "skip" and draft.tokens:
-            self.length.observe_step(draft.confidence, accepted, draft.seconds + self._last_verify_seconds)
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
+        """Learns from its own last chain only (a lookup step's proposal was not its own); a tree
+        may have accepted a sibling's path, and ``auto`` may have verified a prefix of the chain."""
+        chain, self._last = self._last, None
+        if chain is None or not chain.tokens:
+            return
+        verified, run = chain_run(proposal, verdict, chain.tokens)
+        if self.stop is not None:
+            self.stop.update(verified, run)
+        if self.length is not None and verified:
+            self.length.observe_step(chain.confidence[:verified], run, chain.seconds + self._last_verify_seconds)

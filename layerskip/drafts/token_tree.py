@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layerskip.hf.tree import block_depths, block_visibility
-from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Proposal
+from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Draw
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class TokenTree:
     tokens: list[int]  # [n] node tokens, depth-first
     parents: list[int]  # [n] parent node index; ROOT (-1) = the pending token
     attempts: list[Attempt] = field(default_factory=list)  # every proposal, in the order the verify tests them
-    q: torch.Tensor | None = None  # [m, V] proposal rows that ``Proposal.q_row`` indexes (sampling)
+    q: torch.Tensor | None = None  # [m, V] proposal rows that ``Draw.q_row`` indexes (sampling)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -132,7 +132,7 @@ class TreeBuilder:
         self._q_rows += q.shape[0]
         return offset
 
-    def add_child(self, parent: int, token: int, proposal: Proposal = DETERMINISTIC) -> int | None:
+    def add_child(self, parent: int, token: int, proposal: Draw = DETERMINISTIC) -> int | None:
         """Add ``token`` under ``parent`` (a node index of this builder, or ROOT); its node, or None when full."""
         if parent != ROOT and not 0 <= parent < len(self._tokens):
             raise ValueError(f"no node {parent} to add a child to")
@@ -152,9 +152,7 @@ class TreeBuilder:
         self._attempts.append(Attempt(parent, node, proposal))
         return node
 
-    def add_path(
-        self, tokens: Sequence[int], proposals: Sequence[Proposal] | None = None, parent: int = ROOT
-    ) -> list[int]:
+    def add_path(self, tokens: Sequence[int], proposals: Sequence[Draw] | None = None, parent: int = ROOT) -> list[int]:
         """Merge a candidate continuation of ``parent``; the nodes of the tokens that fit (a prefix)."""
         proposals = proposals if proposals is not None else [DETERMINISTIC] * len(tokens)
         nodes: list[int] = []
@@ -171,7 +169,7 @@ class TreeBuilder:
         if q is None:
             return ChainNodes(self.add_path(tokens, parent=parent), None)
         offset = self.add_q(q)
-        return ChainNodes(self.add_path(tokens, [Proposal(offset + t) for t in range(len(tokens))], parent), offset)
+        return ChainNodes(self.add_path(tokens, [Draw(offset + t) for t in range(len(tokens))], parent), offset)
 
     def build(self) -> TokenTree:
         """The tree in depth-first order (children in the order they were first added)."""

@@ -11,11 +11,11 @@ branch is added only where the expected tokens grow faster than the verify's cos
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from layerskip.drafts.token_tree import TokenTree, TreeBuilder
-from layerskip.sampling import DETERMINISTIC, ROOT, Proposal
+from layerskip.sampling import DETERMINISTIC, ROOT, Draw
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Candidate:
     parent: int  # index of the parent candidate in the list; ROOT for a child of the pending token
     token: int
     chance: float  # probability the full model accepts it, its ancestors included
-    proposal: Proposal = DETERMINISTIC
+    proposal: Draw = DETERMINISTIC
 
 
 @dataclass(frozen=True)
@@ -48,24 +48,37 @@ def choose_nodes(
     The first ``required`` candidates are always taken (a draft chain whose length was already
     decided token by token); the others only where they raise the ratio."""
     taken = list(range(min(required, len(candidates), budget)))
-    chosen: set[int] = set(taken)
     tokens = 1.0 + sum(candidates[i].chance for i in taken)
-    order = sorted((i for i in range(len(candidates)) if i not in chosen), key=lambda i: (-candidates[i].chance, i))
     best = (list(taken), tokens, spent + verify_price(len(taken) + 1))
-    # A node is ready once its parent is in; most likely first (a child never beats its parent).
-    pending = list(order)
-    while pending and len(taken) < budget:
-        ready = next((i for i in pending if candidates[i].parent in chosen or candidates[i].parent == ROOT), None)
-        if ready is None:
-            break
-        pending.remove(ready)
-        chosen.add(ready)
+    for ready in likeliest_order(candidates, taken, budget):
         taken.append(ready)
         tokens += candidates[ready].chance
         seconds = spent + verify_price(len(taken) + 1)
         if tokens / seconds > best[1] / best[2]:
             best = (list(taken), tokens, seconds)
     return sorted(best[0]), best[1], best[2]
+
+
+def likeliest_order(candidates: Sequence[Candidate], taken: Sequence[int], budget: int) -> Iterator[int]:
+    """The candidates not in ``taken``, most likely first, each once its parent is in (a child
+    never beats its parent), until ``taken`` and these fill ``budget``."""
+    chosen = set(taken)
+    count = len(chosen)
+    pending = sorted((i for i in range(len(candidates)) if i not in chosen), key=lambda i: (-candidates[i].chance, i))
+    while pending and count < budget:
+        ready = next((i for i in pending if candidates[i].parent in chosen or candidates[i].parent == ROOT), None)
+        if ready is None:
+            return
+        pending.remove(ready)
+        chosen.add(ready)
+        count += 1
+        yield ready
+
+
+def likeliest_tree(candidates: Sequence[Candidate], budget: int) -> TokenTree:
+    """The ``budget`` likeliest candidates as a tree: its shape where no costs price the nodes
+    (every node taken is then worth its place)."""
+    return _build(candidates, sorted(likeliest_order(candidates, (), budget)), None)
 
 
 def shape_tree(
@@ -78,8 +91,13 @@ def shape_tree(
 ) -> Shape:
     """The tree of the chosen candidates, built in the given order (the first candidate's branch is
     the block's first positions, as a chain's would be). ``q_rows`` (``[m, V]``) are the proposal
-    rows that sampled candidates' ``Proposal.q_row`` index; ``required``: see ``choose_nodes``."""
+    rows that sampled candidates' ``Draw.q_row`` index; ``required``: see ``choose_nodes``."""
     keep, tokens, seconds = choose_nodes(candidates, verify_price, spent, budget, required)
+    return Shape(_build(candidates, keep, q_rows), tokens, seconds)
+
+
+def _build(candidates: Sequence[Candidate], keep: Sequence[int], q_rows: object) -> TokenTree:
+    """The tree of candidates ``keep`` (ascending), built in that order."""
     builder = TreeBuilder(len(keep))
     if q_rows is not None:
         builder.add_q(q_rows)
@@ -90,7 +108,7 @@ def shape_tree(
         node = builder.add_child(parent, candidate.token, candidate.proposal)
         if node is not None:
             node_of[index] = node
-    return Shape(builder.build(), tokens, seconds)
+    return builder.build()
 
 
 def merged_paths(paths: Sequence[tuple[Sequence[int], Sequence[float]]]) -> list[Candidate]:

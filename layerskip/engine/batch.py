@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from layerskip.drafts.base import Draft, Drafter, DraftRequest
+from layerskip.drafts import base
+from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Proposals
 from layerskip.drafts.batch_skip import BatchSkipDraft
-from layerskip.drafts.lookup import chain_draft, match_lookup
+from layerskip.drafts.lookup import match_lookup
 from layerskip.drafts.policy import DraftSettings
 from layerskip.engine.output import TokenOutput
 from layerskip.engine.step import StepOutcome, record_outcome
@@ -41,7 +42,6 @@ from layerskip.engine.verifiers import Verifier, verify_rows
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import full_hidden
 from layerskip.hf.ragged import RaggedCache, ragged_hidden
-from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock, GenerationStats
 
 PLAIN, LOOKUP, DRAFT = "plain", "lookup", "draft"
@@ -111,8 +111,6 @@ class BatchStepper:
     rows: list[BatchRow]
     kinds: StepKinds
     lookup: DraftSettings | None  # the policy's lookup settings (None: the policy has no lookup)
-    sampling: Sampling | None
-    vocab_size: int
     threads: ThreadTuner
     clock: DeviceClock
     device: torch.device
@@ -136,7 +134,8 @@ class BatchStepper:
                 hidden = ragged_hidden(self.model, block, self.cache)  # [B, longest, H]
                 lasts = [hidden[b, len(p) - 1 : len(p)] for b, p in enumerate(prompts)]  # [1, H] each
         self.cache.set_lengths([len(p) for p in prompts])
-        verdicts = verify_rows([row.verifier for row in self.rows], lasts, [Draft([])] * len(prompts), prompts)
+        nothing = Proposals((Proposal.nothing(),) * len(prompts))
+        verdicts = verify_rows([row.verifier for row in self.rows], lasts, nothing, prompts)
         for row, verdict in zip(self.rows, verdicts, strict=True):
             row.stats.record_step(0, 0)
             row.output.emit([verdict.next_token])
@@ -161,9 +160,10 @@ class BatchStepper:
     def step(self) -> None:
         kind = self.kinds.choose()
         start = self.clock.now()
-        drafts = self._drafts(kind)
+        proposals = self._proposals(kind)
         drafted = self.clock.now()
-        blocks = [[row.output.history[-1], *draft.tokens] for row, draft in zip(self.rows, drafts, strict=True)]
+        rows = proposals.rows
+        blocks = [[row.output.history[-1], *proposal.tokens] for row, proposal in zip(self.rows, rows, strict=True)]
         width = max(len(block) for block in blocks)
         ids = torch.tensor([[*block, *[block[-1]] * (width - len(block))] for block in blocks], device=self.device)
         committed = list(self.cache.lengths)
@@ -173,21 +173,21 @@ class BatchStepper:
             verdicts = verify_rows(
                 [row.verifier for row in self.rows],
                 [hidden[b, : len(block)] for b, block in enumerate(blocks)],  # each row's real positions
-                drafts,
+                proposals,
                 [row.output.history for row in self.rows],
             )
         self.cache.set_lengths([n + 1 + verdict.accepted for n, verdict in zip(committed, verdicts, strict=True)])
         seconds = self.clock.now() - start
         tokens = 0
         for b, row in enumerate(self.rows):
-            outcome = StepOutcome(drafts[b], verdicts[b], width, drafted - start, seconds - (drafted - start))
+            outcome = StepOutcome(rows[b], verdicts[b], width, drafted - start, seconds - (drafted - start))
             kept = row.output.emit(outcome.tokens)
             tokens += kept
             record_outcome(row.stats, row.drafter if kind == DRAFT else None, outcome, kept)
         self.kinds.observe(kind, tokens, seconds)
         self._leave()
 
-    def _drafts(self, kind: str) -> list[Draft]:
+    def _proposals(self, kind: str) -> Proposals:
         if kind.startswith("skip:") and self.batch_draft is not None:
             budgets = [row.output.remaining - 1 for row in self.rows]
             steps = min(int(kind.split(":")[1]), max(budgets))
@@ -197,10 +197,11 @@ class BatchStepper:
                 with self.threads.phase("draft") as run:
                     run.units = steps
                     drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators)
-                return [self._longer_lookup(row, draft, steps) for row, draft in zip(self.rows, drafts, strict=True)]
-        return [self._propose(b, row, kind) for b, row in enumerate(self.rows)]
+                rows = zip(self.rows, drafts.rows, strict=True)
+                return Proposals(tuple(self._longer_lookup(row, draft, steps) for row, draft in rows))
+        return Proposals(tuple(self._propose(b, row, kind) for b, row in enumerate(self.rows)))
 
-    def _longer_lookup(self, row: BatchRow, draft: Draft, steps: int) -> Draft:
+    def _longer_lookup(self, row: BatchRow, draft: Proposal, steps: int) -> Proposal:
         """A row whose text repeats its last n-gram (the longest the policy matches) proposes the
         repeat instead of its skip draft where the repeat is longer: up to twice the draft, so one
         row's long match does not widen every row's verify far."""
@@ -208,18 +209,18 @@ class BatchStepper:
             return draft
         cap = min(row.output.remaining - 1, 2 * steps)
         repeat = self._lookup_draft(row, self.lookup.lookup_max_ngram, cap)
-        return repeat if len(repeat.tokens) > len(draft.tokens) else draft
+        return repeat if len(repeat) > len(draft) else draft
 
-    def _lookup_draft(self, row: BatchRow, min_ngram: int, cap: int) -> Draft:
+    def _lookup_draft(self, row: BatchRow, min_ngram: int, cap: int) -> Proposal:
         """Prompt lookup for one row: n-grams from ``min_ngram`` to the policy's longest, at most ``cap`` tokens."""
         assert self.lookup is not None
         match = match_lookup(row.output.history, min_ngram, self.lookup.lookup_max_ngram, cap)
-        return chain_draft(match.tokens, "lookup", match.ngram, self.vocab_size, self.sampling, self.device)
+        return Proposal.chain(match.tokens, base.LOOKUP)
 
-    def _propose(self, b: int, row: BatchRow, kind: str) -> Draft:
+    def _propose(self, b: int, row: BatchRow, kind: str) -> Proposal:
         budget = row.output.remaining - 1
         if kind not in (LOOKUP, DRAFT) or budget <= 0:
-            return Draft([])
+            return Proposal.nothing()
         if kind == LOOKUP:
             assert self.lookup is not None
             return self._lookup_draft(row, self.lookup.lookup_min_ngram, min(budget, self.lookup.max_draft_tokens))
@@ -227,11 +228,11 @@ class BatchStepper:
         self.cache.reserve(self.cache.longest + budget + 2)
         row.view = self.cache.row_view(b, row.view)
         with self.threads.phase("draft") as run:
-            draft = row.drafter.propose(DraftRequest(row.output.history, row.view, budget, self.device))
-            run.units = max(1, len(draft.tokens)) if draft.source == "skip" else 0
-        if draft.tree is not None:  # Decoder.batches() keeps tree policies out of batches
-            raise RuntimeError("a token tree reached the batched verify, which takes chains only")
-        return draft
+            proposal = row.drafter.propose(DraftRequest(row.output.history, row.view, budget, self.device))
+            run.units = max(1, len(proposal)) if proposal.source == base.SKIP else 0
+        if not proposal.tree.is_chain:  # Decoder.batches() keeps tree policies out of batches
+            raise RuntimeError("a branching token tree reached the batched verify, which keeps chains only")
+        return proposal
 
     def _leave(self) -> None:
         """Finished rows leave the batch (the cache drops their rows); each row's time is its own."""

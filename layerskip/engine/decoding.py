@@ -230,8 +230,6 @@ class Decoder:
                 rows,
                 step_kinds(len(rows), self.draft is not None, lookup is not None, batch_draft is not None),
                 lookup,
-                settings.sampling,
-                adapters.lm_head(self.model).weight.shape[0],
                 self.batch_threads,
                 clock,
                 self.device,

@@ -1,56 +1,46 @@
 """How the full model's verify forward decides: one small type per way, one method each.
 
-A verifier gets the final hidden states of the verified block's real rows (``[k+1, H]``: the
-pending token and the k drafted ones, or a token tree's nodes) and the draft, and returns how
-many drafted tokens the full model keeps (a tree: which path) and the token it adds itself. The
-prefill is a verify with nothing drafted.
+A verifier gets the final hidden states of the verified block's real rows (``[n+1, H]``: the
+pending token and the proposal's n candidates, block position ``i + 1`` for node ``i``) and the
+proposal, and returns the ``Verdict``: the accepted path and the token the full model adds
+itself. Every proposal is a token tree (a chain is one with one branch), so there is one way to
+decide per verifier. The prefill is a verify with nothing proposed.
 
-* ``GreedyVerifier``: each row's argmax, from the certified head where the engine uses one.
-* ``SampledVerifier``: rejection sampling against the draft's proposal q (the output keeps the
-  model's distribution).
+* ``GreedyVerifier``: each row's argmax, from the certified head where the engine uses one; the
+  path follows the argmax down the tree.
+* ``SampledVerifier``: rejection sampling against how each candidate was drawn (the output keeps
+  the model's distribution); along a chain it is the standard chain rule, draw for draw.
 * ``HookedVerifier``: the full logits processed first (HF logits processors), then greedy or sampled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from layerskip.drafts.base import Draft
+from layerskip.drafts.base import Proposal, Proposals, Verdict
 from layerskip.engine.verify_head import VerifyHead
-from layerskip.sampling import (
-    Sampling,
-    accept_greedy,
-    accept_tree_greedy,
-    verify_greedy,
-    verify_sampled,
-    verify_tree_greedy,
-    verify_tree_sampled,
-)
+from layerskip.sampling import Sampling, accept_tree_greedy, verify_tree_sampled
 
 # (context, logits [k+1, V]) -> processed logits [k+1, V]; row i follows context[: len(context) - k + i].
 # Applied to the verify's logits only: the draft proposes from its own, so the output stays exact.
 LogitsHook = Callable[[list[int], torch.Tensor], torch.Tensor]
 
-
-@dataclass(frozen=True)
-class Verdict:
-    accepted: int  # drafted tokens the full model keeps
-    next_token: int  # the full model's own token after them
-    path: tuple[int, ...] | None = None  # a token tree's accepted nodes (None for a chain)
-
-    @classmethod
-    def of_tree(cls, path: list[int], next_token: int) -> Verdict:
-        return cls(len(path), next_token, tuple(path))
+__all__ = ["GreedyVerifier", "HookedVerifier", "LogitsHook", "SampledVerifier", "Verdict", "Verifier"]
 
 
 class Verifier(Protocol):
-    def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
-        """``hidden [k+1, H]`` of the block after ``history`` (prompt and tokens so far) -> the verdict."""
+    def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        """``hidden [n+1, H]`` of the block after ``history`` (prompt and tokens so far) -> the verdict."""
         ...
+
+
+def greedy_verdict(proposal: Proposal, targets: list[int]) -> Verdict:
+    """The verdict from the full model's argmax at each block position (``targets [n+1]``)."""
+    path, token = accept_tree_greedy(proposal.tree.tokens, proposal.tree.parents, targets)
+    return Verdict(tuple(path), token)
 
 
 class GreedyVerifier:
@@ -59,11 +49,8 @@ class GreedyVerifier:
     def __init__(self, head: VerifyHead) -> None:
         self.head = head
 
-    def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
-        targets = self.head.argmax(hidden)
-        if draft.tree is not None:
-            return Verdict.of_tree(*accept_tree_greedy(draft.tree.tokens, draft.tree.parents, targets))
-        return Verdict(*accept_greedy(draft.tokens, targets))
+    def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        return greedy_verdict(proposal, self.head.argmax(hidden))
 
 
 class SampledVerifier:
@@ -72,16 +59,15 @@ class SampledVerifier:
         self.sampling = sampling
         self.generator = generator
 
-    def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
-        return self.choose(self.head.logits(hidden), draft)
+    def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        return self.choose(self.head.logits(hidden), proposal)
 
-    def choose(self, logits: torch.Tensor, draft: Draft) -> Verdict:
-        """The verdict from the full model's logits ``[k+1, V]`` of the block."""
-        probs = self.sampling.probs(logits)  # [k+1, V], the same transform the draft's q had
-        tree = draft.tree
-        if tree is not None:
-            return Verdict.of_tree(*verify_tree_sampled(tree.tokens, tree.attempts, probs, tree.q, self.generator))
-        return Verdict(*verify_sampled(draft.tokens, probs, draft.q, self.generator))
+    def choose(self, logits: torch.Tensor, proposal: Proposal) -> Verdict:
+        """The verdict from the full model's logits ``[n+1, V]`` of the block."""
+        probs = self.sampling.probs(logits)  # [n+1, V], the same transform the draft's q had
+        tree = proposal.tree
+        path, token = verify_tree_sampled(tree.tokens, tree.attempts, probs, tree.q, self.generator)
+        return Verdict(tuple(path), token)
 
 
 class HookedVerifier:
@@ -92,19 +78,19 @@ class HookedVerifier:
         self.hook = hook
         self.sampled = sampled
 
-    def verify(self, hidden: torch.Tensor, draft: Draft, history: list[int]) -> Verdict:
-        logits = self.head.logits(hidden)
-        if draft.tree is None:
-            logits = self.hook([*history, *draft.tokens], logits)
-        else:  # each row after its own path: the hook sees the text that row continues
-            tree = draft.tree
-            contexts = [history, *([*history, *tree.path_tokens(node)] for node in range(len(tree)))]
-            logits = torch.cat([self.hook(context, logits[i : i + 1]) for i, context in enumerate(contexts)])
+    def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        logits = self._hooked(self.head.logits(hidden), proposal, history)
         if self.sampled is not None:
-            return self.sampled.choose(logits, draft)
-        if draft.tree is not None:
-            return Verdict.of_tree(*verify_tree_greedy(draft.tree.tokens, draft.tree.parents, logits))
-        return Verdict(*verify_greedy(draft.tokens, logits))
+            return self.sampled.choose(logits, proposal)
+        return greedy_verdict(proposal, logits.argmax(dim=-1).tolist())
+
+    def _hooked(self, logits: torch.Tensor, proposal: Proposal, history: list[int]) -> torch.Tensor:
+        """Each row's logits processed after the text that row continues: its root-to-node path."""
+        tree = proposal.tree
+        if tree.is_chain:  # every row continues the one before it: the hook takes them in one call
+            return self.hook([*history, *tree.tokens], logits)
+        contexts = [history, *([*history, *tree.path_tokens(node)] for node in range(len(tree)))]
+        return torch.cat([self.hook(context, logits[i : i + 1]) for i, context in enumerate(contexts)])
 
 
 def verifier_for(
@@ -123,24 +109,24 @@ def verifier_for(
 def verify_rows(
     verifiers: Sequence[Verifier],
     hidden: Sequence[torch.Tensor],
-    drafts: Sequence[Draft],
+    proposals: Proposals,
     histories: Sequence[list[int]],
 ) -> list[Verdict]:
-    """The verdicts of a batch's rows (``hidden[r] [k_r+1, H]``), their head applied once for all
+    """The verdicts of a batch's rows (``hidden[r] [n_r+1, H]``), their head applied once for all
     rows where every row's verifier is greedy or sampled over one head: one product reads the
     head once, where a product per row would read it once per row."""
     sizes = [h.shape[0] for h in hidden]
     heads = {id(getattr(v, "head", None)) for v in verifiers}
+    rows = proposals.rows
     if len(heads) == 1 and all(type(v) is GreedyVerifier for v in verifiers):
         targets = verifiers[0].head.argmax(torch.cat(list(hidden)))
         verdicts, start = [], 0
-        for size, draft in zip(sizes, drafts, strict=True):
-            verdicts.append(Verdict(*accept_greedy(draft.tokens, targets[start : start + size])))
+        for size, proposal in zip(sizes, rows, strict=True):
+            verdicts.append(greedy_verdict(proposal, targets[start : start + size]))
             start += size
         return verdicts
     if len(heads) == 1 and all(type(v) is SampledVerifier for v in verifiers):
         logits = verifiers[0].head.logits(torch.cat(list(hidden))).split(sizes)
-        return [v.choose(rows, draft) for v, rows, draft in zip(verifiers, logits, drafts, strict=True)]
-    return [
-        v.verify(h, draft, history) for v, h, draft, history in zip(verifiers, hidden, drafts, histories, strict=True)
-    ]
+        return [v.choose(part, proposal) for v, part, proposal in zip(verifiers, logits, rows, strict=True)]
+    each = zip(verifiers, hidden, rows, histories, strict=True)
+    return [v.verify(h, proposal, history) for v, h, proposal, history in each]

@@ -199,8 +199,9 @@ class RollbackCache(DynamicCache):
         accepted path: block rows ``rows`` (ascending, the root 0 first, then the accepted nodes'
         block positions) move to ``start..start+len(rows)-1`` and everything after is cut.
 
-        Rows already in place (a path along the first branch of a depth-first block) are not
-        copied; the others are gathered with one index_select per layer, so the cost is O(path).
+        Rows already in place (a path along the first branch of a depth-first block, every path
+        of a chain) are not copied, so a path that moves none costs what a rollback does; the
+        others are gathered with one index_select per layer, so the cost is O(path).
         """
         if not rows or rows[0] < 0 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
             raise ValueError(f"rows {list(rows)} must be ascending block positions")

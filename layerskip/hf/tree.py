@@ -34,6 +34,7 @@ from torch import nn
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import full_hidden
 
 # The parent index of the root's children: the pending token, block position 0. The same value
 # as ``layerskip.sampling.ROOT`` (hf/ imports nothing of layerskip but its errors).
@@ -166,3 +167,19 @@ def tree_hidden(
     positions = (start + torch.tensor(block_depths(parents), device=device)).unsqueeze(0)  # [1, n+1]
     mask = tree_attention_mask(model, parents, start, device)
     return adapters.stack_hidden(model, block_ids, cache, positions, attention_mask=mask)[0]
+
+
+def is_chain(parents: Sequence[int]) -> bool:
+    """Whether every node's parent is the node before it: the block is a plain causal one."""
+    return all(parent == node - 1 for node, parent in enumerate(parents))
+
+
+def block_hidden(
+    model: nn.Module, block_ids: torch.Tensor, parents: Sequence[int], cache: RollbackCache, start: int
+) -> torch.Tensor:
+    """Final hidden states ``[n+1, H]`` of the verify block ``block_ids [1, n+1]`` whose nodes have
+    ``parents``: what ``tree_hidden`` computes. A block whose parents form a chain runs as the
+    model's plain causal forward (no mask to build, the model's fastest path): the same rows."""
+    if is_chain(parents):
+        return full_hidden(model, block_ids, cache, start, block_ids.shape[1])
+    return tree_hidden(model, block_ids, parents, cache, start)

@@ -33,10 +33,12 @@ included that candidate: a ceiling on the extra tokens per step, not a forecast.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-from layerskip.drafts.base import Draft, Drafter, DraftRequest, WrappingDrafter
+from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Verdict, WrappingDrafter
 from layerskip.drafts.lookup import LookupMatch, match_lookups
+from layerskip.drafts.skip import ChainDraft
 from layerskip.drafts.token_tree import TreeBuilder
 from layerskip.sampling import ROOT
 
@@ -50,13 +52,20 @@ class StepRecord:
     accepted: int = 0
 
 
-def first_branch(draft: Draft) -> Draft:
-    """A tree draft cut to its first branch: the chain it was built around (lookup's first run or
-    the skip draft's kept chain), which the verify then checks as a chain."""
-    if draft.tree is None:
-        return draft
-    length = draft.tree.first_branch_length
-    return replace(draft, tokens=list(draft.tree.tokens[:length]), tree=None, chain=[], path=None)
+@runtime_checkable
+class ShowsChain(Protocol):
+    """A drafter that shows the skip chain of its current step (``auto``'s), alternatives included."""
+
+    last_chain: ChainDraft | None
+
+
+def first_branch(proposal: Proposal) -> Proposal:
+    """A tree proposal cut to its first branch: the chain it was built around (lookup's first run
+    or the skip draft's kept chain), which the verify then checks as a chain."""
+    tree = proposal.tree
+    if tree.is_chain:
+        return proposal
+    return Proposal.chain(tree.tokens[: tree.first_branch_length], proposal.source)
 
 
 class RecordingDrafter(WrappingDrafter):
@@ -65,23 +74,24 @@ class RecordingDrafter(WrappingDrafter):
     def __init__(self, inner: Drafter) -> None:
         super().__init__(inner)
         self.records: list[StepRecord] = []
-        self._proposed: Draft | None = None  # the last draft handed out, until its verify is reported
+        self._proposed: Proposal | None = None  # the last proposal handed out, until its verdict comes
 
-    def propose(self, request: DraftRequest) -> Draft:
-        draft = first_branch(self.inner.propose(request))
+    def propose(self, request: DraftRequest) -> Proposal:
+        proposal = first_branch(self.inner.propose(request))
+        chain = self.inner.last_chain if isinstance(self.inner, ShowsChain) else None
         alternatives = None
-        if draft.source == "skip" and draft.top_tokens is not None:
-            alternatives = draft.top_tokens[: len(draft.tokens)].tolist()
-        self.records.append(StepRecord(len(request.history), draft.source, list(draft.tokens), alternatives))
-        self._proposed = draft
-        return draft
+        if proposal.source == "skip" and chain is not None and chain.top_tokens is not None:
+            alternatives = chain.top_tokens[: len(proposal)].tolist()
+        self.records.append(StepRecord(len(request.history), proposal.source, list(proposal.tokens), alternatives))
+        self._proposed = proposal
+        return proposal
 
-    def update(self, draft: Draft, accepted: int) -> None:
+    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
         # A step with no budget left never asked for a draft, but its (empty) one is reported too.
-        if draft is self._proposed:
-            self.records[-1].accepted = accepted
+        if proposal is self._proposed:
+            self.records[-1].accepted = verdict.accepted
             self._proposed = None
-        self.inner.update(draft, accepted)
+        self.inner.learn(proposal, verdict)
 
 
 def agreement(candidate: Sequence[int], truth: Sequence[int]) -> int:
