@@ -292,8 +292,9 @@ class PreparedDraft:
         if policy.auto is not None:
             if costs is None:
                 raise LayerskipError(
-                    "an auto policy is priced by a calibration of this machine; build it with "
-                    "Decoder.for_policy(model, policy), which measures (or reads) one"
+                    "an auto policy is priced by a calibration of this machine; prepare one with "
+                    "engine.calibration.prepare_calibration(model, policy, models) and pass it as costs, "
+                    "or build the decoder with Decoder.for_policy(model, policy), which does"
                 )
             self.auto = AutoState.start(costs, policy.draft)
         self.selection = SelectionState.start(policy, model) if policy.on_the_fly is not None else None

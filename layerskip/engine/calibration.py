@@ -64,6 +64,23 @@ def calibration_key(model: nn.Module, policy: SkipPolicy) -> dict[str, Any]:
     }
 
 
+def prepare_calibration(
+    model: nn.Module, policy: SkipPolicy | None, models: DraftModels, progress: bool = False
+) -> DraftCosts | None:
+    """The calibration ``policy`` is priced by, prepared before its draft is (None: a policy that
+    is not ``auto`` needs none): the draft's low-precision copy built in ``models`` (every draft of
+    the policy runs from it, so preparing the draft later finds it there), then the costs measured
+    or read from the cache (``calibrate``). Hand the value to ``prepare_draft`` or the decoder."""
+    if policy is None or policy.auto is None:
+        return None
+    start = time.perf_counter()
+    models.get(policy.draft.precision)  # the copy with every sublayer: any skip set runs from it
+    built = time.perf_counter() - start
+    costs = calibrate(model, policy, models, progress=progress)
+    costs.info["draft_build_seconds"] = round(built, 3)
+    return costs
+
+
 def calibrate(
     model: nn.Module,
     policy: SkipPolicy,
@@ -104,7 +121,7 @@ def _measure(
 ) -> DraftCosts:
     context = list(context) if context else own_text(model)
     latency = measure_latency(model, context, VERIFY_BLOCKS, progress, PLAIN_REPEATS, VERIFY_REPEATS)
-    draft_model = models.for_policy(policy, all_sublayers=True)
+    draft_model = models.get(policy.draft.precision)  # the copy auto drafts from: every sublayer
     draft = head_size_timings(draft_model, context, key["head_sizes"], DRAFT_REPEATS)
     info: dict[str, Any] = {"machine": key["machine"], "measured_at": latency.measured_at}
     if latency.warning is not None:

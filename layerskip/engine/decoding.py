@@ -8,7 +8,6 @@ model's. Plain decoding is the same loop with a drafter that proposes nothing (b
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -16,12 +15,13 @@ from torch import nn
 
 from layerskip.drafts.base import Drafter, NoDrafter
 from layerskip.drafts.builder import DraftModels, DraftRun, PreparedDraft, prepare_draft
+from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import SelectionState
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import load_policy
 from layerskip.engine.batch import BatchRow, BatchStepper, run_batch, step_kinds
-from layerskip.engine.calibration import calibrate
+from layerskip.engine.calibration import prepare_calibration
 from layerskip.engine.output import (
     CacheObserver,
     DecodeSettings,
@@ -83,21 +83,18 @@ class Decoder:
         certified_head: bool | None = None,
         models: DraftModels | None = None,
         progress: bool = False,
+        costs: DraftCosts | None = None,
     ) -> Decoder:
         """A decoder with ``policy``'s draft prepared for ``model`` (plain decoding without one).
         ``policy`` may be a ``--policy`` value: ``"auto"``, ``"on-the-fly"``, a file's path. An
-        ``auto`` policy is priced by a calibration of this machine, measured here or read from
-        the cache (``engine.calibration``)."""
+        ``auto`` policy is priced by ``costs``, a calibration of this machine prepared apart
+        (``engine.calibration.prepare_calibration``); without one it is prepared here first,
+        measured or read from the cache, and then handed to the draft."""
         if isinstance(policy, str):
             policy = load_policy(policy, next(model.parameters()).device, "policy=")[1]
-        costs = None
-        if policy is not None and policy.auto is not None:
-            models = models if models is not None else DraftModels(model)
-            start = time.perf_counter()
-            models.for_policy(policy, all_sublayers=True)  # the int4 copy every draft of it runs from
-            built = time.perf_counter() - start
-            costs = calibrate(model, policy, models, progress=progress)
-            costs.info["draft_build_seconds"] = round(built, 3)
+        models = models if models is not None else DraftModels(model)
+        if costs is None:
+            costs = prepare_calibration(model, policy, models, progress)
         return cls(model, prepare_draft(model, policy, vocab_rows, models, costs), threads, certified_head)
 
     @property
