@@ -1,13 +1,16 @@
 """``auto``: every drafting choice made while generating, priced by costs measured on this machine.
 
-No study and no policy file. At load the engine measures what the choices cost here
-(``engine.calibration``: a plain step, the verify curve, an int4 draft step per head size);
-then, at every step, the drafter proposes whatever is expected to give the most tokens per
+No study and no policy file. Before the draft is prepared, what the choices cost here is
+measured or read from the cache (``engine.calibration``: a plain step, the verify curve, an int4
+draft step per head size) and handed to it as a value; then, at every step, ``AutoDrafter``
+chooses among the offers of the existing drafters the one expected to give the most tokens per
 second:
 
-* prompt lookup, when the context repeats its last n-gram, cut to the run length whose expected
-  tokens per second is highest (per-position acceptance learned as the text grows);
-* otherwise the int4 skip draft, its length decided token by token by cost
+* the lookup drafter's (``lookup``), when the context repeats its last n-gram, cut to the run
+  length whose expected tokens per second is highest (per-position acceptance learned as the
+  text grows), its other matches as branches;
+* otherwise the int4 skip draft, its siblings (``branching``) and this step's matches as branches
+  where they pay (``tree_shape``), its length decided token by token by cost
   (``DraftLengthByCost``), its skip set re-chosen on the fly (``onthefly``), its head size chosen
   from the calibrated draft cost of each size and how often each size would have held the
   model's next token;
@@ -36,7 +39,7 @@ from layerskip.drafts.base import LOOKUP, SKIP, BaseDrafter, DraftRequest, Propo
 from layerskip.drafts.branching import sibling_paths
 from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost, LengthPrior
-from layerskip.drafts.lookup import LookupDrafter, RankedRunLengths
+from layerskip.drafts.lookup import LookupDrafter, RankedRunLengths, RunCounts
 from layerskip.drafts.policy import DraftSettings
 from layerskip.drafts.skip import ChainDraft, ChainDrafter
 from layerskip.drafts.token_tree import TokenTree
@@ -131,8 +134,7 @@ class AutoState:
     # What the skip drafts' length rule learned: acceptance by confidence, and the rate it reached.
     length_prior: LengthPrior = field(default_factory=LengthPrior)
     # Lookup runs by the rank of their match, and siblings: counts carried between generations.
-    lookup_reached: list[dict[tuple[int, int], float]] = field(default_factory=list)
-    lookup_right: list[dict[tuple[int, int], float]] = field(default_factory=list)
+    lookup_counts: list[RunCounts] = field(default_factory=list)
     sibling_reached: float = 0.0
     sibling_right: float = 0.0
     head_rows: int = -1  # the head size in use (0 = full); -1 before the first choice
@@ -207,11 +209,7 @@ class AutoState:
 
     def run_lengths(self) -> RankedRunLengths:
         """Lookup run statistics by match rank, from earlier generations' (auto cuts runs by cost itself)."""
-        ranks = RankedRunLengths(self.settings.tree_matches)
-        for rule, reached, right in zip(ranks.by_rank, self.lookup_reached, self.lookup_right):
-            rule.reached = {k: round(CARRY_OVER * v) for k, v in reached.items()}
-            rule.right = {k: min(round(CARRY_OVER * v), rule.reached[k]) for k, v in right.items()}
-        return ranks
+        return RankedRunLengths.carried(self.settings.tree_matches, self.lookup_counts, CARRY_OVER)
 
     def sibling_chance(self) -> float:
         """Chance that a sibling (the draft's next choice) is the model's token where the draft's
@@ -224,8 +222,7 @@ class AutoState:
         if length is not None:
             self.length_prior = length.learned(CARRY_OVER)
             self.measured_at_rows = self.head_rows
-        self.lookup_reached = [{k: float(v) for k, v in rule.reached.items()} for rule in ranks.by_rank]
-        self.lookup_right = [{k: float(v) for k, v in rule.right.items()} for rule in ranks.by_rank]
+        self.lookup_counts = ranks.counts()
         self.sibling_reached *= CARRY_OVER
         self.sibling_right *= CARRY_OVER
 

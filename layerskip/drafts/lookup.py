@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from layerskip.drafts.base import LOOKUP, BaseDrafter, DraftRequest, Proposal
@@ -173,12 +174,32 @@ class LookupDrafter(BaseDrafter):
         return [(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)]
 
 
+# One rank's counts: how often run position (n, i) was reached, and right.
+RunCounts = tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]
+
+
 class RankedRunLengths:
     """For token trees of lookup matches: how often the run of the match ranked ``r`` holds, by
     n-gram length and position, as ``LookupRunLength`` learns it for one match."""
 
     def __init__(self, matches: int) -> None:
         self.by_rank = [LookupRunLength(confidence=0.0, score_every_run=True) for _ in range(matches)]
+
+    @classmethod
+    def carried(cls, matches: int, counts: Sequence[RunCounts], weight: float) -> RankedRunLengths:
+        """Starting from earlier generations' ``counts`` (per rank), weighed by ``weight``."""
+        ranks = cls(matches)
+        for rule, (reached, right) in zip(ranks.by_rank, counts):
+            rule.reached = {k: round(weight * v) for k, v in reached.items()}
+            rule.right = {k: min(round(weight * v), rule.reached[k]) for k, v in right.items()}
+        return ranks
+
+    def counts(self) -> list[RunCounts]:
+        """What each rank's rule counted: (reached, right) by (n-gram length, run position)."""
+        return [
+            ({k: float(v) for k, v in rule.reached.items()}, {k: float(v) for k, v in rule.right.items()})
+            for rule in self.by_rank
+        ]
 
     def observe(self, history: list[int]) -> None:
         for rule in self.by_rank:
