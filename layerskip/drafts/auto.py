@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layerskip.drafts.base import LOOKUP, SKIP, BaseDrafter, DraftRequest, Proposal, Verdict, chain_run
+from layerskip.drafts.base import LOOKUP, NONE, SKIP, BaseDrafter, DraftRequest, Proposal, Verdict, chain_run
 from layerskip.drafts.branching import sibling_paths
 from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost, LengthPrior
@@ -278,7 +278,7 @@ class AutoDrafter(BaseDrafter):
         if kind == LOOKUP:
             assert plan is not None
             return Proposal(self._lookup_tree(runs, plan), LOOKUP)
-        if kind == "none":
+        if kind == NONE:
             return Proposal.nothing()
         return self._skip_offer(request, runs)
 
@@ -290,7 +290,7 @@ class AutoDrafter(BaseDrafter):
         if plan is not None and plan.rate >= skip_rate:
             return LOOKUP
         plain_rate = 1.0 / self.state.verify_seconds(1)
-        return SKIP if skip_rate >= plain_rate else "none"
+        return SKIP if skip_rate >= plain_rate else NONE
 
     def _skip_rate(self, budget: int) -> float:
         """The skip draft's offer: tokens per second at its best length, as its length rule prices it."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerskip.drafts.base import NONE, SKIP, Drafter, DraftRequest, Proposal, Verdict, off_first_branch
+from layerskip.drafts.base import LOOKUP, NONE, SKIP, Drafter, DraftRequest, Proposal, Verdict, off_first_branch
 from layerskip.drafts.builder import PreparedDraft
 from layerskip.drafts.token_tree import TokenTree
 from layerskip.engine.threads import ThreadTuner
@@ -125,7 +125,7 @@ def record_outcome(stats: GenerationStats, drafter: Drafter | None, outcome: Ste
     stats.record_step(len(proposal), verdict.accepted)
     stats.record_draft(len(proposal))
     stats.record_block(outcome.block)
-    if proposal.source == "lookup" and len(proposal):
+    if proposal.source == LOOKUP and len(proposal):
         stats.lookup_steps += 1
     if not proposal.tree.is_chain:
         stats.tree_steps += 1
