@@ -15,6 +15,7 @@ from tiny_models import ARCHS, random_prompt, tiny_model, tiny_tokenizer
 
 import layerskip
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.engine import batch as batch_module
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.integration.decoders import CACHE_ATTRIBUTE, MAX_DECODERS
@@ -228,7 +229,7 @@ def test_return_dict_in_generate_has_sequences_and_stats() -> None:
     assert ours.skip_sets == {}  # a fixed policy: no on-the-fly sets
 
 
-def test_a_batch_and_several_return_sequences() -> None:
+def test_a_batch_and_several_return_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_model("llama")
     batch = torch.tensor([random_prompt(), random_prompt(seed=1)])
     reference = model.generate(batch, max_new_tokens=NEW)[:, batch.shape[1] :].tolist()
@@ -244,6 +245,11 @@ def test_a_batch_and_several_return_sequences() -> None:
     for row, prompt in zip(out.tolist(), (short, long)):
         alone = model.generate(torch.tensor([prompt]), max_new_tokens=NEW)[0, len(prompt) :].tolist()
         assert row[9:] == alone
+    # A batch picks its kind of step by measured time, and each kind draws differently: a seed
+    # fixes the text only where the kinds are fixed too (concepts.md#what-a-seed-fixes).
+    monkeypatch.setattr(
+        batch_module.StepKinds, "choose", lambda self: self.kinds[sum(self.steps.values()) % len(self.kinds)]
+    )
     runs = []
     for _ in range(2):
         torch.manual_seed(5)
