@@ -24,7 +24,6 @@ the model's distribution (rejection sampling per row).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +50,10 @@ SKIP_LENGTHS = (3, 6)
 # Prompts go in one padded forward unless padding them to the longest adds more than this share
 # of their real tokens; then each is prefilled alone at its own length.
 PREFILL_PADDING = 1.25
-RECENT_STEPS = 5  # a kind's rate is the median of its last few steps' (one busy step moves it little)
+# A kind's rate is its last few steps' tokens over their seconds. Not a median of per-step rates:
+# a drafting step yields two tokens or twenty, so the typical step's rate is far below the rate
+# the kind delivers, and a median would keep choosing plain steps over faster drafting ones.
+RECENT_STEPS = 8
 # A kind not chosen is tried again once this many times its last trial's seconds have passed:
 # exploring then costs about 1 / (1 + this) of the time, and a kind whose price fell is found.
 EXPLORE_AFTER = 25.0
@@ -62,13 +64,14 @@ class StepKinds:
     """The batch's running tokens per second of each kind of step, and which to run next."""
 
     kinds: tuple[str, ...]
-    recent: dict[str, list[float]] = field(default_factory=dict)  # tokens per second of the last steps
+    recent: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # (tokens, seconds) of the last steps
     last_seconds: dict[str, float] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)  # seconds of other kinds since each was tried
     steps: dict[str, int] = field(default_factory=dict)
 
     def rate(self, kind: str) -> float:
-        return statistics.median(self.recent[kind])
+        recent = self.recent[kind]
+        return sum(tokens for tokens, _ in recent) / max(sum(seconds for _, seconds in recent), 1e-9)
 
     def choose(self) -> str:
         for kind in self.kinds:  # each kind once, the plain step first
@@ -81,7 +84,7 @@ class StepKinds:
 
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
         recent = self.recent.setdefault(kind, [])
-        recent.append(tokens / max(seconds, 1e-9))
+        recent.append((tokens, seconds))
         del recent[:-RECENT_STEPS]
         self.last_seconds[kind] = seconds
         self.steps[kind] = self.steps.get(kind, 0) + 1

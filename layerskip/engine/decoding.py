@@ -20,7 +20,7 @@ from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import SelectionState
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import load_policy
-from layerskip.engine.batch import BatchRow, BatchStepper, run_batch, step_kinds
+from layerskip.engine.batch import BatchRow, BatchStepper, StepKinds, run_batch, step_kinds
 from layerskip.engine.calibration import prepare_calibration
 from layerskip.engine.output import (
     CacheObserver,
@@ -72,6 +72,9 @@ class Decoder:
         # Greedy verifies take their argmax from a bf16 head certified against fp32 (engine/
         # verify_head.py): by default on the CPU, where the fp32 head is a large part of a step.
         self.head: VerifyHead = engine_verify_head(model, certified_head)
+        # Each batch size's step kinds and their measured rates, carried from one batch to the next
+        # (a dataset decoded batch after batch starts each batch from what the last one measured).
+        self.step_kinds: dict[tuple[int, bool, tuple[str, ...]], StepKinds] = {}
 
     @classmethod
     def for_policy(
@@ -221,11 +224,15 @@ class Decoder:
             lookup = policy.draft if policy is not None and policy.draft.lookup_max_ngram else None
             run = DraftRun(max(len(p) for p in ids), settings.max_new_tokens, settings.sampling, None)
             batch_draft = None if self.draft is None else self.draft.batch_draft(run, ids)
+            menu = step_kinds(len(rows), self.draft is not None, lookup is not None, batch_draft is not None)
+            key = (len(rows), settings.sampling is None, menu.kinds)
+            kinds = self.step_kinds.setdefault(key, menu)  # the rates the last such batch measured
+            steps_before = dict(kinds.steps)
             stepper = BatchStepper(
                 self.model,
                 model_ragged_cache(self.model, len(rows)),
                 rows,
-                step_kinds(len(rows), self.draft is not None, lookup is not None, batch_draft is not None),
+                kinds,
                 lookup,
                 self.batch_threads,
                 clock,
@@ -238,7 +245,11 @@ class Decoder:
                 row.drafter.report(row.stats)
                 self._finish(row.stats, fallbacks_before, self.batch_threads)
                 row.stats.new_tokens = len(row.output.generated)
-                row.stats.batch_steps = dict(stepper.kinds.steps)
+                row.stats.batch_steps = {
+                    kind: n - steps_before.get(kind, 0)
+                    for kind, n in kinds.steps.items()
+                    if n > steps_before.get(kind, 0)
+                }
                 results.append((row.output.generated, row.stats))
             return results
 
