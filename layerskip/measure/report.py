@@ -10,6 +10,7 @@ from typing import Any
 
 from layerskip.errors import LayerskipError
 from layerskip.fileio import read_json_file, write_file_set
+from layerskip.measure.labels import decoding_label
 
 OUTPUT_FILES = ("results.json", "results.csv", "results.md", "speedup.png")
 COLUMNS = (
@@ -60,7 +61,9 @@ def markdown_table(results: dict[str, Any]) -> str:
 def _identity(figures: dict[str, Any]) -> str:
     """``identical / rounding / defect`` counts; older results (no classes) show the fraction identical."""
     if "n_identical" not in figures:
-        return _fmt(figures.get("identical_fraction"))
+        # A sampled run compares no draws: its fraction is None.
+        fraction = figures.get("identical_fraction")
+        return "n/a (sampled)" if fraction is None else _fmt(fraction)
     cell = f"{figures['n_identical']} / {figures['n_rounding']} / {figures['n_defect']}"
     unclassified = figures.get("n_unclassified")
     return f"{cell} (+{unclassified} unclassified)" if unclassified else cell
@@ -154,7 +157,13 @@ def markdown_report(results: dict[str, Any]) -> str:
         "Divergences from hf-ar (first differing token; `rounding`: the fp32 gap between the two tokens is "
         "within the measured rounding error of the two paths, `defect`: it is not):"
     )
+    sampled = results.get("sampled")
     parts = [
+        *(
+            [f"Sampled ({decoding_label(sampled)}), every method alike: draws are not compared token for token."]
+            if sampled
+            else []
+        ),
         markdown_table(results),
         *section(divergences, divergences_by_prompt(results)),
         *section("Held-out check (categories the policy was not tuned on):", held_out_table(results)),
