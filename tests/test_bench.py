@@ -611,6 +611,7 @@ def test_cli_sampled(cli_inputs: dict[str, str], tmp_path: Path) -> None:
     assert "Sampled (T 0.7, top-p 0.9)" in result.stdout and "n/a (sampled)" in result.stdout
     if results["memory"] is not None:  # where /proc lets the peak be reset
         assert list(results["memory"]["methods"]) == ["hf-ar", "hf-pld", "self-spec"]
+        assert "peak memory, MiB" in (out / "results.md").read_text()
     assert read_result_file(out / "results.json").sampled  # the results tables take it, as a sampled run
 
 

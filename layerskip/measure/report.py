@@ -39,7 +39,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     """Methods as rows: overall figures, then speedup by category."""
     methods = results["methods"]
     categories = sorted({c for m in methods.values() for c in m["by_category"]})
-    header = ["method", "tok/s", "speedup", "tau", "acceptance", "identical / rounding / defect", *categories]
+    memory = (results.get("memory") or {}).get("methods") or {}  # measure.memory; runs before it have none
+    header = ["method", "tok/s", "speedup", "tau", "acceptance", "identical / rounding / defect"]
+    header += [*(["peak memory, MiB"] if memory else []), *categories]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, figures in methods.items():
         o = figures["overall"]
@@ -51,6 +53,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             _fmt(o["acceptance_rate"]),
             _identity(o),
         ]
+        if memory:
+            cells.append(_fmt((memory.get(name) or {}).get("peak_mb"), 0))
         for category in categories:
             c = figures["by_category"].get(category)
             cells.append(f"{_fmt(c['speedup'])}x" if c else "-")
