@@ -221,14 +221,15 @@ def test_committed_notebook_outputs_hold_no_absolute_paths(path: Path) -> None:
 
 
 def test_the_package_description_names_what_the_speed_comes_from() -> None:
-    """The one-line pitches (the package's description, the search command's) name the drafts the
-    measured speed comes from, and do not sell bypassing sublayers as the mechanism."""
+    """The one-line pitches (the package's description and docstring, the search command's) name
+    the drafts the measured speed comes from, and do not sell bypassing sublayers as the mechanism."""
     import tomllib
 
+    import layerskip
     from layerskip.search import cli as search_cli
 
     description = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"]
-    for pitch in (description, search_cli.__doc__ or ""):
+    for pitch in (description, layerskip.__doc__ or "", search_cli.__doc__ or ""):
         assert "int4" in pitch and "lookup" in pitch, pitch
         assert "by bypassing" not in pitch, pitch
 
