@@ -19,7 +19,7 @@ These calls run after the timed ones, untimed, so returning memory never slows a
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -55,12 +55,18 @@ def reset_peak() -> bool:
     return True
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    # The process's own symbols: glibc's malloc_trim where the C library is glibc, else none.
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
 def release_free_memory() -> None:
     """Hand the memory the C allocator keeps from freed blocks back to the system (glibc only)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
 

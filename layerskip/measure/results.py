@@ -82,10 +82,10 @@ SAMPLING_GUARANTEE = (
 # How a run's memory is given (measure/memory.py measures it).
 MEMORY_NOTE = (
     "*Peak memory* (MiB) is what a process running that method alone would hold at its peak: the process "
-    "with the model loaded, plus the method's draft copies (int4 weights, a truncated head), plus the most "
-    "one call on the run's longest prompt added (Linux's resident high-water mark, reset before the call; on "
-    "a GPU, allocated memory), shown for HF `generate` and for the run's fastest method of ours; `—` for "
-    "runs from before it was recorded."
+    "with the model loaded, plus the method's draft copies (its low-precision weights), plus the most one "
+    "call on the run's longest prompt added: its cache, draft head and activations (Linux's resident "
+    "high-water mark, reset before the call; on a GPU, allocated memory). It is shown for HF `generate` and "
+    "for the run's fastest method of ours; `—` for runs from before it was recorded."
 )
 
 # Columns of the summary table: a method's kind and its header. A kind appears only when a file has it.
