@@ -1,4 +1,5 @@
-"""layerskip: lossless self-speculative decoding by bypassing decoder sublayers.
+"""layerskip: lossless self-speculative decoding for Hugging Face models, the model drafting for itself
+(an int4 copy of its weights, prompt lookup, bypassed layers or sublayers), each choice priced on the machine.
 
 The public names, re-exported from the packages that hold them (see docs/contributing.md).
 """

@@ -1,8 +1,12 @@
-"""layerskip-search: find which sublayers a model's draft should bypass, on your data and device.
+"""layerskip-search: tune a fixed drafting policy for a model, on your data and device.
 
-Runs (or resumes) an Optuna study scored by teacher-forced acceptance and measured draft
-latency, confirms the best candidates by real generation against HF generate, and exports
-the best policy as JSON.
+Runs (or resumes) an Optuna study over how the model drafts for itself: the draft's weight
+precision (an int4 copy on CPU) and head size, how long a draft runs, whether prompt lookup
+drafts first, verify padding, and which layers or sublayers the draft bypasses. Trials are
+scored by teacher-forced acceptance and measured latency; the best are confirmed by real
+generation against HF generate, and the winner is exported as a policy JSON. No search is
+needed to start: --policy auto (the default of generate and bench) makes these choices while
+generating, priced by a calibration of the machine.
 """
 
 # The command line is a thin caller of layerskip.search.run_study: the flags are its keywords

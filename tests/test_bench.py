@@ -25,8 +25,19 @@ from layerskip.drafts.policy import DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import bench
 from layerskip.measure import report as report_module
-from layerskip.measure.bench import BenchConfig, Method, build_methods, run_benchmark, summarise
+from layerskip.measure.bench import (
+    BenchConfig,
+    Method,
+    build_methods,
+    measure_memory,
+    prompt_seed,
+    run_benchmark,
+    summarise,
+)
+from layerskip.measure.memory import call_growth_mb
 from layerskip.measure.report import COLUMNS, held_out_table, write_outputs
+from layerskip.measure.results import read_result_file
+from layerskip.sampling import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench.py"
@@ -352,6 +363,65 @@ def test_one_outside_clock_for_every_method(model: torch.nn.Module, monkeypatch:
             assert row.seconds > row.stats.total_seconds > 0
 
 
+# -- sampled runs and memory --------------------------------------------------------------------------
+
+SAMPLED = Sampling(temperature=1.0)
+
+
+def test_a_sampled_benchmark_samples_every_method_seeded_per_prompt(model: torch.nn.Module) -> None:
+    """With sampling, every method draws (HF's through generate(do_sample=True)), each prompt's draws
+    seeded alike for every method and every run; nothing is compared token for token."""
+    policies = {"skip-attn-0-2": _policy()}
+    methods = build_methods(model, METHOD_NAMES, (), policies, sampling=SAMPLED, seed=3)
+    config = BenchConfig(NEW_TOKENS, WARMUP_TOKENS, progress=False, sampling=SAMPLED)
+    rows = run_benchmark(model, methods, PROMPTS, PROMPT_IDS, config)
+    assert len(rows) == len(PROMPTS) * len(METHOD_NAMES)
+    assert all(row.identical is None and row.divergence is None for row in rows)
+    for name, figures in summarise(rows).items():
+        overall = figures["overall"]
+        assert overall["identical_fraction"] is None and "n_identical" not in overall, name
+        assert overall["speedup"] is not None and overall["n_prompts"] == len(PROMPTS)
+    greedy = {m.name: m for m in build_methods(model, METHOD_NAMES, (), policies)}
+    for method in methods:
+        draws = [method.run(ids, NEW_TOKENS)[0] for ids in PROMPT_IDS]
+        if method.name in ("hf-ar", "ar", "hf-pld"):  # no draft choice changes the draws: they repeat
+            assert draws == [method.run(ids, NEW_TOKENS)[0] for ids in PROMPT_IDS], method.name
+        assert draws != [greedy[method.name].run(ids, NEW_TOKENS)[0] for ids in PROMPT_IDS], method.name
+    assert prompt_seed(PROMPT_IDS[0], 3) != prompt_seed(PROMPT_IDS[1], 3)
+    assert prompt_seed(PROMPT_IDS[0], 3) == prompt_seed(list(PROMPT_IDS[0]), 3) != prompt_seed(PROMPT_IDS[0], 4)
+
+
+def test_a_call_peak_is_measured_after_a_larger_one() -> None:
+    """The high-water mark is reset before each call: a call that needs nothing shows nothing, even
+    after one that needed 64 MiB."""
+    cpu = torch.device("cpu")
+
+    def large() -> None:
+        torch.ones(16 * 2**20).sum()  # 64 MiB, freed on return
+
+    first = call_growth_mb(large, cpu)
+    if first is None:
+        pytest.skip("this system cannot reset the resident high-water mark")
+    assert first >= 60
+    assert call_growth_mb(lambda: None, cpu) < 30
+
+
+def test_memory_per_method(model: torch.nn.Module) -> None:
+    int4 = SkipPolicy(skip_attention=(1,), draft=DraftSettings(precision="int4"))
+    methods = build_methods(model, ["hf-ar", "self-spec"], (), {"int4": int4})
+    memory = measure_memory(methods, PROMPT_IDS, 4, torch.device("cpu"), 500.0)
+    if memory is None:
+        pytest.skip("this system cannot reset the resident high-water mark")
+    assert memory["prompt_tokens"] == max(len(ids) for ids in PROMPT_IDS) and memory["new_tokens"] == 4
+    figures = memory["methods"]
+    assert list(figures) == ["hf-ar", "self-spec"]
+    for name, one in figures.items():
+        assert one["loaded_mb"] == 500.0 and one["call_mb"] >= 0, name
+        assert one["peak_mb"] == pytest.approx(one["loaded_mb"] + one["draft_mb"] + one["call_mb"])
+    assert figures["hf-ar"]["draft_mb"] == 0 and figures["self-spec"]["draft_mb"] > 0  # its int4 copy
+    assert measure_memory(methods, PROMPT_IDS, 4, torch.device("cpu"), None) is None
+
+
 # -- report files ------------------------------------------------------------------------------------
 
 
@@ -525,6 +595,41 @@ def test_cli_end_to_end(cli_inputs: dict[str, str], tmp_path: Path) -> None:
     assert resummarised["methods"]["self-spec"]["split"]["held_out"]["speedup"] == pytest.approx(
         split["held_out"]["speedup"]
     )
+
+
+def test_cli_sampled(cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "sampled"
+    result = run_bench(
+        "--model", cli_inputs["model"], "--prompts", cli_inputs["prompts"], "--methods", "hf-ar,hf-pld,self-spec",
+        "--policy", cli_inputs["policy"], "--max-new-tokens", "8", "--temperature", "0.7", "--top-p", "0.9",
+        "--out", str(out), "--no-progress", "--no-chat",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["sampled"] == {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "seed": 0}
+    assert all(row["identical"] is None for row in results["per_prompt"])
+    assert "Sampled (T 0.7, top-p 0.9)" in result.stdout and "n/a (sampled)" in result.stdout
+    if results["memory"] is not None:  # where /proc lets the peak be reset
+        assert list(results["memory"]["methods"]) == ["hf-ar", "hf-pld", "self-spec"]
+        assert "peak memory, MiB" in (out / "results.md").read_text()
+    assert read_result_file(out / "results.json").sampled  # the results tables take it, as a sampled run
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--top-p", "0.9"], ["--top-p", "--temperature"]),
+        (["--temperature", "0"], ["temperature must be"]),
+        (["--temperature", "0.7", "--top-p", "2"], ["top_p must be"]),
+        (["--temperature", "0.7", "--batch-size", "2"], ["--batch-size", "greedy"]),
+    ],
+    ids=["top-p-alone", "zero-temperature", "top-p-above-1", "batches"],
+)
+def test_cli_sampling_options_refused_before_any_model_loads(
+    bench_cli, tmp_path: Path, args: list[str], fragments: list[str]
+) -> None:
+    result = bench_cli("--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), *args)
+    assert_bad_input(result, *fragments)
 
 
 @pytest.fixture

@@ -206,6 +206,34 @@ def test_notebooks_are_valid_and_hold_no_errors(path: Path) -> None:
     assert not errors
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_committed_notebook_outputs_hold_no_absolute_paths(path: Path) -> None:
+    """What a committed notebook printed names no path of the machine that ran it (a scratch
+    directory, a checkout): its outputs are read as figures, not as one machine's session."""
+    notebook = nbformat.read(path, as_version=4)
+    texts = []
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            texts.append(str(output.get("text", "")))
+            texts += [str(value) for mime, value in output.get("data", {}).items() if mime.startswith("text/")]
+    found = sorted({line.strip()[:120] for text in texts for line in text.splitlines() if MACHINE_PATH.search(line)})
+    assert not found, f"{path.name}'s outputs name absolute paths (re-run it: make notebooks): {found}"
+
+
+def test_the_package_description_names_what_the_speed_comes_from() -> None:
+    """The one-line pitches (the package's description and docstring, the search command's) name
+    the drafts the measured speed comes from, and do not sell bypassing sublayers as the mechanism."""
+    import tomllib
+
+    import layerskip
+    from layerskip.search import cli as search_cli
+
+    description = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"]
+    for pitch in (description, layerskip.__doc__ or "", search_cli.__doc__ or ""):
+        assert "int4" in pitch and "lookup" in pitch, pitch
+        assert "by bypassing" not in pitch, pitch
+
+
 def test_the_log_cites_nothing_outside_the_repository() -> None:
     text = (ROOT / "docs" / "dev" / "log.md").read_text()
     assert "DESIGN.md" not in text

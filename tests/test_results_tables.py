@@ -77,7 +77,7 @@ def test_summary_table_takes_each_kind_of_method_from_its_policy() -> None:
     methods = data["methods"]
     table = summary_table([f], "docs/results.md")
     header, _, row = table.splitlines()[:3]
-    assert header.split(" | ")[4:8] == ["skip-only", "hybrid", "on-the-fly", "HF prompt lookup"]
+    assert header.split(" | ")[4:9] == ["decoding", "skip-only", "hybrid", "on-the-fly", "HF prompt lookup"]
     for method in ("self-spec:smollm2-135m-fp32-skip", "self-spec:smollm2-135m-fp32-hybrid", "self-spec-on-the-fly"):
         assert f"[{methods[method]['overall']['speedup']:.2f}×](docs/results.md#tiny)" in row
     assert "AMD EPYC (AVX2, AVX-512, avx512_bf16)" in row and "2/2" in row
@@ -112,6 +112,59 @@ def test_results_page_orders_runs_and_states_the_machine_command_and_divergences
     assert "1/2" in summary_table([bf16], "")  # the worst identical count of the methods shown
 
 
+def _sampled_copy() -> dict:
+    """The fixture as if run with ``bench --temperature 0.7``: nothing compared, so no identity counts."""
+    data = json.loads(FIXTURE.read_text())
+    data["sampled"] = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": 0}
+    for figures in data["methods"].values():
+        for part in [figures["overall"], *figures["by_category"].values()]:
+            part["identical_fraction"] = None
+            for key in ("n_identical", "n_rounding", "n_defect", "n_unclassified", "divergences"):
+                part.pop(key, None)
+    for row in data["per_prompt"]:
+        row["identical"], row["divergence"] = None, None
+    return data
+
+
+def test_a_sampled_run_is_shown_as_sampled_never_as_identical(tmp_path: Path) -> None:
+    path = tmp_path / "sampled.json"
+    path.write_text(json.dumps(_sampled_copy()))
+    sampled = read_result_file(path)  # the shape takes a run with nothing compared
+    greedy = ResultFile("greedy", json.loads(FIXTURE.read_text()))
+    table = summary_table([greedy, sampled], "docs/results.md").splitlines()
+    columns = table[0].strip("| ").split(" | ")
+    greedy_row, sampled_row = (line.strip("| ").split(" | ") for line in table[2:4])  # in the order given
+    assert greedy_row[columns.index("decoding")] == "greedy"
+    assert sampled_row[columns.index("decoding")] == "T 0.7, top-p 1.0"
+    assert sampled_row[columns.index("identical (worst)")] == "n/a (sampled)"
+    assert greedy_row[columns.index("identical (worst)")] == "2/2"
+    assert "(docs/results.md#sampled)" in table[-1]
+    page = results_page([sampled])
+    assert '<a id="sampled"></a>' in page and "tests/test_sampling.py" in page
+    assert "new tokens, greedy" not in page and "sampled (T 0.7, top-p 1.0" in page
+    assert "n/a (sampled)" in page  # the run's own table
+    twin = ResultFile(f"{sampled.name}-offgrid", sampled.data)
+    assert published.first_screen_table([sampled], "docs/results.md").count("\n") == 1  # header only
+    assert published.twin_section([sampled, twin]) == ""  # a twin's claim is greedy
+
+
+def test_peak_memory_column_hf_against_the_fastest_of_ours() -> None:
+    data = json.loads(FIXTURE.read_text())
+    old = ResultFile("old", data)
+    assert "| — |" in summary_table([old], "")  # a run from before memory was recorded
+    fastest = max(
+        (m for m in data["methods"] if old.kind(m) not in (None, "hf-pld")),
+        key=lambda m: data["methods"][m]["overall"]["speedup"],
+    )
+    memory = {m: {"loaded_mb": 880.0, "draft_mb": 0.0, "call_mb": 14.0, "peak_mb": 894.4} for m in data["methods"]}
+    memory[fastest] = {"loaded_mb": 880.0, "draft_mb": 63.0, "call_mb": 68.0, "peak_mb": 1011.0}
+    new = ResultFile("new", {**data, "memory": {"measure": "resident memory", "methods": memory}})
+    table = summary_table([new], "").splitlines()
+    column = table[0].strip("| ").split(" | ").index("peak memory, MiB: HF → fastest")
+    assert table[2].strip("| ").split(" | ")[column] == "894 → 1011"
+    assert "Peak memory" in table[-1] and "high-water mark" in table[-1]
+
+
 def test_no_result_files_says_so_and_links_how_to_make_them() -> None:
     assert "No result files" in summary_table([], "docs/results.md")
     assert "(docs/reproducing.md)" in summary_table([], "docs/results.md")
@@ -134,8 +187,8 @@ def test_add_regenerate_check(root: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "(docs/results.md#smol-tiny)" in between_markers(readme)
     assert (root / "docs" / "results.md").is_file()
     figures = (root / "docs" / "results" / "figures.csv").read_text().splitlines()
-    assert figures[0].startswith("results,model,dtype,cpu,method,kind,category,")
-    assert any(",self-spec-on-the-fly,on-the-fly,overall," in line for line in figures)
+    assert figures[0].startswith("results,model,dtype,cpu,method,kind,decoding,category,")
+    assert any(",self-spec-on-the-fly,on-the-fly,greedy,overall," in line for line in figures)
     prompts = (root / "docs" / "results" / "prompts.csv").read_text().splitlines()
     assert len(prompts) == 1 + len(stored["per_prompt"])
     assert [f.name for f in load_result_files(root / "docs" / "results")] == ["smol-tiny"]  # CSVs are not results

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from dataclasses import asdict
 
 from layerskip.cli.common import (
     THREADS_HELP,
@@ -30,6 +31,7 @@ from layerskip.measure.bench import (
     build_methods,
     check_methods,
     environment,
+    measure_memory,
     rows_as_dicts,
     rows_from_dicts,
     run_benchmark,
@@ -37,6 +39,7 @@ from layerskip.measure.bench import (
     tuning_categories,
 )
 from layerskip.measure.load import busy_processes
+from layerskip.measure.memory import loaded_model_mb
 from layerskip.measure.report import (
     BATCH_FILES,
     OUTPUT_FILES,
@@ -46,6 +49,7 @@ from layerskip.measure.report import (
     write_batch_outputs,
     write_outputs,
 )
+from layerskip.sampling import Sampling
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="only these prompt categories, e.g. qa,rag",
     )
     parser.add_argument("--n-prompts", type=int, help="cap on the number of prompts")
-    parser.add_argument("--seed", type=int, default=0, help="seed for sampling prompts per category")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for choosing prompts per category; with --temperature, also of each prompt's draws",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        metavar="T",
+        help="sample instead of decoding greedily, every method alike (HF's with generate(do_sample=True)), "
+        "each prompt's draws seeded from --seed and the prompt; outputs are then not compared token for token",
+    )
+    parser.add_argument("--top-p", type=float, metavar="P", help="with --temperature: nucleus mass kept (default 1)")
+    parser.add_argument("--top-k", type=int, metavar="K", help="with --temperature: most likely tokens kept (0 = all)")
     parser.add_argument("--methods", default="hf-ar,ar,self-spec", help=f"comma-separated, from: {', '.join(METHODS)}")
     parser.add_argument(
         "--policy",
@@ -186,7 +204,10 @@ def _main(argv: list[str] | None) -> int:
     command = shlex.join(["layerskip-bench", *(sys.argv[1:] if argv is None else argv)])
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    sampling = _sampling(args)
     if args.batch_size:
+        if sampling is not None:
+            raise LayerskipError("--batch-size measures greedy decoding; drop --temperature, --top-p and --top-k")
         return run_batch_bench(args, command)
     if args.busy_processes < 0:
         raise LayerskipError(f"--busy-processes must be >= 0 (got {args.busy_processes})")
@@ -199,8 +220,10 @@ def _main(argv: list[str] | None) -> int:
     policies = load_policies(args.policy, resolve_device(args.device))
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
+    device = next(model.parameters()).device
+    loaded_mb = loaded_model_mb(model)  # the model loaded, no draft built yet (measure.memory)
     check_policies(policies, model)
-    warn_if_tuned_elsewhere(policies, next(model.parameters()).device, args)
+    warn_if_tuned_elsewhere(policies, device, args)
     assistant = load_model(args.assistant_model, args.dtype, args.device).model if args.assistant_model else None
     chat = loaded.instruct if args.chat is None else args.chat
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
@@ -215,6 +238,8 @@ def _main(argv: list[str] | None) -> int:
         ablate=args.ablate,
         threads=args.threads,
         tree_ablation=args.tree_ablation,
+        sampling=sampling,
+        seed=args.seed,
     )
     with busy_processes(args.busy_processes):
         rows = run_benchmark(
@@ -222,10 +247,11 @@ def _main(argv: list[str] | None) -> int:
             methods,
             prompts,
             prompt_ids,
-            BenchConfig(args.max_new_tokens, progress=not args.no_progress),
+            BenchConfig(args.max_new_tokens, progress=not args.no_progress, sampling=sampling),
             tokenizer=tokenizer,
         )
-    env = environment(next(model.parameters()).device)
+    memory = measure_memory(methods, prompt_ids, args.max_new_tokens, device, loaded_mb)  # untimed, after the runs
+    env = environment(device)
     results = {
         "command": command,
         "device": env["device"],
@@ -234,11 +260,14 @@ def _main(argv: list[str] | None) -> int:
         "versions": env["versions"],
         "model": loaded.name,
         "max_new_tokens": args.max_new_tokens,
+        # None: greedy, every output compared with HF generate's; else how every method sampled.
+        "sampled": None if sampling is None else {**asdict(sampling), "seed": args.seed},
         "threads": list(args.threads),
         "busy_processes": args.busy_processes,
         "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
         "policies": {label: policy.to_dict() for label, policy in policies.items()},
         "draft_memory_mb": {m.name: m.draft_memory_mb for m in methods if m.draft_memory_mb is not None},
+        "memory": memory,
         "methods": summarise(
             rows, {m.name: cats for m in methods if (cats := tuning_categories(m.policy)) is not None}
         ),
@@ -252,6 +281,18 @@ def _main(argv: list[str] | None) -> int:
     if slower:
         print(f"\nslower than HF generate here: {', '.join(slower)}")
     return 0
+
+
+def _sampling(args: argparse.Namespace) -> Sampling | None:
+    """``--temperature`` turns sampling on; ``--top-p`` / ``--top-k`` without it would be ignored, so
+    they are refused. Values are checked here, before any model loads."""
+    if args.temperature is None:
+        given = [flag for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k)) if value is not None]
+        if given:
+            raise LayerskipError(f"{', '.join(given)} shape sampled decoding, which --temperature turns on")
+        return None
+    top_p = 1.0 if args.top_p is None else args.top_p
+    return Sampling(args.temperature, args.top_k or 0, top_p)
 
 
 def _prompts(args: argparse.Namespace) -> list:

@@ -5,12 +5,18 @@ methods back to back per prompt in a rotating order after a warm-up; speedup is 
 throughput against ``hf-ar`` (HF ``generate``, greedy). Greedy outputs are compared with
 hf-ar's token for token; each method's first divergence is classed ``rounding`` or ``defect``
 against an fp32 copy of the weights (``measure.divergence``), after the timed runs.
+
+Sampled (``BenchConfig.sampling``): every method, hf-ar included, samples with the same
+temperature / top-k / top-p, seeded per prompt (``prompt_seed``). Draws are not compared token for
+token (a draft changes which random numbers a draw uses, not the distribution it draws from:
+``tests/test_sampling.py`` tests that), so a sampled row's ``identical`` is None.
 """
 
 from __future__ import annotations
 
 import platform
 import resource
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -30,7 +36,9 @@ from layerskip.integration.baselines import hf_custom_generate, hf_generate
 from layerskip.integration.decoders import decoder_for
 from layerskip.machine import this_machine
 from layerskip.measure.divergence import DEFECT, ROUNDING, DivergenceCheck
+from layerskip.measure.memory import MethodMemory, call_growth_mb
 from layerskip.measure.timing import Runner, run_interleaved, throughput
+from layerskip.sampling import Sampling
 from layerskip.stats import GenerationStats
 
 BASELINE = "hf-ar"
@@ -64,7 +72,7 @@ class PromptResult:
     method: str
     new_tokens: int
     seconds: float
-    identical: bool | None
+    identical: bool | None  # None: sampled, so not compared with hf-ar's draw
     divergence: dict[str, Any] | None = None  # measure.divergence.Divergence.to_dict(): where, and its class
     peak_memory_mb: float | None = None
     stats: GenerationStats | None = None  # None for HF methods (they expose no step counts)
@@ -92,6 +100,13 @@ class BenchConfig:
     warmup_tokens: int = 16
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling | None = None  # None: greedy; else every method samples alike (build_methods)
+
+
+def prompt_seed(ids: Sequence[int], seed: int = 0) -> int:
+    """The seed of a sampled run's draws on one prompt: the same for every method on that prompt
+    (and on every run of it), different from prompt to prompt."""
+    return zlib.crc32(",".join(map(str, ids)).encode(), seed & 0xFFFFFFFF)
 
 
 def check_methods(names: Sequence[str], has_policy: bool, has_assistant: bool) -> None:
@@ -119,6 +134,8 @@ def build_methods(
     ablate: bool | Sequence[str] = False,
     threads: Sequence[int | str] = ("auto",),
     tree_ablation: bool = False,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> list[Method]:
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
@@ -135,11 +152,16 @@ def build_methods(
     ``threads``: our decoders' CPU thread setting ("auto" or a count, ``Decoder.for_policy(threads=...)``);
     each further entry adds every method again under that setting, named ``NAME@tN`` /
     ``NAME@auto`` (HF methods only for counts: they have no "auto"), so thread settings are
-    compared in one interleaved run. The baseline stays at the process's own thread count."""
+    compared in one interleaved run. The baseline stays at the process's own thread count.
+
+    ``sampling``: every method samples with it instead of decoding greedily (HF's methods through
+    ``generate(do_sample=True, ...)``, ours through ``DecodeSettings.sampling``), each prompt's draws
+    seeded with ``prompt_seed(ids, seed)``."""
     check_methods(names, bool(policies), assistant is not None)
     if not threads:
         raise LayerskipError("threads needs at least one setting ('auto' or a count)")
-    args = (model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, tree_ablation)
+    draws = _Draws(sampling, seed)
+    args = (model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, tree_ablation, draws)
     methods = _methods_for(*args, threads[0], None)
     for setting in threads[1:]:
         suffix = f"@t{setting}" if setting != "auto" else "@auto"
@@ -150,13 +172,25 @@ def build_methods(
                 continue
             methods.append(replace(method, name=method.name + suffix))
     if BASELINE not in [m.name for m in methods]:
-        methods.insert(0, Method(BASELINE, _with_threads(_hf_runner(model, eos_token_ids, {}), None)))
+        methods.insert(0, Method(BASELINE, _with_threads(_hf_runner(model, eos_token_ids, {}, draws), None)))
     return methods
 
 
-def _hf_runner(model: nn.Module, eos_token_ids: tuple[int, ...], extra: dict[str, Any]) -> Runner:
+@dataclass(frozen=True)
+class _Draws:
+    """How a method's tokens are chosen: greedy (``sampling`` None) or sampled, seeded per prompt."""
+
+    sampling: Sampling | None = None
+    seed: int = 0
+
+    def seed_for(self, ids: Sequence[int]) -> int | None:
+        return None if self.sampling is None else prompt_seed(ids, self.seed)
+
+
+def _hf_runner(model: nn.Module, eos_token_ids: tuple[int, ...], extra: dict[str, Any], draws: _Draws) -> Runner:
     def run(ids: list[int], max_new: int) -> tuple[list[int], None]:
-        return hf_generate(model, ids, max_new, eos_token_ids, **extra), None
+        seed = draws.seed_for(ids)
+        return hf_generate(model, ids, max_new, eos_token_ids, draws.sampling, seed, **extra), None
 
     return run
 
@@ -186,6 +220,7 @@ def _methods_for(
     lookup_tokens: int,
     ablate: bool | Sequence[str],
     tree_ablation: bool,
+    draws: _Draws,
     threads: int | str,
     hf_threads: int | None,
 ) -> list[Method]:
@@ -196,18 +231,19 @@ def _methods_for(
         decoder = Decoder.for_policy(model, policy, threads=threads)
 
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
-            return decoder.decode(ids, DecodeSettings(max_new_tokens=max_new, eos_token_ids=eos_token_ids))
+            settings = DecodeSettings(max_new, draws.sampling, draws.seed_for(ids), eos_token_ids)
+            return decoder.decode(ids, settings)
 
         return run, _draft_memory(decoder)
 
     def custom(policy: SkipPolicy) -> Runner:
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
-            return hf_custom_generate(model, ids, max_new, policy, eos_token_ids)
+            return hf_custom_generate(model, ids, max_new, policy, eos_token_ids, draws.sampling, draws.seed_for(ids))
 
         return _with_threads(run, hf_threads)
 
     def hf(**extra: Any) -> Runner:
-        return _with_threads(_hf_runner(model, eos_token_ids, extra), hf_threads)
+        return _with_threads(_hf_runner(model, eos_token_ids, extra, draws), hf_threads)
 
     methods: list[Method] = []
     for name in names:
@@ -280,7 +316,8 @@ def run_benchmark(
     """Run every method on every prompt, interleaved; returns one row per (prompt, method).
 
     After the timed runs, each output that is not identical to hf-ar's gets its first
-    divergence classed (``measure.divergence``; ``tokenizer`` adds the two tokens' text)."""
+    divergence classed (``measure.divergence``; ``tokenizer`` adds the two tokens' text). A sampled
+    run (``config.sampling``) compares nothing: its rows' ``identical`` is None."""
     device = next(model.parameters()).device
     runs = run_interleaved(
         {m.name: m.run for m in methods},
@@ -291,6 +328,13 @@ def run_benchmark(
         config.progress,
         desc="benchmark",
     )
+    if config.sampling is not None:  # draws: nothing to compare token for token, no divergence to class
+        return [
+            PromptResult(p.id, p.category, m.name, len(r.tokens), r.seconds, None, None, r.peak_memory_mb, r.stats)
+            for p, by_method in zip(prompts, runs)
+            for m in methods
+            for r in (by_method[m.name],)
+        ]
     rows: list[PromptResult] = []
     with DivergenceCheck(model, tokenizer) as check:  # its fp32 copy, if one is made, goes with it
         for prompt, ids, by_method in tqdm(
@@ -320,6 +364,29 @@ def run_benchmark(
     return rows
 
 
+def measure_memory(
+    methods: Sequence[Method],
+    prompt_ids: Sequence[list[int]],
+    max_new_tokens: int,
+    device: torch.device,
+    loaded_mb: float | None,
+) -> dict[str, Any] | None:
+    """Each method's memory (``measure.memory``): ``loaded_mb``, what the process held with the
+    model loaded and no draft built, plus the method's draft copies, plus the most one untimed
+    call on the longest prompt added. None where this system cannot measure a call's peak."""
+    if loaded_mb is None or not methods or not prompt_ids:
+        return None
+    longest = max(prompt_ids, key=len)
+    figures: dict[str, dict[str, float]] = {}
+    for method in methods:
+        growth = call_growth_mb(_rerun(method.run, longest, max_new_tokens), device)
+        if growth is None:
+            return None
+        figures[method.name] = MethodMemory(loaded_mb, method.draft_memory_mb or 0.0, growth).to_dict()
+    what = "allocated GPU memory" if device.type == "cuda" else "resident memory"
+    return {"measure": what, "prompt_tokens": len(longest), "new_tokens": max_new_tokens, "methods": figures}
+
+
 def _rerun(run: Runner, ids: list[int], max_new_tokens: int) -> Callable[[], list[int]]:
     return lambda: run(ids, max_new_tokens)[0]
 
@@ -346,6 +413,7 @@ def summarise(
 
     def figures(subset: list[PromptResult], baseline: list[PromptResult]) -> dict[str, Any]:
         tps, base = _throughput(subset), _throughput(baseline)
+        compared = any(r.identical is not None for r in subset)
         is_plain = subset[0].method in ("hf-ar", "ar")
         ours = [r.stats for r in subset if r.stats is not None]
         stats = GenerationStats.combined(ours) if len(ours) == len(subset) else None
@@ -356,8 +424,9 @@ def summarise(
             "speedup": tps / base if base else None,
             "mean_accepted": 1.0 if is_plain else (stats.mean_accepted if stats is not None else None),
             "acceptance_rate": None if is_plain or stats is None or not stats.drafted else stats.acceptance_rate,
-            "identical_fraction": sum(bool(r.identical) for r in subset) / len(subset),
-            **divergence_counts(subset),
+            # None for a sampled run: its draws were not compared with hf-ar's.
+            "identical_fraction": sum(bool(r.identical) for r in subset) / len(subset) if compared else None,
+            **(divergence_counts(subset) if compared else {}),
             "n_prompts": len(subset),
             "new_tokens": sum(r.new_tokens for r in subset),
             "divergences": divergences,

@@ -1,12 +1,23 @@
-"""Labels every results table shares: a CPU as tables name it, and a generated block between markers."""
+"""Labels every results table shares: a CPU as tables name it, greedy or sampled decoding, and a
+generated block between markers."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from layerskip.errors import LayerskipError
 
 FLAG_LABELS = (("amx_bf16", "AMX"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def decoding_label(sampled: dict[str, Any] | None) -> str:
+    """``greedy``, or a sampled run's settings (a result file's ``sampled``) as tables show them:
+    ``T 0.7, top-p 1.0``."""
+    if not sampled:
+        return "greedy"
+    label = f"T {float(sampled['temperature'])}, top-p {float(sampled.get('top_p', 1.0))}"
+    return label + (f", top-k {sampled['top_k']}" if sampled.get("top_k") else "")
 
 
 def cpu_name(model: str) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 from layerskip.errors import LayerskipError
 from layerskip.fileio import read_json_file, write_file_set
+from layerskip.measure.labels import decoding_label
 
 OUTPUT_FILES = ("results.json", "results.csv", "results.md", "speedup.png")
 COLUMNS = (
@@ -38,7 +39,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     """Methods as rows: overall figures, then speedup by category."""
     methods = results["methods"]
     categories = sorted({c for m in methods.values() for c in m["by_category"]})
-    header = ["method", "tok/s", "speedup", "tau", "acceptance", "identical / rounding / defect", *categories]
+    memory = (results.get("memory") or {}).get("methods") or {}  # measure.memory; runs before it have none
+    header = ["method", "tok/s", "speedup", "tau", "acceptance", "identical / rounding / defect"]
+    header += [*(["peak memory, MiB"] if memory else []), *categories]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, figures in methods.items():
         o = figures["overall"]
@@ -50,6 +53,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             _fmt(o["acceptance_rate"]),
             _identity(o),
         ]
+        if memory:
+            cells.append(_fmt((memory.get(name) or {}).get("peak_mb"), 0))
         for category in categories:
             c = figures["by_category"].get(category)
             cells.append(f"{_fmt(c['speedup'])}x" if c else "-")
@@ -60,7 +65,9 @@ def markdown_table(results: dict[str, Any]) -> str:
 def _identity(figures: dict[str, Any]) -> str:
     """``identical / rounding / defect`` counts; older results (no classes) show the fraction identical."""
     if "n_identical" not in figures:
-        return _fmt(figures.get("identical_fraction"))
+        # A sampled run compares no draws: its fraction is None.
+        fraction = figures.get("identical_fraction")
+        return "n/a (sampled)" if fraction is None else _fmt(fraction)
     cell = f"{figures['n_identical']} / {figures['n_rounding']} / {figures['n_defect']}"
     unclassified = figures.get("n_unclassified")
     return f"{cell} (+{unclassified} unclassified)" if unclassified else cell
@@ -154,7 +161,13 @@ def markdown_report(results: dict[str, Any]) -> str:
         "Divergences from hf-ar (first differing token; `rounding`: the fp32 gap between the two tokens is "
         "within the measured rounding error of the two paths, `defect`: it is not):"
     )
+    sampled = results.get("sampled")
     parts = [
+        *(
+            [f"Sampled ({decoding_label(sampled)}), every method alike: draws are not compared token for token."]
+            if sampled
+            else []
+        ),
         markdown_table(results),
         *section(divergences, divergences_by_prompt(results)),
         *section("Held-out check (categories the policy was not tuned on):", held_out_table(results)),

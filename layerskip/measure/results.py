@@ -40,7 +40,7 @@ from layerskip.fileio import (
 )
 from layerskip.measure.batch_results import batch_outputs, load_batch_runs
 from layerskip.measure.bench import BASELINE
-from layerskip.measure.labels import FLAG_LABELS, cpu_label, cpu_name
+from layerskip.measure.labels import FLAG_LABELS, cpu_label, cpu_name, decoding_label
 from layerskip.measure.labels import replace_between_markers as replace_readme_block
 from layerskip.measure.report import markdown_report, section
 
@@ -64,6 +64,28 @@ SPEEDUP_DEFINITION = (
     "prompt (`layerskip/measure/timing.py`). **τ** (tau) is new tokens per full-model forward (1.0 for "
     "plain decoding); **acceptance** is accepted drafted tokens over drafted tokens; **identical** "
     "counts the prompts whose greedy output equals HF `generate`'s token for token."
+)
+
+# What a sampled run shows instead of identical outputs (a run with ``bench --temperature``).
+SAMPLING_GUARANTEE = (
+    "A **sampled** run (`scripts/bench.py --temperature T --top-p P`) samples with every method alike, HF "
+    "`generate(do_sample=True)` included, each prompt's draws seeded the same for every method; its speedup "
+    "is against HF `generate` sampling with the same settings. Draws are not compared token for token: a "
+    "draft changes which random numbers each token uses, not the distribution it is drawn from. What holds is "
+    "that distribution: rejection sampling accepts a drafted token with probability min(1, p/q) and "
+    "otherwise draws from the normalised max(0, p − q), with the same temperature and top-p applied to p and "
+    "q, so each token's distribution is the model's. `tests/test_sampling.py` tests it statistically "
+    "(`test_rejection_sampling_outputs_the_target_distribution`, and end to end on a tiny model with a "
+    "fixed policy, `auto` and token trees: `test_end_to_end_sampling_follows_the_model` and its neighbours), "
+    "each beside a control whose always-accept rule the same test rejects."
+)
+# How a run's memory is given (measure/memory.py measures it).
+MEMORY_NOTE = (
+    "*Peak memory* (MiB) is what a process running that method alone would hold at its peak: the process "
+    "with the model loaded, plus the method's draft copies (its low-precision weights), plus the most one "
+    "call on the run's longest prompt added: its cache, draft head and activations (Linux's resident "
+    "high-water mark, reset before the call; on a GPU, allocated memory). It is shown for HF `generate` and "
+    "for the run's fastest method of ours; `—` for runs from before it was recorded."
 )
 
 # Columns of the summary table: a method's kind and its header. A kind appears only when a file has it.
@@ -125,7 +147,7 @@ _CLASSES = ("n_identical", "n_rounding", "n_defect")  # the divergence check's c
 _OVERALL = Where(
     Obj(
         required={
-            "identical_fraction": Number(),
+            "identical_fraction": Maybe(Number()),  # None: a sampled run (nothing compared)
             "n_prompts": int,
             **{key: Maybe(Number()) for key in ("speedup", "tokens_per_second", "mean_accepted", "acceptance_rate")},
         },
@@ -174,7 +196,16 @@ RESULT_SHAPE = Obj(
             }
         ),
     },
-    optional={"busy_processes": Maybe(int), "versions": Table(SCALAR), "device": str, "device_name": str},
+    optional={
+        "busy_processes": Maybe(int),
+        "versions": Table(SCALAR),
+        "device": str,
+        "device_name": str,
+        "sampled": Maybe(
+            Obj(required={"temperature": Number(positive=True)}, optional={"top_p": Number(), "top_k": int})
+        ),
+        "memory": Maybe(Obj(required={"methods": Table(Obj(required={"peak_mb": Number()}))})),
+    },
 )
 _ROW_COST = Table(Number(), int_keys=True)  # {"rows": cost over one row's}
 DRAFT_COST_SHAPE = Obj(
@@ -278,9 +309,24 @@ class ResultFile:
         policy = policies.get(label)  # an ablation ("LABEL-no-lookup") ran a policy the file does not hold
         return None if policy is None else policy_kind(policy)
 
-    def identical(self, method: str) -> int:
+    @property
+    def sampled(self) -> bool:
+        return bool(self.data.get("sampled"))
+
+    def decoding(self) -> str:
+        return decoding_label(self.data.get("sampled"))
+
+    def identical(self, method: str) -> int | None:
+        """Outputs equal to HF `generate`'s; None for a sampled run, which compares none."""
         overall = self.data["methods"][method]["overall"]
+        if overall.get("identical_fraction") is None:
+            return None
         return round(overall["identical_fraction"] * overall["n_prompts"])
+
+    def peak_memory(self, method: str) -> float | None:
+        """``method``'s peak memory in MiB (``measure.memory``); None for runs that did not record it."""
+        figures = ((self.data.get("memory") or {}).get("methods") or {}).get(method)
+        return None if figures is None else float(figures["peak_mb"])
 
     def unexplained(self, method: str) -> int | None:
         """Divergences the divergence check did not class ``rounding`` (``defect`` or unclassified;
@@ -530,23 +576,27 @@ def summary_table(files: list[ResultFile], page: str | None) -> str:
                 cells[kind] = (speedup, method)
         best.append(cells)
     columns = [(kind, header) for kind, header in KINDS if any(kind in cells for cells in best)]
-    header = ["model", "dtype", "CPU", "prompts × new tokens", *(h for _, h in columns), "identical (worst)"]
+    header = [
+        "model",
+        "dtype",
+        "CPU",
+        "prompts × new tokens",
+        "decoding",
+        *(h for _, h in columns),
+        "peak memory, MiB: HF → fastest",
+        "identical (worst)",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for f, cells in zip(files, best):
-        shown = [method for _, method in cells.values()]
-        worst = min((f.identical(m) for m in shown), default=f.n_prompts)
-        identical = f"{worst}/{f.n_prompts}"
-        unexplained = [f.unexplained(m) for m in shown]
-        if worst < f.n_prompts and None not in unexplained:  # say what the divergences were
-            total = sum(unexplained)  # type: ignore[arg-type]
-            identical += f" ({total} not rounding)" if total else " (rest: rounding)"
         row = [
             f.data["model"],
             f.data["dtype"],
             f.cpu() + (f" + {f.data['busy_processes']} busy" if f.data.get("busy_processes") else ""),
             f"{f.n_prompts} {f.prompt_source()} × {f.data['max_new_tokens']}",
+            f.decoding(),
             *(_cell(f, kind, cells[kind], page) if kind in cells else "" for kind, _ in columns),
-            identical,
+            _memory_cell(f, cells),
+            _identical_cell(f, [method for _, method in cells.values()]),
         ]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
@@ -563,6 +613,14 @@ def summary_table(files: list[ResultFile], page: str | None) -> str:
         )
     if any(method.endswith(CHAIN_SUFFIX) for f in files for method in f.data["methods"]):
         notes += " A `(chain)` run (the same policy with token trees off) fills no column."
+    if any(f.sampled for f in files):
+        notes += (
+            " A sampled run (decoding `T ..., top-p ...`) is against HF `generate` sampling alike; its draws"
+            f" are not compared ([what holds instead]({page or ''}#sampled))."
+            if page is not None
+            else " A sampled run is against HF `generate` sampling alike; its draws are not compared."
+        )
+    notes += " " + MEMORY_NOTE
     if page is None:
         lines.append(
             "A column holds the best method of that kind in the run; speedup against HF `generate`, greedy." + notes
@@ -592,6 +650,8 @@ def first_screen_table(files: list[ResultFile], page: str) -> str:
     for f in sorted(files, key=lambda f: (f.data["model"], f.cpu())):
         if f.data["dtype"] != "float32" or f.prompt_source() != "Spec-Bench" or f.name.endswith(TWIN_SUFFIX):
             continue
+        if f.sampled:  # the table's claim is identical greedy output
+            continue
         if f.data["max_new_tokens"] != FIRST_SCREEN_TOKENS or f.n_prompts < FIRST_SCREEN_PROMPTS:
             continue
         auto = [m for m in f.data["methods"] if f.kind(m) == "auto"]
@@ -609,6 +669,29 @@ def first_screen_table(files: list[ResultFile], page: str) -> str:
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def _identical_cell(f: ResultFile, shown: list[str]) -> str:
+    """The worst count of outputs identical to HF's among the methods shown, and what the rest were."""
+    if f.sampled:
+        return "n/a (sampled)"
+    worst = min((f.identical(m) or 0 for m in shown), default=f.n_prompts)
+    identical = f"{worst}/{f.n_prompts}"
+    unexplained = [f.unexplained(m) for m in shown]
+    if worst < f.n_prompts and None not in unexplained:  # say what the divergences were
+        total = sum(unexplained)  # type: ignore[arg-type]
+        identical += f" ({total} not rounding)" if total else " (rest: rounding)"
+    return identical
+
+
+def _memory_cell(f: ResultFile, cells: dict[str, tuple[float, str]]) -> str:
+    """HF `generate`'s peak memory → that of the fastest of our methods shown (``measure.memory``)."""
+    ours = [best for kind, best in cells.items() if kind != "hf-pld"]
+    hf = f.peak_memory(BASELINE)
+    fastest = f.peak_memory(max(ours)[1]) if ours else None
+    if hf is None or fastest is None:
+        return "—"
+    return f"{hf:.0f} → {fastest:.0f}"
 
 
 def _cell(f: ResultFile, kind: str, best: tuple[float, str], page: str | None) -> str:
@@ -792,7 +875,8 @@ def file_section(f: ResultFile) -> str:
         + (f"; {data['busy_processes']} busy processes beside the timed runs" if data.get("busy_processes") else ""),
         "- " + ", ".join(f"{name} {version}" for name, version in versions.items()),
         f"- prompts: {f.n_prompts} from `{data['prompts'].get('source', '-')}` "
-        f"({', '.join(data['prompts'].get('categories', []))}), {data['max_new_tokens']} new tokens, greedy",
+        f"({', '.join(data['prompts'].get('categories', []))}), {data['max_new_tokens']} new tokens, "
+        + (f"sampled ({f.decoding()}, every method alike; [what holds](#sampled))" if f.sampled else "greedy"),
     ]
     if env.get("date"):
         facts.append(f"- run ended {env['date']}")
@@ -834,7 +918,7 @@ def twin_section(files: list[ResultFile]) -> str:
     rows = []
     for twin in files:
         original = by_name.get(twin.name.removesuffix(TWIN_SUFFIX)) if twin.name.endswith(TWIN_SUFFIX) else None
-        if original is None:
+        if original is None or twin.sampled or original.sampled:
             continue
         mine, theirs = _best_of_kind(twin, "auto"), _best_of_kind(original, "auto")
         pld = _best_of_kind(twin, "hf-pld")
@@ -882,6 +966,8 @@ def results_page(
         "[Reproducing results](reproducing.md) says how to make and add one.",
         '<a id="speedup"></a>\n## How the figures are measured',
         SPEEDUP_DEFINITION,
+        f'<a id="sampled"></a>\n{SAMPLING_GUARANTEE}',
+        MEMORY_NOTE,
         f"The Spec-Bench prompts are {SPEC_BENCH}: 80 MT-bench questions and 80 prompts in each of "
         "translation, summarization, question answering, math reasoning and retrieval-augmented generation. "
         "Its questions are not in this repository; a run names the file it read (`--prompts`). `code` "
@@ -919,6 +1005,7 @@ def figure_rows(files: list[ResultFile]) -> list[dict[str, Any]]:
                         "cpu": f.cpu(),
                         "method": method,
                         "kind": f.kind(method) or ("baseline" if method == BASELINE else ""),
+                        "decoding": f.decoding(),
                         "category": category,
                         **{key: values.get(key) for key in _FIGURE_KEYS},
                     }
@@ -960,7 +1047,7 @@ def csv_text(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     return buffer.getvalue()
 
 
-FIGURE_COLUMNS = ("results", "model", "dtype", "cpu", "method", "kind", "category", *_FIGURE_KEYS)
+FIGURE_COLUMNS = ("results", "model", "dtype", "cpu", "method", "kind", "decoding", "category", *_FIGURE_KEYS)
 PROMPT_COLUMNS = ("results", "model", "dtype", "method", "kind", *_PROMPT_KEYS)
 
 
