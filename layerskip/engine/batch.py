@@ -14,9 +14,10 @@ Which kind of step runs is the batch's choice (``StepKinds``): a plain batched s
 verifies just its pending token: what a batched ``generate`` does), prompt lookup only (free to
 draft, so it always fits in the verify), or each row's own drafter (the policy's: for ``auto``,
 lookup, the int4 skip draft or nothing, per row). Their tokens per second are measured as the
-batch runs (and carried to the decoder's next batch of that size), and the fastest is chosen; each other kind is tried again once the time since its
-last trial is many times what that trial cost, so exploring costs a few percent at most. A plain
-step is always on the menu, so a batch is not slower than plain batched decoding beyond that.
+batch runs (and carried to the decoder's next batch of that size), and the fastest is chosen;
+each other kind is tried again once the time since its last trial is many times what that trial
+cost, so exploring costs a few percent at most. A plain step is always on the menu, so a batch is
+not slower than plain batched decoding beyond that.
 
 Greedy output of every row is the full model's argmax chain, as for one prompt; sampled rows keep
 the model's distribution (rejection sampling per row).
