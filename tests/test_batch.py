@@ -162,16 +162,16 @@ def test_a_batch_starts_from_the_rates_the_last_batch_of_its_size_measured() -> 
     decoder = Decoder.for_policy(_model("llama"), POLICIES["auto"])
     settings = DecodeSettings(max_new_tokens=NEW_TOKENS)
     first = decoder.decode_batch(_prompts(), settings)[0][1].batch_steps
-    assert set(first) == set(next(iter(decoder.step_kinds.values())).kinds)  # each kind tried once at least
-    kinds = next(iter(decoder.step_kinds.values()))
+    assert set(first) == set(next(iter(decoder.batch_rates.values())).kinds)  # each kind tried once at least
+    kinds = next(iter(decoder.batch_rates.values()))
     measured = {kind: list(recent) for kind, recent in kinds.recent.items()}
     second = decoder.decode_batch(_prompts(), settings)
-    assert len(decoder.step_kinds) == 1  # the same size: the same menu and rates
+    assert len(decoder.batch_rates) == 1  # the same size: the same menu and rates
     steps = second[0][1].batch_steps
     assert sum(steps.values()) == sum(kinds.steps.values()) - sum(first.values())  # this batch's steps only
     assert all(kinds.recent[kind] != recent for kind, recent in measured.items() if kind in steps)
     decoder.decode_batch(_prompts()[:3], settings)
-    assert len(decoder.step_kinds) == 2  # another size: its own rates
+    assert len(decoder.batch_rates) == 2  # another size: its own rates
 
 
 def test_rows_that_finish_early_leave_the_batch(rotate_kinds: Rotation) -> None:

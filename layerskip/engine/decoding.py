@@ -74,7 +74,7 @@ class Decoder:
         self.head: VerifyHead = engine_verify_head(model, certified_head)
         # Each batch size's step kinds and their measured rates, carried from one batch to the next
         # (a dataset decoded batch after batch starts each batch from what the last one measured).
-        self.step_kinds: dict[tuple[int, bool, tuple[str, ...]], StepKinds] = {}
+        self.batch_rates: dict[tuple[int, bool, tuple[str, ...]], StepKinds] = {}
 
     @classmethod
     def for_policy(
@@ -226,7 +226,7 @@ class Decoder:
             batch_draft = None if self.draft is None else self.draft.batch_draft(run, ids)
             menu = step_kinds(len(rows), self.draft is not None, lookup is not None, batch_draft is not None)
             key = (len(rows), settings.sampling is None, menu.kinds)
-            kinds = self.step_kinds.setdefault(key, menu)  # the rates the last such batch measured
+            kinds = self.batch_rates.setdefault(key, menu)  # the rates the last such batch measured
             steps_before = dict(kinds.steps)
             stepper = BatchStepper(
                 self.model,
