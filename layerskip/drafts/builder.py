@@ -219,6 +219,14 @@ class DraftModels:
         key = DraftModelKey(policy.draft.precision, exit_key, False, True)
         return self._get(key, wanted, self.exit_adapter(policy))
 
+    def holds(self, precision: str) -> bool:
+        """Whether the plain draft forward in ``precision`` (no exit, not compiled) is built."""
+        return DraftModelKey(precision, ("", ""), False, True) in self._built
+
+    def discard(self, precision: str) -> None:
+        """Drop the plain draft forward in ``precision`` (its copies' memory goes with it)."""
+        self._built.pop(DraftModelKey(precision, ("", ""), False, True), None)
+
     def exit_adapter(self, policy: SkipPolicy) -> ExitAdapter | None:
         """The exit adapter ``policy`` drafts through, loaded and checked (None: no exit)."""
         if policy.exit is None:
@@ -275,6 +283,9 @@ class PreparedDraft:
         costs: DraftCosts | None = None,
     ) -> None:
         check_policy_fits(model, policy)
+        if policy.auto is not None and costs is not None and costs.precision not in ("", policy.draft.precision):
+            # the calibration priced another copy higher on this model (engine.precision_choice)
+            policy = replace(policy, draft=replace(policy.draft, precision=costs.precision))
         self.model = model
         self.policy = policy
         self.vocab_size = adapters.lm_head(model).weight.shape[0]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import few
 
 
@@ -53,6 +54,7 @@ class DraftCosts:
     verify: dict[int, float]
     draft_step: dict[int, float]
     info: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
+    precision: str = ""  # the draft copy the draft steps were timed on, where the calibration chose it
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +62,7 @@ class DraftCosts:
             "verify": {str(k): v for k, v in sorted(self.verify.items())},
             "draft_step": {str(k): v for k, v in sorted(self.draft_step.items())},
             "info": self.info,
+            **({"precision": self.precision} if self.precision else {}),
         }
 
     @classmethod
@@ -83,6 +86,7 @@ class DraftCosts:
             _curve("verify", data.get("verify"), low=1),
             _curve("draft_step", data.get("draft_step"), low=0),
             dict(info),
+            _precision(data.get("precision", "")),
         )
         if blocks is not None and set(costs.verify) != set(blocks):
             raise ValueError(f"its verify blocks {few(sorted(costs.verify))} are not the calibrated {sorted(blocks)}")
@@ -90,6 +94,13 @@ class DraftCosts:
             measured = few(sorted(costs.draft_step))
             raise ValueError(f"its head sizes {measured} are not the calibrated {sorted(head_sizes)}")
         return costs
+
+
+def _precision(value: Any) -> str:
+    """A chosen draft precision back from the cache: one the draft can run ("" where none was chosen)."""
+    if value != "" and value not in PRECISIONS:
+        raise ValueError(f"precision {value!r} is not a draft precision")
+    return value
 
 
 MAX_SECONDS = 600.0  # one forward of one block: anything longer is not a measurement to price drafts by

@@ -2,7 +2,9 @@
 
 Measured with the latency model the search uses (``engine.latency``): a plain step and the
 engine's greedy verify per block length (the verify curve t(n)), and one draft step (nothing
-bypassed, the draft's precision) per candidate head size. It is cached in the ``calibration``
+bypassed, the draft's precision) per candidate head size; where the policy lets it, the draft's
+precision first (int4 or int8, each copy's agreement with the model and draft step priced:
+``engine.precision_choice``). It is cached in the ``calibration``
 cache (``engine.result_cache``: ``$LAYERSKIP_CALIBRATION_CACHE``, default ``calibration/`` in
 the model cache, ``~/.cache/layerskip``), keyed by the model (shape fingerprint and a sample of
 its weight values), dtype, device, the machine record (CPU model and kernel flags, or the GPU's
@@ -26,6 +28,14 @@ from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import head_size_timings, measure_latency
+from layerskip.engine.precision_choice import (
+    PrecisionPrice,
+    agreement,
+    candidates,
+    fastest,
+    own_texts,
+    tokens_per_second,
+)
 from layerskip.engine.result_cache import ResultCache, cache_env, model_key
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
@@ -59,6 +69,7 @@ def calibration_key(model: nn.Module, policy: SkipPolicy) -> dict[str, Any]:
         "host": platform.node(),
         "threads": torch.get_num_threads(),
         "precision": policy.draft.precision,
+        "precisions": list(candidates(policy.draft.precision, policy.auto.choose_precision)),
         "head_sizes": list(policy.auto.head_sizes(vocab)),
         "blocks": list(VERIFY_BLOCKS),
     }
@@ -73,11 +84,10 @@ def prepare_calibration(
     or read from the cache (``calibrate``). Hand the value to ``prepare_draft`` or the decoder."""
     if policy is None or policy.auto is None:
         return None
-    start = time.perf_counter()
-    models.get(policy.draft.precision)  # the copy with every sublayer: any skip set runs from it
-    built = time.perf_counter() - start
     costs = calibrate(model, policy, models, progress=progress)
-    costs.info["draft_build_seconds"] = round(built, 3)
+    start = time.perf_counter()
+    models.get(costs.precision or policy.draft.precision)  # the copy with every sublayer: any skip set runs from it
+    costs.info["draft_build_seconds"] = round(time.perf_counter() - start, 3)  # 0 where the calibration built it
     return costs
 
 
@@ -121,12 +131,40 @@ def _measure(
 ) -> DraftCosts:
     context = list(context) if context else own_text(model)
     latency = measure_latency(model, context, VERIFY_BLOCKS, progress, PLAIN_REPEATS, VERIFY_REPEATS)
-    draft_model = models.get(policy.draft.precision)  # the copy auto drafts from: every sublayer
-    draft = head_size_timings(draft_model, context, key["head_sizes"], DRAFT_REPEATS)
     info: dict[str, Any] = {"machine": key["machine"], "measured_at": latency.measured_at}
+    precision = policy.draft.precision
+    if len(key["precisions"]) > 1:
+        precision, info["precisions"] = _choose_precision(model, policy, models, context, latency.verify_seconds)
+    draft_model = models.get(precision)  # the copy auto drafts from: every sublayer
+    draft = head_size_timings(draft_model, context, key["head_sizes"], DRAFT_REPEATS)
     if latency.warning is not None:
         info["warning"] = latency.warning
-    return DraftCosts(latency.plain_step_seconds, latency.verify_seconds, draft, info)
+    chosen = precision if len(key["precisions"]) > 1 else ""
+    return DraftCosts(latency.plain_step_seconds, latency.verify_seconds, draft, info, chosen)
+
+
+def _choose_precision(
+    model: nn.Module, policy: SkipPolicy, models: DraftModels, context: Sequence[int], verify: dict[int, float]
+) -> tuple[str, dict[str, Any]]:
+    """The candidate copy expected to draft fastest (``engine.precision_choice``), and each one's
+    price; copies built only to be priced are dropped again."""
+    assert policy.auto is not None
+    texts = own_texts(model)
+    prices = []
+    built_here = []
+    for precision in candidates(policy.draft.precision, policy.auto.choose_precision):
+        if not models.holds(precision):
+            built_here.append(precision)
+        draft_model = models.get(precision)
+        step = head_size_timings(draft_model, context, [0], DRAFT_REPEATS)[0]
+        accepted = agreement(draft_model, texts)
+        rate = tokens_per_second(accepted, step, verify, policy.draft.max_draft_tokens)
+        prices.append(PrecisionPrice(precision, accepted, step, rate))
+    chosen = fastest(prices).precision
+    for precision in built_here:
+        if precision != chosen:
+            models.discard(precision)
+    return chosen, {"chosen": chosen, **{price.precision: price.to_dict() for price in prices}}
 
 
 @torch.inference_mode()
