@@ -10,7 +10,7 @@ import torch
 from tiny_models import random_prompt, tiny_model
 
 from layerskip.hf import adapters
-from layerskip.hf.twin import BLOCK, LEVELS, off_grid_
+from layerskip.hf.twin import BLOCK, LEVELS, int4_rounding_error, off_grid_
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,4 +62,22 @@ def test_the_script_writes_a_loadable_twin_and_never_overwrites(tiny_llama: Path
 
     assert load_model(str(out)).model is not None
     again = subprocess.run(run, capture_output=True, text=True, cwd=REPO)
+    assert "int4 copy" in done.stderr and "int4_rounding_error" in (out / "twin.json").read_text()
     assert again.returncode == 2 and "exists" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+
+
+@torch.no_grad()
+def test_the_int4_rounding_error_is_zero_on_the_grid_and_grows_off_it() -> None:
+    model = tiny_model("llama")
+    for i in range(adapters.num_layers(model)):  # put every projection on the int4 grid first
+        for kind in ("attention", "mlp"):
+            for module in adapters.sublayer_projections(model, i, kind):
+                weight = adapters.projection_weight(module)[0]
+                usable = weight.shape[1] - weight.shape[1] % BLOCK
+                blocks = weight[:, :usable].reshape(weight.shape[0], -1, BLOCK)
+                low = blocks.amin(-1, keepdim=True)
+                step = (blocks.amax(-1, keepdim=True) - low) / LEVELS
+                weight[:, :usable] = (((blocks - low) / step).round() * step + low).reshape(weight.shape[0], usable)
+    assert int4_rounding_error(model) < 1e-5
+    off_grid_(model, scale=0.5)
+    assert 0.02 < int4_rounding_error(model) < 0.2

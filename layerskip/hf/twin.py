@@ -1,13 +1,14 @@
 """An off-grid twin of a model: its decoder weights moved off any 4-bit grid, for honest figures.
 
-The embedded models are dequantised from 4-bit GGUF files, so their weights sit on a 4-bit grid
-in blocks of 32 inputs: an int4 draft that quantises the same way (min/max scale per block of
-32) reproduces them almost exactly, and its drafts agree with the model far more often than a
-full-precision model's would. A twin adds to every decoder projection uniform noise of up to
-``scale`` of one 4-bit step of its block (``(max - min) / 15`` over each row's 32 inputs):
-with ``scale`` 0.5, what one int4 rounding of a full-precision model changes. The model's
-behaviour barely moves; the draft's agreement falls to what a user's own bf16 or fp32 model
-would give. Seeded, so a twin is the same twin on every machine.
+A model dequantised from a Q4_1 GGUF file (SmolLM2's) sits on a 4-bit grid in blocks of 32
+inputs: an int4 draft that quantises the same way (min/max scale per block of 32) reproduces it
+exactly, and its drafts agree with the model far more often than a full-precision model's would
+(Gemma-3's Q4_K_M file is not on that grid: its int4 copy moves it as much as a twin's). A twin
+adds to every decoder projection uniform noise of up to ``scale`` of one 4-bit step of its block
+(``(max - min) / 15`` over each row's 32 inputs): with ``scale`` 0.5, what one int4 rounding of a
+full-precision model changes. The model's behaviour barely moves; the draft's agreement falls to
+what a user's own bf16 or fp32 model would give. Seeded, so a twin is the same twin on every
+machine.
 """
 
 from __future__ import annotations
@@ -34,6 +35,30 @@ def off_grid_(model: nn.Module, scale: float = 0.5, seed: int = 0) -> int:
                 weight = adapters.projection_weight(module)[0]  # [out, in] (a view for GPT-2's Conv1D)
                 changed += _perturb(weight, scale, generator)
     return changed
+
+
+@torch.no_grad()
+def int4_rounding_error(model: nn.Module) -> float:
+    """The median over decoder projections of the relative error an int4 copy (min/max scale per
+    block of 32 inputs, as the draft's) makes: ``|W - int4(W)| / |W|`` (Frobenius). About 0 for
+    weights on that grid; about 0.08 for weights off it (a full-precision model's)."""
+    errors = []
+    for index in range(adapters.num_layers(model)):
+        for kind in ("attention", "mlp"):
+            for module in adapters.sublayer_projections(model, index, kind):
+                weight = adapters.projection_weight(module)[0].detach().float()  # [out, in]
+                usable = weight.shape[1] - weight.shape[1] % BLOCK
+                if usable:
+                    errors.append(_int4_error(weight[:, :usable]))
+    return float(torch.tensor(errors).median()) if errors else 0.0
+
+
+def _int4_error(weight: torch.Tensor) -> float:
+    blocks = weight.reshape(weight.shape[0], -1, BLOCK)  # [out, blocks, 32]
+    low = blocks.amin(-1, keepdim=True)
+    step = ((blocks.amax(-1, keepdim=True) - low) / LEVELS).clamp_min(1e-12)
+    rounded = ((blocks - low) / step).round().clamp(0, LEVELS) * step + low
+    return float((rounded - blocks).norm() / blocks.norm().clamp_min(1e-12))
 
 
 def _perturb(weight: torch.Tensor, scale: float, generator: torch.Generator) -> int:
