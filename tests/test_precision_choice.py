@@ -15,7 +15,7 @@ from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.policy import AutoSettings, SkipPolicy
 from layerskip.engine import calibration, precision_choice
 from layerskip.engine import latency as engine_latency
-from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, fastest, own_texts
+from layerskip.engine.precision_choice import SWITCH_MARGIN, PrecisionPrice, agreement, candidates, chosen, own_texts
 from layerskip.hf import adapters
 
 VERIFY = {1: 1.0, 2: 1.05, 4: 1.12, 8: 1.4, 17: 2.0}
@@ -42,7 +42,11 @@ def test_the_rate_rises_with_agreement_and_falls_with_the_draft_cost() -> None:
     often = PrecisionPrice("int8", 0.95, 0.13, rate(0.95, 0.13, VERIFY, 10))
     rarely = PrecisionPrice("int4", 0.6, 0.1, rate(0.6, 0.1, VERIFY, 10))
     alike = PrecisionPrice("int4", 0.95, 0.1, rate(0.95, 0.1, VERIFY, 10))
-    assert fastest([rarely, often]).precision == "int8" and fastest([alike, often]).precision == "int4"
+    assert chosen([rarely, often]).precision == "int8" and chosen([alike, often]).precision == "int4"
+    # The policy's own precision (listed first) stays unless another is priced clearly faster.
+    own = PrecisionPrice("int4", 0.8, 0.1, 40.0)
+    assert chosen([own, PrecisionPrice("int8", 0.9, 0.1, 0.99 * SWITCH_MARGIN * 40.0)]).precision == "int4"
+    assert chosen([own, PrecisionPrice("int8", 0.9, 0.1, 1.01 * SWITCH_MARGIN * 40.0)]).precision == "int8"
 
 
 @torch.inference_mode()

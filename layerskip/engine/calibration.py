@@ -32,7 +32,7 @@ from layerskip.engine.precision_choice import (
     PrecisionPrice,
     agreement,
     candidates,
-    fastest,
+    chosen,
     own_texts,
     tokens_per_second,
 )
@@ -43,7 +43,7 @@ from layerskip.hf.forward import full_logits
 from layerskip.hf.prompting import first_token_id
 from layerskip.machine import this_machine
 
-FORMAT = 1
+FORMAT = 2  # 2: with the draft's precision chosen
 VERIFY_BLOCKS = (2, 3, 4, 5, 6, 8, 12, 17)  # 17: a lookup run of 16 and the pending token
 PLAIN_REPEATS = 9
 VERIFY_REPEATS = 5
@@ -146,8 +146,8 @@ def _measure(
 def _choose_precision(
     model: nn.Module, policy: SkipPolicy, models: DraftModels, context: Sequence[int], verify: dict[int, float]
 ) -> tuple[str, dict[str, Any]]:
-    """The candidate copy expected to draft fastest (``engine.precision_choice``), and each one's
-    price; copies built only to be priced are dropped again."""
+    """The candidate copy to draft from (``engine.precision_choice``: the policy's unless another
+    is priced clearly faster), and each one's price; copies built only to be priced are dropped again."""
     assert policy.auto is not None
     texts = own_texts(model)
     prices = []
@@ -160,11 +160,11 @@ def _choose_precision(
         accepted = agreement(draft_model, texts)
         rate = tokens_per_second(accepted, step, verify, policy.draft.max_draft_tokens)
         prices.append(PrecisionPrice(precision, accepted, step, rate))
-    chosen = fastest(prices).precision
+    choice = chosen(prices).precision
     for precision in built_here:
-        if precision != chosen:
+        if precision != choice:
             models.discard(precision)
-    return chosen, {"chosen": chosen, **{price.precision: price.to_dict() for price in prices}}
+    return choice, {"chosen": choice, **{price.precision: price.to_dict() for price in prices}}
 
 
 @torch.inference_mode()
