@@ -10,10 +10,11 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from layerskip.drafts.auto import best_skip_rate
 from layerskip.drafts.builder import DraftModels, prepare_draft
-from layerskip.drafts.costs import DraftCosts
+from layerskip.drafts.costs import DraftCosts, block_cost
 from layerskip.drafts.policy import AutoSettings, SkipPolicy
-from layerskip.engine import calibration, precision_choice
+from layerskip.engine import calibration
 from layerskip.engine import latency as engine_latency
 from layerskip.engine.precision_choice import SWITCH_MARGIN, PrecisionPrice, agreement, candidates, chosen, own_texts
 from layerskip.hf import adapters
@@ -35,7 +36,9 @@ def test_an_int4_draft_is_priced_against_int8_unless_the_policy_fixes_it() -> No
 
 
 def test_the_rate_rises_with_agreement_and_falls_with_the_draft_cost() -> None:
-    rate = precision_choice.tokens_per_second
+    def rate(acceptance: float, draft_step: float, verify: dict[int, float], cap: int) -> float:
+        return best_skip_rate(acceptance, draft_step, lambda block: block_cost(verify, block), cap)
+
     assert rate(0.95, 0.1, VERIFY, 10) > rate(0.6, 0.1, VERIFY, 10)
     assert rate(0.9, 0.05, VERIFY, 10) > rate(0.9, 0.2, VERIFY, 10)
     # A copy that agrees far more often wins though its step costs more; one that agrees alike does not.

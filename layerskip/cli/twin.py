@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 from layerskip.cli.common import run_cli
+from layerskip.drafts.precision import int4_rounding_error
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic
 from layerskip.hf.models import load_model, save_model_directory
-from layerskip.hf.twin import int4_rounding_error, off_grid_
+from layerskip.hf.twin import decoder_projection_weights, off_grid_
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +34,9 @@ def _main(argv: list[str] | None) -> int:
         raise LayerskipError(f"--out {out} exists; choose a new directory (a twin is never written over anything)")
     check_output_dir(out.parent, "--out")
     loaded = load_model(args.model)
-    before = int4_rounding_error(loaded.model)
+    before = int4_rounding_error(decoder_projection_weights(loaded.model))
     changed = off_grid_(loaded.model, args.scale, args.seed)
-    after = int4_rounding_error(loaded.model)
+    after = int4_rounding_error(decoder_projection_weights(loaded.model))
     save_model_directory(loaded.model, loaded.tokenizer, out)
     note = {
         "twin_of": loaded.name,

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerskip.drafts.auto import best_skip_rate
 from layerskip.drafts.builder import DraftModels
-from layerskip.drafts.costs import DraftCosts
+from layerskip.drafts.costs import DraftCosts, block_cost
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.latency import head_size_timings, measure_latency
 from layerskip.engine.precision_choice import (
@@ -34,7 +35,6 @@ from layerskip.engine.precision_choice import (
     candidates,
     chosen,
     own_texts,
-    tokens_per_second,
 )
 from layerskip.engine.result_cache import ResultCache, cache_env, model_key
 from layerskip.hf import adapters
@@ -134,7 +134,10 @@ def _measure(
     info: dict[str, Any] = {"machine": key["machine"], "measured_at": latency.measured_at}
     precision = policy.draft.precision
     if len(key["precisions"]) > 1:
-        precision, info["precisions"] = _choose_precision(model, policy, models, context, latency.verify_seconds)
+        max_draft = policy.draft.max_draft_tokens
+        precision, info["precisions"] = _choose_precision(
+            model, key["precisions"], max_draft, models, context, latency.verify_seconds
+        )
     draft_model = models.get(precision)  # the copy auto drafts from: every sublayer
     draft = head_size_timings(draft_model, context, key["head_sizes"], DRAFT_REPEATS)
     if latency.warning is not None:
@@ -144,21 +147,26 @@ def _measure(
 
 
 def _choose_precision(
-    model: nn.Module, policy: SkipPolicy, models: DraftModels, context: Sequence[int], verify: dict[int, float]
+    model: nn.Module,
+    precisions: Sequence[str],
+    max_draft: int,
+    models: DraftModels,
+    context: Sequence[int],
+    verify: dict[int, float],
 ) -> tuple[str, dict[str, Any]]:
-    """The candidate copy to draft from (``engine.precision_choice``: the policy's unless another
-    is priced clearly faster), and each one's price; copies built only to be priced are dropped again."""
-    assert policy.auto is not None
+    """The copy of ``precisions`` to draft from (``engine.precision_choice``: the first, the
+    policy's, unless another is priced clearly faster), and each one's price; copies built only to
+    be priced are dropped again."""
     texts = own_texts(model)
     prices = []
     built_here = []
-    for precision in candidates(policy.draft.precision, policy.auto.choose_precision):
+    for precision in precisions:
         if not models.holds(precision):
             built_here.append(precision)
         draft_model = models.get(precision)
         step = head_size_timings(draft_model, context, [0], DRAFT_REPEATS)[0]
         accepted = agreement(draft_model, texts)
-        rate = tokens_per_second(accepted, step, verify, policy.draft.max_draft_tokens)
+        rate = best_skip_rate(accepted, step, lambda block: block_cost(verify, block), max_draft)
         prices.append(PrecisionPrice(precision, accepted, step, rate))
     choice = chosen(prices).precision
     for precision in built_here:

@@ -11,8 +11,8 @@ the calibration measures both and keeps the one expected to give more tokens per
   seeded starts, generated in one batch) where the copy's top token, nothing bypassed and the
   full head, is the model's: a per-token acceptance;
 * ``draft_step``: seconds of one draft token from the copy with the full head;
-* ``rate``: the best over draft lengths ``g`` of ``expected_tokens(a, g) / (g * c + v(g + 1))``,
-  with the verify curve ``v`` of the same calibration.
+* ``rate``: the best over draft lengths ``g`` of ``expected_tokens(a, g) / (g * c + v(g + 1))``
+  (``drafts.auto.best_skip_rate``), with the verify curve ``v`` of the same calibration.
 
 The policy's own precision is kept unless another is priced ``SWITCH_MARGIN`` times faster.
 """
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerskip.drafts.costs import block_cost, expected_tokens
 from layerskip.drafts.model import DraftModel
 from layerskip.hf import adapters
 from layerskip.hf.prompting import first_token_id
@@ -91,13 +90,6 @@ def agreement(draft_model: DraftModel, texts: torch.Tensor) -> float:
         hidden = draft_model.hidden(texts[:, :-1], None, 0)  # [R, T-1, H]: position t predicts token t+1
     predicted = draft_model.head(None)(hidden[:, SKIPPED_POSITIONS - 1 :]).argmax(-1)  # [R, T-S]
     return float((predicted == texts[:, SKIPPED_POSITIONS:]).float().mean())
-
-
-def tokens_per_second(acceptance: float, draft_step: float, verify: dict[int, float], max_draft: int) -> float:
-    """The best rate over draft lengths 1..``max_draft`` at this acceptance and draft cost."""
-    return max(
-        expected_tokens(acceptance, g) / (g * draft_step + block_cost(verify, g + 1)) for g in range(1, max_draft + 1)
-    )
 
 
 def chosen(prices: Sequence[PrecisionPrice]) -> PrecisionPrice:

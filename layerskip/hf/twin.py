@@ -13,6 +13,8 @@ machine.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -28,37 +30,15 @@ def off_grid_(model: nn.Module, scale: float = 0.5, seed: int = 0) -> int:
     weights changed. Embeddings, norms and the LM head are left as they are (the draft's head
     rows come from the model's own head, and the verify uses it whole)."""
     generator = torch.Generator().manual_seed(seed)
-    changed = 0
+    return sum(_perturb(weight, scale, generator) for weight in decoder_projection_weights(model))
+
+
+def decoder_projection_weights(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Every decoder projection's weight ``[out, in]``, layer by layer (a view for GPT-2's Conv1D)."""
     for index in range(adapters.num_layers(model)):
         for kind in ("attention", "mlp"):
             for module in adapters.sublayer_projections(model, index, kind):
-                weight = adapters.projection_weight(module)[0]  # [out, in] (a view for GPT-2's Conv1D)
-                changed += _perturb(weight, scale, generator)
-    return changed
-
-
-@torch.no_grad()
-def int4_rounding_error(model: nn.Module) -> float:
-    """The median over decoder projections of the relative error an int4 copy (min/max scale per
-    block of 32 inputs, as the draft's) makes: ``|W - int4(W)| / |W|`` (Frobenius). About 0 for
-    weights on that grid; about 0.08 for weights off it (a full-precision model's)."""
-    errors = []
-    for index in range(adapters.num_layers(model)):
-        for kind in ("attention", "mlp"):
-            for module in adapters.sublayer_projections(model, index, kind):
-                weight = adapters.projection_weight(module)[0].detach().float()  # [out, in]
-                usable = weight.shape[1] - weight.shape[1] % BLOCK
-                if usable:
-                    errors.append(_int4_error(weight[:, :usable]))
-    return float(torch.tensor(errors).median()) if errors else 0.0
-
-
-def _int4_error(weight: torch.Tensor) -> float:
-    blocks = weight.reshape(weight.shape[0], -1, BLOCK)  # [out, blocks, 32]
-    low = blocks.amin(-1, keepdim=True)
-    step = ((blocks.amax(-1, keepdim=True) - low) / LEVELS).clamp_min(1e-12)
-    rounded = ((blocks - low) / step).round().clamp(0, LEVELS) * step + low
-    return float((rounded - blocks).norm() / blocks.norm().clamp_min(1e-12))
+                yield adapters.projection_weight(module)[0]
 
 
 def _perturb(weight: torch.Tensor, scale: float, generator: torch.Generator) -> int:
