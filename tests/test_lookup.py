@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.lookup import LookupMatch, LookupRunLength, match_lookup
+from layerskip.drafts.lookup import LookupMatch, LookupRunLength, continuation, match_lookup
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
 from layerskip.measure.agreement import Reference, simulate_greedy
@@ -16,6 +16,17 @@ def test_match_prefers_the_longest_then_the_latest_ngram() -> None:
     assert match_lookup(history, 1, 3, 2) == LookupMatch([9, 2], 3)  # [1, 2, 3] occurred at 0
     assert match_lookup(history, 1, 2, 2) == LookupMatch([7, 8], 2)  # latest [2, 3] is at 4
     assert match_lookup([5, 6, 7], 1, 3, 4).tokens == []
+
+
+def test_a_match_reaching_the_present_repeats_with_its_period() -> None:
+    # "13-13-13-": the latest [13, 45] is one period (2 tokens) back; its continuation runs into
+    # the present and goes on as the loop does, rather than stopping after one period.
+    history = [7, 13, 45, 13, 45, 13, 45]
+    assert match_lookup(history, 2, 2, 5) == LookupMatch([13, 45, 13, 45, 13], 2)
+    assert continuation([1, 2, 3, 4, 2, 3], 3, 6) == [4, 2, 3, 4, 2, 3]  # after [2, 3] at 1: period 3
+    assert continuation([1, 2, 3, 4, 2, 3], 3, 2) == [4, 2]  # the history holds all of it
+    # A match whose continuation the history already holds is not extended.
+    assert match_lookup([1, 2, 9, 8, 7, 1, 2], 2, 2, 3) == LookupMatch([9, 8, 7], 2)
 
 
 def _score(cut: LookupRunLength, match: LookupMatch, actual: list[int]) -> None:

@@ -16,8 +16,24 @@ class LookupMatch:
     ngram: int = 0  # length of the n-gram that matched
 
 
+def continuation(history: list[int], begin: int, max_tokens: int) -> list[int]:
+    """Up to ``max_tokens`` tokens predicted to follow ``history`` by an earlier occurrence of its
+    last n-gram whose next token sits at index ``begin``.
+
+    The occurrence's own continuation, as far as the history holds it; where it reaches the
+    present, the text is taken to repeat with the period the match implies
+    (``len(history) - begin``), so a short loop ("13-13-13-") is proposed past its first period.
+    """
+    follow = history[begin : begin + max_tokens]
+    period = len(history) - begin
+    for j in range(len(follow), max_tokens if follow else 0):
+        follow.append(follow[j - period])
+    return follow
+
+
 def match_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> LookupMatch:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the history's last n-gram.
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the history's last n-gram
+    (``continuation``: repeated past the present where that occurrence reaches it).
 
     Tries the longest n first.
     """
@@ -27,7 +43,7 @@ def match_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens:
         # Scan from the most recent earlier start backwards: recent context predicts best.
         for start in range(length - n - 1, -1, -1):
             if history[start : start + n] == tail:
-                follow = history[start + n : start + n + max_tokens]
+                follow = continuation(history, start + n, max_tokens)
                 if follow:
                     return LookupMatch(follow, n)
     return LookupMatch([])
@@ -49,7 +65,7 @@ def match_lookups(
         for start in range(length - n - 1, -1, -1):
             if history[start : start + n] != tail:
                 continue
-            follow = history[start + n : start + n + max_tokens]
+            follow = continuation(history, start + n, max_tokens)
             if any(match.tokens[: len(follow)] == follow for match in matches):
                 continue
             matches.append(LookupMatch(follow, n))
