@@ -72,8 +72,11 @@ def test_calibration_is_cached_and_keyed_by_machine_and_dtype(tmp_path: Path, mo
     first = calibration.calibrate(model, policy, models, root=tmp_path)
     assert first.info["cached"] is False and first.info["seconds"] > 0
     assert set(first.verify) >= {1, 2, 4, 8} and set(first.draft_step) == {0}
+    # A batch's plain and draft steps, timed per row count (the tiny llama drafts rows together).
+    assert set(first.batch_plain) == set(first.batch_draft) == set(calibration.BATCH_ROWS)
     again = calibration.calibrate(model, policy, models, root=tmp_path)
     assert again.info["cached"] is True and again.verify == first.verify and again.draft_step == first.draft_step
+    assert again.batch_plain == first.batch_plain and again.batch_draft == first.batch_draft
 
     # Another CPU: the cached costs are not this machine's, so they are measured again.
     other = Machine("cpu", "Other CPU", "Other CPU", ("avx2",), 2)
@@ -120,6 +123,8 @@ def _damage_costs(change: str) -> Callable[[dict], None]:
         "head-sizes-not-in-key": lambda costs: costs.update(draft_step={"7": 1e-4, "-5": 1e-4, "9999999": 1e-4}),
         "extra-head-size": lambda costs: costs["draft_step"].update({"7": 1e-5}),
         "verify-a-list": lambda costs: costs.update(verify=[1, 2]),
+        "batch-rows-not-in-key": lambda costs: costs["batch_plain"].update({"3": 0.01}),
+        "zero-batch-draft": lambda costs: costs["batch_draft"].update({"2": 0}),
     }
     return changes[change]
 
@@ -138,6 +143,8 @@ DAMAGES = [
     "head-sizes-not-in-key",
     "extra-head-size",
     "verify-a-list",
+    "batch-rows-not-in-key",
+    "zero-batch-draft",
 ]
 
 

@@ -55,24 +55,35 @@ class DraftCosts:
     draft_step: dict[int, float]
     info: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
     precision: str = ""  # the draft copy the draft steps were timed on, where the calibration chose it
+    # A batch's steps by row count (engine.batch_prices): a plain batched step, and a batched draft
+    # step of the smallest head size (empty where the draft cannot draft rows together).
+    batch_plain: dict[int, float] = field(default_factory=dict)
+    batch_draft: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "plain_step": self.plain_step,
-            "verify": {str(k): v for k, v in sorted(self.verify.items())},
-            "draft_step": {str(k): v for k, v in sorted(self.draft_step.items())},
+            "verify": _keyed(self.verify),
+            "draft_step": _keyed(self.draft_step),
             "info": self.info,
             **({"precision": self.precision} if self.precision else {}),
+            **({"batch_plain": _keyed(self.batch_plain)} if self.batch_plain else {}),
+            **({"batch_draft": _keyed(self.batch_draft)} if self.batch_draft else {}),
         }
 
     @classmethod
     def from_dict(
-        cls, data: Any, head_sizes: Sequence[int] | None = None, blocks: Sequence[int] | None = None
+        cls,
+        data: Any,
+        head_sizes: Sequence[int] | None = None,
+        blocks: Sequence[int] | None = None,
+        batch_rows: Sequence[int] | None = None,
     ) -> DraftCosts:
         """Back from ``to_dict``, checked before anything prices a draft with it: every cost a
         finite number of seconds above 0 (and below ``MAX_SECONDS``), verify block lengths positive
-        integers, head sizes integers >= 0 (0: the full head); with ``head_sizes`` and ``blocks``
-        (what the calibration was made for) exactly those. ValueError says what is wrong: a cost
+        integers, head sizes integers >= 0 (0: the full head); with ``head_sizes``, ``blocks`` and
+        ``batch_rows`` (what the calibration was made for) exactly those (a batch curve may be
+        absent: a draft that cannot draft rows together has none). ValueError says what is wrong: a cost
         of 0 or a block of 0 would divide by zero where auto prices a step, a negative block would
         send its interpolation off the curve, and a head size the key does not hold was never
         measured for this model."""
@@ -87,13 +98,22 @@ class DraftCosts:
             _curve("draft_step", data.get("draft_step"), low=0),
             dict(info),
             _precision(data.get("precision", "")),
+            _curve("batch_plain", data["batch_plain"], low=1) if "batch_plain" in data else {},
+            _curve("batch_draft", data["batch_draft"], low=1) if "batch_draft" in data else {},
         )
         if blocks is not None and set(costs.verify) != set(blocks):
             raise ValueError(f"its verify blocks {few(sorted(costs.verify))} are not the calibrated {sorted(blocks)}")
+        for name, curve in (("batch_plain", costs.batch_plain), ("batch_draft", costs.batch_draft)):
+            if batch_rows is not None and curve and set(curve) != set(batch_rows):
+                raise ValueError(f"its {name} rows {few(sorted(curve))} are not the calibrated {sorted(batch_rows)}")
         if head_sizes is not None and set(costs.draft_step) != set(head_sizes):
             measured = few(sorted(costs.draft_step))
             raise ValueError(f"its head sizes {measured} are not the calibrated {sorted(head_sizes)}")
         return costs
+
+
+def _keyed(curve: dict[int, float]) -> dict[str, float]:
+    return {str(k): v for k, v in sorted(curve.items())}
 
 
 def _precision(value: Any) -> str:

@@ -15,9 +15,11 @@ verifies just its pending token: what a batched ``generate`` does), prompt looku
 draft, so it always fits in the verify), or each row's own drafter (the policy's: for ``auto``,
 lookup, the int4 skip draft or nothing, per row). Their tokens per second are measured as the
 batch runs (and carried to the decoder's next batch of that size), and the fastest is chosen;
-each other kind is tried again once the time since its last trial is many times what that trial
-cost, so exploring costs a few percent at most. A plain step is always on the menu, so a batch is
-not slower than plain batched decoding beyond that.
+before a kind has run, ``auto``'s calibration prices it (``engine.batch_prices``: the plain and
+draft steps of a batch timed per row count), so the first batch starts with the kind priced best.
+Each other kind is tried again once the time since its last trial (or its priced seconds) is many
+times that trial's cost, so exploring costs a few percent at most. A plain step is always on the
+menu, so a batch is not slower than plain batched decoding beyond that.
 
 Greedy output of every row is the full model's argmax chain, as for one prompt; sampled rows keep
 the model's distribution (rejection sampling per row).
@@ -33,10 +35,11 @@ from torch import nn
 from layerskip.drafts import base
 from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Proposals
 from layerskip.drafts.batch_skip import BatchSkipDraft
+from layerskip.drafts.builder import PreparedDraft
 from layerskip.drafts.lookup import match_lookup
 from layerskip.drafts.policy import DraftSettings
 from layerskip.engine.output import TokenOutput
-from layerskip.engine.step import StepOutcome, record_outcome
+from layerskip.engine.step import StepOutcome, Stepper, record_outcome
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import Verifier, verify_rows
 from layerskip.hf.cache import RollbackCache
@@ -45,6 +48,7 @@ from layerskip.hf.ragged import RaggedCache, ragged_hidden
 from layerskip.stats import DeviceClock, GenerationStats
 
 PLAIN, LOOKUP, DRAFT = "plain", "lookup", "draft"
+ALONE = "alone"  # steps of the last row, decoded as one generation (not a kind the batch chooses)
 # The batched skip draft's lengths on the menu (kind "skip:N"): a longer draft pays where the
 # draft is right more often; which one does on this model, text and machine is measured.
 SKIP_LENGTHS = (3, 6)
@@ -69,17 +73,35 @@ class StepKinds:
     last_seconds: dict[str, float] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)  # seconds of other kinds since each was tried
     steps: dict[str, int] = field(default_factory=dict)
+    # (expected tokens, seconds) of a step of each kind priced before it ran (engine.batch_prices):
+    # a kind's rate until it has been measured.
+    prices: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def rate(self, kind: str) -> float:
-        recent = self.recent[kind]
+        recent = self.recent.get(kind)
+        if not recent:
+            tokens, seconds = self.prices[kind]
+            return tokens / max(seconds * self.price_scale(), 1e-9)
         return sum(tokens for tokens, _ in recent) / max(sum(seconds for _, seconds in recent), 1e-9)
 
+    def price_scale(self) -> float:
+        """How much longer this batch's steps take than priced, over the priced kinds it measured
+        (1 before any): the calibration times short contexts, a batch's rows hold longer ones, and
+        that slows every kind of step alike, so an unmeasured kind's price is scaled by it."""
+        measured = priced = 0.0
+        for kind, recent in self.recent.items():
+            if kind in self.prices and recent:
+                measured += sum(seconds for _, seconds in recent)
+                priced += len(recent) * self.prices[kind][1]
+        return measured / priced if priced > 0 else 1.0
+
     def choose(self) -> str:
-        for kind in self.kinds:  # each kind once, the plain step first
-            if kind not in self.recent:
+        for kind in self.kinds:  # each kind without a price once, the plain step first
+            if kind not in self.recent and kind not in self.prices:
                 return kind
         for kind in self.kinds:
-            if self.since.get(kind, 0.0) > EXPLORE_AFTER * self.last_seconds[kind]:
+            last = self.last_seconds[kind] if kind in self.last_seconds else self.prices[kind][1]
+            if self.since.get(kind, 0.0) > EXPLORE_AFTER * last:
                 return kind
         return max(self.kinds, key=self.rate)
 
@@ -121,6 +143,7 @@ class BatchStepper:
     batch_draft: BatchSkipDraft | None = None
     started: float = 0.0  # the clock when the batch began (set-up included)
     finished: list[BatchRow] = field(default_factory=list)
+    prepared: PreparedDraft | None = None  # the policy's draft (its verify padding), for the last row alone
 
     def prefill(self) -> None:
         """Every prompt into the cache, and each row's first token. Prompts of similar lengths go
@@ -238,6 +261,26 @@ class BatchStepper:
             raise RuntimeError("a branching token tree reached the batched verify, which keeps chains only")
         return proposal
 
+    def finish_alone(self) -> None:
+        """The batch's last row to its end as one generation (``engine.step.Stepper``): its own
+        drafter, and a one-row verify through its view of the cache. A batched step of one row
+        pays for the batch's masks and positions, and the kinds' rates were measured with more
+        rows; alone, the row decodes as a single prompt does."""
+        (row,) = self.rows
+        committed = self.cache.lengths[0]
+        view = self.cache.row_view(0)  # grows on its own buffers if the row outruns the batch's
+        alone = Stepper(
+            self.model, view, row.drafter, row.verifier, self.prepared, self.threads, self.clock, self.device
+        )
+        steps = 0
+        while not row.output.done:
+            outcome = alone.step(row.output.history, committed, budget=row.output.remaining - 1)
+            committed += 1 + outcome.verdict.accepted
+            record_outcome(row.stats, row.drafter, outcome, kept=row.output.emit(outcome.tokens))
+            steps += 1
+        self.kinds.steps[ALONE] = self.kinds.steps.get(ALONE, 0) + steps
+        self._leave()
+
     def _leave(self) -> None:
         """Finished rows leave the batch (the cache drops their rows); each row's time is its own."""
         if not any(row.output.done for row in self.rows):
@@ -271,8 +314,12 @@ def step_kinds(rows: int, has_draft: bool, has_lookup: bool, batch_draft: bool) 
 
 
 def run_batch(stepper: BatchStepper) -> list[BatchRow]:
-    """Prefill, then steps until every row has finished; the rows in the caller's order."""
+    """Prefill, then steps until every row has finished (the last one alone); the rows in the
+    caller's order."""
     stepper.prefill()
     while stepper.rows:
-        stepper.step()
+        if len(stepper.rows) == 1:
+            stepper.finish_alone()
+        else:
+            stepper.step()
     return sorted(stepper.finished, key=lambda row: row.index)

@@ -1,8 +1,9 @@
 """``auto``'s calibration: what each drafting choice costs on the machine at hand, cached.
 
 Measured with the latency model the search uses (``engine.latency``): a plain step and the
-engine's greedy verify per block length (the verify curve t(n)), and one draft step (nothing
-bypassed, the draft's precision) per candidate head size; where the policy lets it, the draft's
+engine's greedy verify per block length (the verify curve t(n)), one draft step (nothing
+bypassed, the draft's precision) per candidate head size, and a batch's plain and draft steps per
+row count (``engine.batch_prices`` prices a batch's steps with them); where the policy lets it, the draft's
 precision first (int4 or int8, each copy's agreement with the model and draft step priced:
 ``engine.precision_choice``). It is cached in the ``calibration``
 cache (``engine.result_cache``: ``$LAYERSKIP_CALIBRATION_CACHE``, default ``calibration/`` in
@@ -28,7 +29,7 @@ from layerskip.drafts.auto import best_skip_rate
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.costs import DraftCosts, block_cost
 from layerskip.drafts.policy import SkipPolicy
-from layerskip.engine.latency import head_size_timings, measure_latency
+from layerskip.engine.latency import BatchStepTimings, batch_step_timings, head_size_timings, measure_latency
 from layerskip.engine.precision_choice import (
     PrecisionPrice,
     agreement,
@@ -43,11 +44,13 @@ from layerskip.hf.forward import full_logits
 from layerskip.hf.prompting import first_token_id
 from layerskip.machine import this_machine
 
-FORMAT = 2  # 2: with the draft's precision chosen
+FORMAT = 3  # 2: with the draft's precision chosen; 3: with a batch's steps by row count
 VERIFY_BLOCKS = (2, 3, 4, 5, 6, 8, 12, 17)  # 17: a lookup run of 16 and the pending token
+BATCH_ROWS = (1, 2, 4, 8, 16)  # row counts a batch's plain and draft steps are timed at
 PLAIN_REPEATS = 9
 VERIFY_REPEATS = 5
 DRAFT_REPEATS = 7
+BATCH_REPEATS = 3
 CONTEXT_TOKENS = 96  # attention over a realistic context, as after a short prompt
 
 Log = Callable[[str], None]
@@ -72,6 +75,7 @@ def calibration_key(model: nn.Module, policy: SkipPolicy) -> dict[str, Any]:
         "precisions": list(candidates(policy.draft.precision, policy.auto.choose_precision)),
         "head_sizes": list(policy.auto.head_sizes(vocab)),
         "blocks": list(VERIFY_BLOCKS),
+        "batch_rows": list(BATCH_ROWS),
     }
 
 
@@ -140,10 +144,17 @@ def _measure(
         )
     draft_model = models.get(precision)  # the copy auto drafts from: every sublayer
     draft = head_size_timings(draft_model, context, key["head_sizes"], DRAFT_REPEATS)
+    batch = BatchStepTimings({}, {})
+    if draft_model.lean is not None:  # a batch drafts its rows together only through the lean step
+        # The smallest head a batch may draft with: the draft curve's shape over rows, which
+        # engine.batch_prices scales to the head size a batch chooses.
+        head = min((size for size in key["head_sizes"] if size), default=0)
+        batch = batch_step_timings(model, draft_model, context, key["batch_rows"], head, BATCH_REPEATS)
+        info["batch_draft_head"] = head
     if latency.warning is not None:
         info["warning"] = latency.warning
     chosen = precision if len(key["precisions"]) > 1 else ""
-    return DraftCosts(latency.plain_step_seconds, latency.verify_seconds, draft, info, chosen)
+    return DraftCosts(latency.plain_step_seconds, latency.verify_seconds, draft, info, chosen, batch.plain, batch.draft)
 
 
 def _choose_precision(
@@ -193,4 +204,4 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
 def _costs(data: dict[str, Any], key: dict[str, Any]) -> DraftCosts:
     """The cached costs, if they hold what ``key`` asked for (ValueError: out of range, or for other
     head sizes or blocks; ``calibrate`` then measures again)."""
-    return DraftCosts.from_dict(data.get("costs"), key["head_sizes"], [1, *key["blocks"]])
+    return DraftCosts.from_dict(data.get("costs"), key["head_sizes"], [1, *key["blocks"]], key["batch_rows"])

@@ -21,6 +21,7 @@ from layerskip.drafts.onthefly import SelectionState
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import load_policy
 from layerskip.engine.batch import BatchRow, BatchStepper, StepKinds, run_batch, step_kinds
+from layerskip.engine.batch_prices import BatchPrices
 from layerskip.engine.calibration import prepare_calibration
 from layerskip.engine.output import (
     CacheObserver,
@@ -226,6 +227,9 @@ class Decoder:
             batch_draft = None if self.draft is None else self.draft.batch_draft(run, ids)
             menu = step_kinds(len(rows), self.draft is not None, lookup is not None, batch_draft is not None)
             key = (len(rows), settings.sampling is None, menu.kinds)
+            if key not in self.batch_rates and self.draft is not None and self.draft.auto is not None:
+                prices = BatchPrices.from_auto(self.draft.auto)  # at the head size batch_draft chose
+                menu.prices = prices.priced(menu.kinds, len(rows)) if prices is not None else {}
             kinds = self.batch_rates.setdefault(key, menu)  # the rates the last such batch measured
             steps_before = dict(kinds.steps)
             stepper = BatchStepper(
@@ -239,6 +243,7 @@ class Decoder:
                 self.device,
                 batch_draft,
                 started=start,
+                prepared=self.draft,
             )
             results = []
             for row in run_batch(stepper):

@@ -27,6 +27,7 @@ from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache, model_cache
 from layerskip.hf.forward import full_hidden, full_logits
+from layerskip.hf.ragged import model_ragged_cache, ragged_hidden
 
 K = TypeVar("K")
 PLAIN_REPEATS = 15  # plain-step timings: their spread tells whether the machine was busy
@@ -151,6 +152,59 @@ def head_size_timings(
         steps[size] = step
     seconds = interleaved_timings(steps, device, repeats)
     return {size: statistics.median(values) for size, values in seconds.items()}
+
+
+@dataclass
+class BatchStepTimings:
+    """Median seconds of one batched step per row count: a plain step (every row verifies its
+    pending token, greedy, as the engine's batched verify runs it) and a draft step (every row
+    drafts one token in one lean forward, nothing bypassed)."""
+
+    plain: dict[int, float]
+    draft: dict[int, float]
+
+
+@torch.inference_mode()
+def batch_step_timings(
+    model: nn.Module, draft_model: DraftModel, context: Sequence[int], rows: Sequence[int], head_size: int, repeats: int
+) -> BatchStepTimings:
+    """``BatchStepTimings`` for each of ``rows`` rows, every row holding ``context``; the draft
+    scores a head of ``head_size`` ranked rows (0: every row) plus the context's tokens.
+
+    One ragged cache of the most rows is prefilled once; fewer rows keep its first ones (the
+    largest count is timed first)."""
+    device = next(model.parameters()).device
+    largest = max(rows)
+    cache = model_ragged_cache(model, largest)
+    ragged_hidden(model, torch.tensor([list(context)] * largest, device=device), cache)
+    length = len(context)
+    cache.set_lengths([length] * largest)
+    cache.reserve(length + 2)
+    greedy = engine_verify_head(model)
+    ranked = None if not head_size else torch.tensor(sorted({*range(head_size), *context}), dtype=torch.long)
+    head = draft_model.head(ranked)
+    plain: dict[int, float] = {}
+    draft: dict[int, float] = {}
+    for count in sorted(set(rows), reverse=True):
+        if cache.rows > count:
+            cache.keep_rows(list(range(count)))
+        token = torch.full((count,), context[-1], device=device)  # [R]
+        lengths = [length] * count
+
+        def plain_step(token: torch.Tensor = token, lengths: list[int] = lengths) -> None:
+            hidden = ragged_hidden(model, token[:, None], cache)  # [R, 1, H]
+            greedy.argmax(hidden[:, 0])
+            cache.set_lengths(lengths)
+
+        def draft_step(token: torch.Tensor = token, lengths: list[int] = lengths) -> None:
+            with draft_model.active((), ()):
+                head(draft_model.hidden_rows(token, cache)).argmax(-1)  # [R, n] -> [R]
+            cache.set_lengths(lengths)
+
+        seconds = interleaved_timings({"plain": plain_step, "draft": draft_step}, device, repeats)
+        plain[count] = statistics.median(seconds["plain"])
+        draft[count] = statistics.median(seconds["draft"])
+    return BatchStepTimings(plain, draft)
 
 
 @torch.inference_mode()

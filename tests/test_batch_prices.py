@@ -1,0 +1,79 @@
+"""A batch's step kinds priced from the calibration before they run, then chosen by what they measure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from layerskip.drafts.costs import expected_tokens
+from layerskip.engine.batch import EXPLORE_AFTER, StepKinds
+from layerskip.engine.batch_prices import BatchPrices
+
+
+def _prices(acceptance: float = 0.8) -> BatchPrices:
+    # One row's verify costs 10 ms plus 1 ms a position; a plain batched step 20 ms at 1 row and
+    # 40 ms at 4; a batched draft step 5 ms at 1 row and 10 ms at 4 (the calibration's head), and
+    # 4 ms at 1 row with the batch's head.
+    return BatchPrices(
+        plain={1: 0.020, 4: 0.040},
+        draft_rows={1: 0.005, 4: 0.010},
+        verify=lambda n: 0.010 + 0.001 * n,
+        draft_step=0.004,
+        acceptance=acceptance,
+        max_draft=6,
+    )
+
+
+def test_a_batch_step_is_priced_from_the_calibrated_curves() -> None:
+    prices = _prices()
+    assert prices.price("plain", 4) == pytest.approx((4.0, 0.040))
+    assert prices.price("lookup", 4) == prices.price("plain", 4)  # a row without a match verifies one token
+    # 4 rows of 4 positions: the plain step of 4 rows grown as one row's verify grows from 4 to 16 positions.
+    assert prices.verify_rows(4, 4) == pytest.approx(0.040 * 0.026 / 0.014)
+    assert prices.draft_rows_step(4) == pytest.approx(0.004 * 2)  # the rows curve doubles from 1 to 4 rows
+    assert prices.verify_rows(2, 1) == pytest.approx(0.020 + (0.040 - 0.020) / 3)  # interpolated rows
+    tokens, seconds = prices.price("skip:3", 4)
+    assert tokens == pytest.approx(4 * expected_tokens(0.8, 3))
+    assert seconds == pytest.approx(3 * 0.008 + prices.verify_rows(4, 4))
+    # Rows' own drafters, one after another, at their best length.
+    tokens, seconds = prices.price("draft", 2)
+    best = max((2 * expected_tokens(0.8, g)) / (2 * g * 0.004 + prices.verify_rows(2, g + 1)) for g in range(1, 7))
+    assert tokens / seconds == pytest.approx(best)
+    assert prices.price("something else", 4) is None
+    assert set(prices.priced(("plain", "skip:3", "unknown"), 4)) == {"plain", "skip:3"}
+
+
+def test_a_draft_that_is_rarely_right_is_priced_below_a_plain_step() -> None:
+    rate = {kind: tokens / seconds for kind, (tokens, seconds) in _prices(0.05).priced(("plain", "skip:6"), 4).items()}
+    assert rate["plain"] > rate["skip:6"]
+    rate = {kind: tokens / seconds for kind, (tokens, seconds) in _prices(0.9).priced(("plain", "skip:6"), 4).items()}
+    assert rate["skip:6"] > rate["plain"]
+
+
+def test_priced_kinds_start_from_the_best_price_and_are_explored_by_their_priced_seconds() -> None:
+    kinds = StepKinds(("plain", "lookup", "skip:3"), prices={"plain": (4.0, 0.04), "skip:3": (10.0, 0.05)})
+    assert kinds.choose() == "lookup"  # unpriced: measured once first
+    kinds.observe("lookup", 4, 0.04)
+    assert kinds.choose() == "skip:3"  # priced best: no trial of the plain step first
+    kinds.observe("skip:3", 4, 0.05)  # measured far below its price: the measurement counts from now on
+    assert kinds.rate("skip:3") == pytest.approx(80.0)
+    assert kinds.choose() in ("plain", "lookup")  # both rate 100 tokens/s; skip:3 measured 80
+    # Steps that take twice their priced seconds (longer contexts than the calibration's) scale
+    # the prices of the kinds not yet measured alike.
+    kinds = StepKinds(("plain", "skip:3"), prices={"plain": (4.0, 0.04), "skip:3": (10.0, 0.05)})
+    kinds.observe("skip:3", 10, 0.10)
+    assert kinds.price_scale() == pytest.approx(2.0)
+    assert kinds.rate("plain") == pytest.approx(50.0)
+    # The plain step, never run, is tried once its priced seconds times EXPLORE_AFTER have passed.
+    kinds = StepKinds(("plain", "skip:3"), prices={"plain": (4.0, 0.041), "skip:3": (10.0, 0.05)})
+    while "plain" not in kinds.recent:
+        kinds.observe(kinds.choose(), 10, 0.05)
+    assert kinds.steps["skip:3"] == math.floor(EXPLORE_AFTER * 0.041 / 0.05) + 1  # 21 steps: 1.05 s > 1.025 s
+
+
+def test_without_prices_every_kind_is_tried_once_the_plain_step_first() -> None:
+    kinds = StepKinds(("plain", "lookup"))
+    assert kinds.choose() == "plain"
+    kinds.observe("plain", 2, 0.02)
+    assert kinds.choose() == "lookup"
