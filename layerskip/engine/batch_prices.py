@@ -65,7 +65,10 @@ class BatchPrices:
 
     def draft_rows_step(self, rows: int) -> float:
         """Seconds of one batched draft step of ``rows`` rows with the batch's head."""
-        return self.draft_step * block_cost(self.draft_rows, rows) / block_cost(self.draft_rows, 1)
+        # One row's batched draft step, extrapolated where the calibration starts at 2 rows (never
+        # below half the cheapest timed: a steep curve must not send it to 0).
+        one = max(block_cost(self.draft_rows, 1), 0.5 * min(self.draft_rows.values()))
+        return self.draft_step * block_cost(self.draft_rows, rows) / one
 
     def price(self, kind: str, rows: int) -> Price | None:
         """Expected tokens and seconds of one step of ``kind`` (None: a kind not priced here)."""

@@ -46,11 +46,11 @@ from layerskip.machine import this_machine
 
 FORMAT = 3  # 2: with the draft's precision chosen; 3: with a batch's steps by row count
 VERIFY_BLOCKS = (2, 3, 4, 5, 6, 8, 12, 17)  # 17: a lookup run of 16 and the pending token
-BATCH_ROWS = (1, 2, 4, 8, 16)  # row counts a batch's plain and draft steps are timed at
+BATCH_ROWS = (2, 4, 8, 16)  # row counts a batch's plain and draft steps are timed at (one row goes alone)
 PLAIN_REPEATS = 9
 VERIFY_REPEATS = 5
 DRAFT_REPEATS = 7
-BATCH_REPEATS = 3
+BATCH_REPEATS = 2
 CONTEXT_TOKENS = 96  # attention over a realistic context, as after a short prompt
 
 Log = Callable[[str], None]

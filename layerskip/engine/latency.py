@@ -171,12 +171,13 @@ def batch_step_timings(
     """``BatchStepTimings`` for each of ``rows`` rows, every row holding ``context``; the draft
     scores a head of ``head_size`` ranked rows (0: every row) plus the context's tokens.
 
-    One ragged cache of the most rows is prefilled once; fewer rows keep its first ones (the
-    largest count is timed first)."""
+    One row is prefilled and copied to the most rows; fewer rows keep the first ones (the largest
+    count is timed first)."""
     device = next(model.parameters()).device
     largest = max(rows)
-    cache = model_ragged_cache(model, largest)
-    ragged_hidden(model, torch.tensor([list(context)] * largest, device=device), cache)
+    cache = model_ragged_cache(model, 1)
+    ragged_hidden(model, torch.tensor([list(context)], device=device), cache)
+    cache.keep_rows([0] * largest)  # every row holds the same context: one prefill, copied
     length = len(context)
     cache.set_lengths([length] * largest)
     cache.reserve(length + 2)
