@@ -263,9 +263,9 @@ class BatchStepper:
 
     def finish_alone(self) -> None:
         """The batch's last row to its end as one generation (``engine.step.Stepper``): its own
-        drafter, and a one-row verify through its view of the cache. A batched step of one row
-        pays for the batch's masks and positions, and the kinds' rates were measured with more
-        rows; alone, the row decodes as a single prompt does."""
+        drafter, and a one-row verify through its view of the cache. The kinds' rates were
+        measured with more rows, and the row's own drafter (``auto``: lookup, the skip draft or
+        nothing, its length by cost) fits one row better than the batch's fixed kinds."""
         (row,) = self.rows
         committed = self.cache.lengths[0]
         view = self.cache.row_view(0)  # grows on its own buffers if the row outruns the batch's
