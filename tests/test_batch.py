@@ -264,3 +264,15 @@ def test_prompts_of_one_length_go_in_one_padded_prefill(arch: str, rotate_kinds:
     results = decoder.decode_batch(prompts, DecodeSettings(max_new_tokens=NEW_TOKENS))
     for (tokens, _), (ref, logits) in zip(results, references, strict=True):
         assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} one length")
+
+
+def test_the_time_spent_growing_the_ragged_cache_is_counted_apart() -> None:
+    """A step that grew the buffers is rated without that time (the batch subtracts it)."""
+    cache = model_ragged_cache(_model("llama"), 2)
+    ragged_hidden(_model("llama"), torch.tensor([[1, 2, 3], [4, 5, 6]]), cache)
+    cache.set_lengths([3, 3])
+    capacity, before = cache.capacity, cache.growth_seconds
+    cache.reserve(capacity)  # room enough: nothing grows
+    assert cache.growth_seconds == before
+    cache.reserve(capacity + 1)
+    assert cache.capacity >= capacity + 1 and cache.growth_seconds > before

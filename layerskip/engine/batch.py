@@ -186,6 +186,7 @@ class BatchStepper:
 
     def step(self) -> None:
         kind = self.kinds.choose()
+        grown = self.cache.growth_seconds
         start = self.clock.now()
         proposals = self._proposals(kind)
         drafted = self.clock.now()
@@ -211,7 +212,9 @@ class BatchStepper:
             kept = row.output.emit(outcome.tokens)
             tokens += kept
             record_outcome(row.stats, row.drafter if kind == DRAFT else None, outcome, kept)
-        self.kinds.observe(kind, tokens, seconds)
+        # A step that grew the cache's buffers rates its kind without that: growth comes a few
+        # times per batch (the buffers double) and would brand whichever kind happened to run.
+        self.kinds.observe(kind, tokens, seconds - (self.cache.growth_seconds - grown))
         self._leave()
 
     def _proposals(self, kind: str) -> Proposals:

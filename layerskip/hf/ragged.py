@@ -15,6 +15,7 @@ views of row ``b`` of these buffers, so the draft's K/V land where the verify wi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -100,6 +101,7 @@ class RaggedCache(DynamicCache):
         super().__init__()
         self.dtype = dtype
         self.capacity = _MIN_CAPACITY
+        self.growth_seconds = 0.0  # time spent growing the buffers (a step that grew is not its kind's usual cost)
         self.lengths = [0] * rows
         self._write_index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (q, rows, positions)
         self.layers = [RaggedLayer(window, self) for window in sliding_windows]
@@ -127,8 +129,10 @@ class RaggedCache(DynamicCache):
         if positions <= self.capacity:
             return
         self.capacity = max(2 * self.capacity, positions)
+        start = time.perf_counter()
         for layer in self.layers:
             layer.grow(self.capacity)
+        self.growth_seconds += time.perf_counter() - start
 
     def write_index(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row indices ``[B, 1]`` and buffer positions ``[B, q]`` a block of ``q`` is written at
