@@ -270,17 +270,11 @@ class BatchStepper:
         measured with more rows, and the row's own drafter (``auto``: lookup, the skip draft or
         nothing, its length by cost) fits one row better than the batch's fixed kinds."""
         (row,) = self.rows
-        committed = self.cache.lengths[0]
         view = self.cache.row_view(0)  # grows on its own buffers if the row outruns the batch's
         alone = Stepper(
             self.model, view, row.drafter, row.verifier, self.prepared, self.threads, self.clock, self.device
         )
-        steps = 0
-        while not row.output.done:
-            outcome = alone.step(row.output.history, committed, budget=row.output.remaining - 1)
-            committed += 1 + outcome.verdict.accepted
-            record_outcome(row.stats, row.drafter, outcome, kept=row.output.emit(outcome.tokens))
-            steps += 1
+        steps = alone.run(row.output, row.stats, self.cache.lengths[0])
         self.kinds.steps[ALONE] = self.kinds.steps.get(ALONE, 0) + steps
         self._leave()
 

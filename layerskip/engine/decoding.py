@@ -32,7 +32,7 @@ from layerskip.engine.output import (
     prompt_ids,
     seeded_generator,
 )
-from layerskip.engine.step import Stepper, record_outcome
+from layerskip.engine.step import Stepper
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import LogitsHook, verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
@@ -163,12 +163,7 @@ class Decoder:
             output.emit([first.next_token])
             if cache_observer is not None:
                 cache_observer(stepper.cache, committed)
-            while not output.done:
-                outcome = stepper.step(output.history, committed, budget=output.remaining - 1)
-                committed += 1 + outcome.verdict.accepted
-                record_outcome(stats, drafter, outcome, kept=output.emit(outcome.tokens))
-                if cache_observer is not None:
-                    cache_observer(stepper.cache, committed)
+            stepper.run(output, stats, committed, cache_observer)
             drafter.report(stats)
             self._finish(stats, fallbacks_before)
             stats.total_seconds = clock.now() - start

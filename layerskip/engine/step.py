@@ -16,6 +16,7 @@ The prefill is the first forward, over the prompt, with nothing drafted. The dec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 from layerskip.drafts.base import LOOKUP, NONE, SKIP, Drafter, DraftRequest, Proposal, Verdict, off_first_branch
 from layerskip.drafts.builder import PreparedDraft
 from layerskip.drafts.token_tree import TokenTree
+from layerskip.engine.output import TokenOutput
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import Verifier
 from layerskip.hf.cache import RollbackCache
@@ -80,6 +82,26 @@ class Stepper:
         verdict, block = self._verify(proposal, history, committed)
         draft_seconds = drafted - start if proposal.source != NONE else 0.0
         return StepOutcome(proposal, verdict, block, draft_seconds, self.clock.now() - drafted)
+
+    def run(
+        self,
+        output: TokenOutput,
+        stats: GenerationStats,
+        committed: int,
+        after_step: Callable[[RollbackCache, int], None] | None = None,
+    ) -> int:
+        """Steps until ``output`` is done, from ``committed`` tokens in the cache; each step's
+        figures go to ``stats`` (the drafter learns its verdicts). ``after_step(cache, committed)``
+        is called after each. Returns the steps taken."""
+        steps = 0
+        while not output.done:
+            outcome = self.step(output.history, committed, budget=output.remaining - 1)
+            committed += 1 + outcome.verdict.accepted
+            record_outcome(stats, self.drafter, outcome, kept=output.emit(outcome.tokens))
+            steps += 1
+            if after_step is not None:
+                after_step(self.cache, committed)
+        return steps
 
     def _propose(self, history: list[int], budget: int) -> Proposal:
         if budget <= 0:

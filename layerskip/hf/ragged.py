@@ -15,8 +15,8 @@ views of row ``b`` of these buffers, so the draft's K/V land where the verify wi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
+from time import perf_counter
 
 import torch
 from torch import nn
@@ -129,10 +129,10 @@ class RaggedCache(DynamicCache):
         if positions <= self.capacity:
             return
         self.capacity = max(2 * self.capacity, positions)
-        start = time.perf_counter()
+        start = perf_counter()
         for layer in self.layers:
             layer.grow(self.capacity)
-        self.growth_seconds += time.perf_counter() - start
+        self.growth_seconds += perf_counter() - start
 
     def write_index(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row indices ``[B, 1]`` and buffer positions ``[B, q]`` a block of ``q`` is written at
