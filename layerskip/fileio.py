@@ -8,7 +8,10 @@ expects; anything else is one ``LayerskipError`` line that names the file, the p
 
 Writing: atomic (a reader sees the old file or the whole new one, never half of it), and only
 over a regular file or a new path, checked before any work (``check_output_file``,
-``check_output_dir``) and again at the moment of writing.
+``check_output_dir``) and again at the moment of writing. Links: a file in a folder the project
+owns (a cache entry: ``owned=True``) is never written through one, the link itself is replaced
+by the file; a path the user named is written through a link to an existing file (their link,
+or /dev/stdout, stays), and a link that leads nowhere is replaced.
 """
 
 from __future__ import annotations
@@ -40,27 +43,29 @@ class NotRegularFile(LayerskipError):
 # -- writing ---------------------------------------------------------------------------------------
 
 
-def _special(path: Path) -> bool:
-    """Whether ``path`` exists (through links) as something other than a regular file or a directory."""
+def _special(path: Path, follow_links: bool = True) -> bool:
+    """Whether ``path`` exists as something other than a regular file, a directory or (not
+    ``follow_links``) a link, which is then looked at itself rather than what it leads to."""
     try:
-        mode = path.stat().st_mode
+        mode = (path.stat() if follow_links else path.lstat()).st_mode
     except OSError:
         return False  # absent, or a dangling link: writing makes a new file there
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
 
 
-def _refuse_special(path: Path, flag: str | None = None) -> None:
-    if _special(path):
+def _refuse_special(path: Path, flag: str | None = None, follow_links: bool = True) -> None:
+    if _special(path, follow_links):
         named = f"{flag} {path}" if flag else str(path)
         raise NotRegularFile(f"{named} {NOT_REGULAR}; it is left as it is: name a regular file or a new path")
 
 
-def replace_file(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
-    """Move the finished file ``source`` onto ``path`` (a rename: atomic), unless ``path`` is a
-    FIFO, device or socket, which is never replaced (``source`` is then removed)."""
+def replace_file(source: str | os.PathLike[str], path: str | os.PathLike[str], *, owned: bool = False) -> Path:
+    """Move the finished file ``source`` onto ``path`` (a rename: atomic; a link at ``path`` is
+    replaced, never followed), unless ``path`` is a FIFO, device or socket, or (not ``owned``) a
+    link to one, which is never replaced (``source`` is then removed)."""
     path = Path(path)
     try:
-        _refuse_special(path)
+        _refuse_special(path, follow_links=not owned)
     except NotRegularFile:
         Path(source).unlink(missing_ok=True)
         raise
@@ -74,9 +79,17 @@ def _through_link(path: Path) -> Path:
     return Path(os.path.realpath(path)) if path.is_symlink() and path.exists() else path
 
 
-def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes) -> Path:
-    path = _through_link(Path(path))
-    _refuse_special(path)  # before the temporary exists: nothing to clean up
+def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes, *, owned: bool = False) -> Path:
+    """Write ``payload`` to ``path`` atomically; returns the path written.
+
+    ``owned``: ``path`` lies in a folder the project owns (a cache), where a link was not put by the
+    project and must not carry the write out of it: a link there, to a file, a folder or nowhere,
+    is replaced by the regular file and what it led to is left as it is. Otherwise ``path`` is one
+    the user named, and a link to an existing file is written through (see ``_through_link``)."""
+    path = Path(path)
+    if not owned:
+        path = _through_link(path)
+    _refuse_special(path, follow_links=not owned)  # before the temporary exists: nothing to clean up
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -86,26 +99,38 @@ def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        replace_file(tmp, path)
+        replace_file(tmp, path, owned=owned)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    return write_bytes_atomic(path, text.encode())
+def write_text_atomic(path: str | os.PathLike[str], text: str, *, owned: bool = False) -> Path:
+    return write_bytes_atomic(path, text.encode(), owned=owned)
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
-    return write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+def write_json_atomic(path: str | os.PathLike[str], data: Any, *, owned: bool = False) -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=2) + "\n", owned=owned)
 
 
 def _nearest_existing(path: Path) -> Path:
-    """``path`` or its closest ancestor that exists (what a later mkdir would start from)."""
-    while not path.exists() and path != path.parent:
+    """``path`` or its closest ancestor that exists (what a later mkdir would start from); a link
+    that leads nowhere counts, since mkdir stops at it too."""
+    while not (path.exists() or path.is_symlink()) and path != path.parent:
         path = path.parent
     return path
+
+
+def _broken_link(path: Path) -> str | None:
+    """Why ``path`` leads nowhere, if it is a link that does (to a missing file, or a loop)."""
+    if not path.is_symlink():
+        return None
+    try:
+        path.stat()
+    except OSError as error:
+        return _path_problem(path, error)
+    return None
 
 
 def _writable(directory: Path) -> bool:
@@ -126,6 +151,9 @@ def _writable(directory: Path) -> bool:
 def _check_creatable(path: Path, flag: str) -> None:
     """``path`` does not exist yet: its closest existing ancestor must be a writable directory."""
     base = _nearest_existing(path.parent)
+    problem = _broken_link(base)
+    if problem is not None:
+        raise LayerskipError(f"{flag} {path}: {base}: {problem}; choose another path")
     if not base.is_dir():
         raise LayerskipError(f"{flag} {path}: {base} is a file, not a directory; choose another path")
     if not _writable(base):
@@ -169,6 +197,9 @@ def check_output_dir(path: str | os.PathLike[str], flag: str, files: Iterable[st
                 raise LayerskipError(f"{flag} {path} holds a directory {name} where a file goes; choose another path")
             _refuse_special(path / name, flag)
         return path
+    problem = _broken_link(path)
+    if problem is not None:  # no directory can be made there: it is the link's name
+        raise LayerskipError(f"{flag} {path}: {problem}; choose another path")
     _check_creatable(path, flag)
     return path
 

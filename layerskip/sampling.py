@@ -14,6 +14,14 @@ import torch
 
 from layerskip.errors import LayerskipError
 
+# Both samplers divide float32 logits by the temperature (HF's generate and ``probs`` cast the
+# model's logits to float32 first, whatever its dtype). HF's warper divides them as they are: from
+# this temperature up, any logit below 3e8 (far past any model's) stays under float32's 3.4e38;
+# below it they overflow sooner and the probabilities turn NaN. Ours shifts the top logit to 0
+# first, but a temperature like 1e-300 is 0 in float32 all the same. So small a temperature is
+# greedy decoding in all but name: it is refused, and the bench's HF baseline never sees it.
+MIN_TEMPERATURE = 1e-30
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -26,6 +34,11 @@ class Sampling:
             raise LayerskipError(
                 f"temperature must be a finite number > 0, got {self.temperature} "
                 "(use greedy decoding instead of temperature 0)"
+            )
+        if self.temperature < MIN_TEMPERATURE:
+            raise LayerskipError(
+                f"temperature must be at least {MIN_TEMPERATURE:g}, got {self.temperature:g}: logits divided by it "
+                "overflow float32; use greedy decoding, which so small a temperature amounts to"
             )
         if self.top_k < 0:
             raise LayerskipError("top_k must be >= 0 (0 disables it)")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
+
+from layerskip.cli.reference import main
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
-def parsers() -> dict:
+def parsers() -> dict[str, argparse.ArgumentParser]:
     """The four tools by their installed names, as docs/cli.md lists them."""
     from layerskip.cli import bench, generate, train_exit
     from layerskip.search import cli as search_cli
@@ -21,23 +23,5 @@ def parsers() -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    from layerskip.cli.reference import reference
-
-    check = "--check" in (sys.argv[1:] if argv is None else argv)
-    text = reference(parsers())
-    if DOC.is_file() and DOC.read_text() == text:
-        print(f"{DOC} is up to date", file=sys.stderr)
-        return 0
-    if check:
-        print(f"{DOC} is out of date; run: python scripts/cli_reference.py", file=sys.stderr)
-        return 1
-    from layerskip.fileio import write_text_atomic
-
-    write_text_atomic(DOC, text)
-    print(f"wrote {DOC}", file=sys.stderr)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(DOC, parsers))

@@ -6,6 +6,7 @@ Everything lands in results/demo/ (study database, policy, plots). Re-running re
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from layerskip.cli.generate import main as generate_main
@@ -15,7 +16,8 @@ from layerskip.search.cli import main as search_main
 OUT = Path("results/demo")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     print(
         "== 1. searching a skip policy for smollm2-135m (16 trials: ranked sublayer bypasses, int4 or fp32 "

@@ -80,6 +80,7 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
         architecture=attrs.get("model_architecture", ""),
         num_layers=int(attrs.get("model_num_layers", 0)),
         fingerprint=attrs.get("model_fingerprint", ""),
+        weights_sample=attrs.get("model_weights_sample", ""),
     )
     measured = {key: trial.user_attrs[key] for key in CHEAP_FIGURES if key in trial.user_attrs}
     confirmed = confirmations(study).get(trial.number)

@@ -231,6 +231,7 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
         "model_architecture": adapters.architecture_of(model),
         "model_num_layers": adapters.num_layers(model),
         "model_fingerprint": adapters.weights_fingerprint(model),
+        "model_weights_sample": adapters.weights_sample_digest(model),
         "objective": args.objective,
     }
     space = space_from_flags(args, adapters.num_layers(model), inputs.exit_choices)

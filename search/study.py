@@ -195,7 +195,7 @@ def check_study_matches(attrs: dict[str, Any] | None, name: str, identity: dict[
     """An existing study must have been made for the same model and objective."""
     if attrs is None:
         return
-    for key in ("model_fingerprint", "objective", "model_architecture"):
+    for key in ("model_fingerprint", "model_weights_sample", "objective", "model_architecture"):
         if key in attrs and key in identity and attrs[key] != identity[key]:
             raise LayerskipError(
                 f"study '{name}' was created for model {attrs.get('model_name', '?')} with {key}={attrs[key]!r} "

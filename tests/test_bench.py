@@ -647,6 +647,21 @@ def bench_cli(capsys: pytest.CaptureFixture[str]):
     return run
 
 
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--batch-size", "1,2", "--batch-layouts", ","], ["--batch-layouts names no layout"]),
+        (["--batch-size", ","], ["--batch-size names no batch size"]),
+    ],
+    ids=["no-layout", "no-size"],
+)
+def test_cli_an_empty_batch_list_is_refused(bench_cli, tmp_path: Path, args: list[str], fragments: list[str]) -> None:
+    """No layout ran nothing and wrote an empty table; no size ran the per-prompt benchmark instead."""
+    result = bench_cli("--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), *args)
+    assert_bad_input(result, *fragments)
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_from_results_bad_file(bench_cli, tmp_path: Path) -> None:
     bad = tmp_path / "results.json"
     bad.write_text("[1, 2]")

@@ -15,11 +15,12 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_bad_input, run_script
+from cli_helpers import assert_bad_input, run_script, script_env
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, ModelIdentity, SkipPolicy
@@ -512,3 +513,58 @@ def test_tiny_temperature_samples_the_greedy_token(tiny_llama_dir: str, capsys: 
         sampled = generate_in_process(capsys, *common, *policy, "--sample", "--temperature", "1e-30", "--seed", "3")
         assert sampled.returncode == 0, sampled.stderr
         assert json.loads(sampled.stdout)["text"] == json.loads(greedy.stdout)["text"]
+
+
+# -- batches (--batch-size) ---------------------------------------------------------------------------
+
+
+def test_the_module_reaches_its_batched_path(tmp_path: Path) -> None:
+    """``python -m layerskip.cli.generate --batch-size`` ran main before the batched functions were
+    defined (a NameError); now its bad input is one line, as the script's is."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\nworld\n")
+    command = [sys.executable, "-m", "layerskip.cli.generate", "--prompt-file", str(prompts), "--batch-size", "0"]
+    result = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=180)
+    assert_bad_input(result, "--batch-size must be >= 1")
+
+
+def _generate_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Every HF ``generate`` call's keywords, as the call goes on."""
+    from transformers import GenerationMixin
+
+    calls: list[dict] = []
+    original = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    return calls
+
+
+def test_a_sampled_batch_compare_samples_hf_too_and_claims_no_identity(
+    tiny_llama_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The baseline was greedy while ours sampled (a speedup of sampling over greedy decoding), and the
+    report said "identical rows None/3"."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\nworld hello\nhello hello world\n")
+    calls = _generate_calls(monkeypatch)
+    common = ["--model", tiny_llama_dir, "--prompt-file", str(prompts), "--batch-size", "3", "--no-chat"]
+    common += ["--policy", "plain", "--max-new-tokens", "4", "--compare", "--sample", "--temperature", "0.7"]
+    result = generate_in_process(capsys, *common, "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert calls and all(call["do_sample"] and call["temperature"] == 0.7 for call in calls)
+    assert "sampled: not compared token for token" in result.stderr and "None" not in result.stderr
+    report = json.loads(generate_in_process(capsys, *common, "--json").stdout.splitlines()[-1])
+    assert report["identical_rows"] is None and report["speedup"] is not None
+    greedy = generate_in_process(capsys, *common[:-3])
+    assert "identical rows 3/3" in greedy.stderr, greedy.stderr
+
+
+def test_a_sampled_compare_claims_no_identity(tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--model", tiny_llama_dir, "--prompt", "hello world", "--no-chat", "--policy", "plain"]
+    result = generate_in_process(capsys, *common, "--max-new-tokens", "4", "--compare", "--sample", "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert "sampled: not compared token for token" in result.stderr and "identical: None" not in result.stderr

@@ -503,8 +503,6 @@ def test_batch_refusals() -> None:
     batch = torch.tensor([random_prompt(), random_prompt(seed=1)])
     with pytest.raises((LayerskipError, ValueError), match="(?i)streamer"):  # HF's streamer says it first
         _ours(model, batch, max_new_tokens=4, streamer=TextStreamer(tiny_tokenizer()))
-    with pytest.raises(LayerskipError, match="prefix_allowed_tokens_fn"):
-        _ours(model, batch, max_new_tokens=4, prefix_allowed_tokens_fn=lambda batch_id, ids: [1, 2])
 
 
 def test_assistant_model_is_refused() -> None:

@@ -49,7 +49,9 @@ def test_early_exit_and_skip_layers() -> None:
 
 def test_save_load_round_trip(tmp_path: Path, llama) -> None:
     policy = _full_policy(llama)
-    assert policy.model == ModelIdentity("tiny-llama", "llama", LAYERS, policy.model.fingerprint)
+    identity = policy.model
+    assert identity == ModelIdentity("tiny-llama", "llama", LAYERS, identity.fingerprint, identity.weights_sample)
+    assert identity.fingerprint and identity.weights_sample
     path = policy.save(tmp_path / "sub" / "policy.json")  # parent directories are created
     assert path == tmp_path / "sub" / "policy.json"
     data = json.loads(path.read_text())
@@ -200,8 +202,9 @@ def test_check_policy_fits_another_fingerprint(llama) -> None:
     policy = SkipPolicy(skip_mlp=(1,)).with_model(wider)
     with pytest.raises(LayerskipError, match="weight shapes differ"):
         check_policy_fits(llama, policy)
-    # Same shapes, other weights: the fingerprint does not hash weights, so it matches.
-    check_policy_fits(llama, SkipPolicy(skip_mlp=(1,)).with_model(tiny_model("llama", seed=5)))
+    # Same shapes, other weights: the sample of their values tells them apart.
+    with pytest.raises(LayerskipError, match="same shape .* weights differ"):
+        check_policy_fits(llama, SkipPolicy(skip_mlp=(1,)).with_model(tiny_model("llama", seed=5)))
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from search_fixtures import load_study
 
 import layerskip.search
 from layerskip import LayerskipError, SkipPolicy, generate, load_model
+from layerskip.hf.adapters import weights_sample_digest
 from layerskip.search import StudyResult, run_study
 from layerskip.search import cli as search_cli
 
@@ -33,6 +34,9 @@ def test_a_study_on_a_loaded_model_exports_a_policy_that_generates_as_plain_deco
     assert isinstance(result, StudyResult) and result.out is None and not list(tmp_path.glob("*.json"))
     assert result.trials == 4 and result.study.study_name == "api"
     assert result.policy.model.fingerprint == result.study.user_attrs["model_fingerprint"]
+    # The study names the weights' values too, so a fine-tune of the same shape is another model.
+    assert result.study.user_attrs["model_weights_sample"] == weights_sample_digest(tiny.model)
+    assert result.policy.model.weights_sample == weights_sample_digest(tiny.model)  # and so does its policy
     assert result.study.user_attrs["command"].startswith("layerskip.search.run_study('tiny-llama', <2 prompts>")
     assert result.study.user_attrs["calibration"]["prompts"] == ["prompt-1", "prompt-2"]
     assert "| trial |" in result.summary() and "x" in result.verdict

@@ -132,7 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--batch-size",
         type=str_list,
-        default=(),
         metavar="SIZES",
         help="measure batches instead of one prompt at a time: e.g. 1,2,4,8,16 runs HF's batched generate and "
         "the self-speculative plug-in (the first --policy, default auto) on the same left-padded batches "
@@ -205,7 +204,7 @@ def _main(argv: list[str] | None) -> int:
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     sampling = _sampling(args)
-    if args.batch_size:
+    if args.batch_size is not None:  # "," included: refused as naming no size, never the per-prompt run
         if sampling is not None:
             raise LayerskipError("--batch-size measures greedy decoding; drop --temperature, --top-p and --top-k")
         return run_batch_bench(args, command)
@@ -310,6 +309,8 @@ def _prompts(args: argparse.Namespace) -> list:
 def run_batch_bench(args: argparse.Namespace, command: str) -> int:
     """``--batch-size``: HF batched against the plug-in on the same batches (``measure.batches``)."""
     sizes = _batch_sizes(args.batch_size)
+    if not args.batch_layouts:
+        raise LayerskipError("--batch-layouts names no layout; pass similar, mixed or similar,mixed")
     for layout in args.batch_layouts:
         if layout not in LAYOUTS:
             raise LayerskipError(f"unknown --batch-layouts value '{layout}'; use {', '.join(LAYOUTS)}")
@@ -364,6 +365,8 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
 
 
 def _batch_sizes(values: tuple[str, ...]) -> list[int]:
+    if not values:
+        raise LayerskipError("--batch-size names no batch size; pass sizes such as 1,2,4,8")
     try:
         sizes = [int(v) for v in values]
     except ValueError:

@@ -13,10 +13,10 @@ import torch
 from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import AUTO, ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
+from layerskip.engine.decoding import check_fits  # noqa: F401  (the engine's check, made before HF's generate runs)
 from layerskip.engine.threads import available_cpus
 from layerskip.errors import LayerskipError
 from layerskip.fileio import read_text
-from layerskip.hf import adapters
 from layerskip.machine import Machine, this_machine
 
 EXIT_BAD_INPUT = 2
@@ -195,17 +195,6 @@ def warn_if_tuned_elsewhere(
     line = tuning_advice(policies, this_machine(device), quick_search_command(args.model, args.dtype, args.device))
     if line is not None:
         print(line, file=sys.stderr)
-
-
-def check_fits(model: torch.nn.Module, prompt_tokens: int, new_tokens: int, what: str = "the prompt") -> None:
-    """Refuse a prompt that, with the tokens to generate, runs past the model's positions: past
-    them, rotary models write garbage and learned-position models (GPT-2) fail with an IndexError."""
-    limit = adapters.max_positions(model)
-    if limit is not None and prompt_tokens + new_tokens > limit:
-        raise LayerskipError(
-            f"{what} has {prompt_tokens} tokens; with {new_tokens} new tokens that is {prompt_tokens + new_tokens}, "
-            f"past the model's {limit} positions; shorten the prompt or lower the number of new tokens"
-        )
 
 
 def check_seed(seed: int | None, flag: str = "--seed") -> None:

@@ -5,8 +5,12 @@ checks that the committed page matches the parsers)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
+
+from layerskip.fileio import write_text_atomic
 
 HEADER = """# Command-line reference
 
@@ -58,3 +62,23 @@ def reference(parsers: Mapping[str, argparse.ArgumentParser]) -> str:
         description = (parser.description or "").strip()
         parts.append(f"## `{name}`\n\n{description}\n\n{flag_table(parser)}")
     return "\n\n".join(parts) + "\n"
+
+
+def main(doc: Path, parsers: Callable[[], Mapping[str, argparse.ArgumentParser]], argv: list[str] | None = None) -> int:
+    """Write ``doc`` (docs/cli.md) from ``parsers()``; with ``--check``, write nothing and exit 1 if
+    it is out of date."""
+    parser = argparse.ArgumentParser(
+        prog="cli_reference.py", description="Write docs/cli.md from the tools' argparse parsers."
+    )
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/cli.md is out of date")
+    args = parser.parse_args(argv)
+    text = reference(parsers())
+    if doc.is_file() and doc.read_text() == text:
+        print(f"{doc} is up to date", file=sys.stderr)
+        return 0
+    if args.check:
+        print(f"{doc} is out of date; run: python scripts/cli_reference.py", file=sys.stderr)
+        return 1
+    write_text_atomic(doc, text)
+    print(f"wrote {doc}", file=sys.stderr)
+    return 0

@@ -245,7 +245,8 @@ def teacher_data(
     data = collect(model, chunks, sorted(set(args.layers)), args.top_k, progress=not args.quiet)
     buffer = io.BytesIO()
     torch.save({"data": data.state(), "counts": counts}, buffer)
-    write_bytes_atomic(cached, buffer.getvalue())
+    # The checkpoint cache is the project's folder: a link there is replaced, never written through.
+    write_bytes_atomic(cached, buffer.getvalue(), owned=True)
     return data, counts, split.domains()["train"]
 
 
@@ -509,3 +510,7 @@ def _csv(rows: list[dict[str, object]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

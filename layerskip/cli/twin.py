@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from layerskip.cli.common import run_cli
+from layerskip.cli.common import check_seed, run_cli
 from layerskip.drafts.precision import int4_rounding_error
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic
@@ -29,10 +29,11 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if not 0 < args.scale <= 4:
         raise LayerskipError(f"--scale must be in (0, 4] (got {args.scale}); 0.5 is one int4 rounding's size")
+    check_seed(args.seed)
     out = Path(args.out).expanduser()
     if out.exists():
         raise LayerskipError(f"--out {out} exists; choose a new directory (a twin is never written over anything)")
-    check_output_dir(out.parent, "--out")
+    check_output_dir(out, "--out")  # a link that leads nowhere is refused too: no directory can be made there
     loaded = load_model(args.model)
     before = int4_rounding_error(decoder_projection_weights(loaded.model))
     changed = off_grid_(loaded.model, args.scale, args.seed)
@@ -57,3 +58,7 @@ def _main(argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(_main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

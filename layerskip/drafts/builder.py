@@ -120,6 +120,13 @@ def _check_identity(model: nn.Module, policy: SkipPolicy, count: int) -> None:
             f"policy was made for another model ({ident.name or 'unnamed'}: weight shapes differ); "
             "use a policy made for this model"
         )
+    # Output would stay exact, but the policy's choices were tuned (and its speed measured) on
+    # other weights: as for another shape, it is refused rather than quietly run slower.
+    if ident.weights_sample and ident.weights_sample != adapters.weights_sample_digest(model):
+        raise LayerskipError(
+            f"policy was tuned for another model of the same shape ({ident.name or 'unnamed'}: weights differ, "
+            "as a fine-tune's do); use a policy made for this model"
+        )
 
 
 def _check_head(policy: SkipPolicy, rows: int) -> None:

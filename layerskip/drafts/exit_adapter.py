@@ -14,8 +14,9 @@ Two kinds:
   one-layer adapter, initialised from the model). Its attention keeps K/V in an extra cache
   layer (index ``num_layers``), filled for every committed token.
 
-The artefact is a safetensors file whose metadata holds the model fingerprint, the exit layer,
-the kind and how it was trained; a policy points at it by relative path and SHA-256.
+The artefact is a safetensors file whose metadata holds the model's fingerprint (shapes) and a
+digest of a sample of its weights' values, the exit layer, the kind and how it was trained; a
+policy points at it by relative path and SHA-256.
 """
 
 from __future__ import annotations
@@ -116,10 +117,12 @@ class ExitAdapter:
     module: nn.Module
     fingerprint: str  # adapters.weights_fingerprint of the model it was trained for
     provenance: dict[str, Any] = field(default_factory=dict)
+    weights_sample: str = ""  # adapters.weights_sample_digest of that model (files before it have none)
 
     @classmethod
     def fresh(cls, model: nn.Module, spec: ExitSpec, provenance: dict[str, Any] | None = None) -> ExitAdapter:
-        return cls(spec, build_module(model, spec), adapters.weights_fingerprint(model), dict(provenance or {}))
+        fingerprint, sample = adapters.weights_fingerprint(model), adapters.weights_sample_digest(model)
+        return cls(spec, build_module(model, spec), fingerprint, dict(provenance or {}), sample)
 
     @property
     def uses_cache(self) -> bool:
@@ -135,6 +138,7 @@ class ExitAdapter:
             "fingerprint": self.fingerprint,
             "spec": json.dumps(asdict(self.spec)),
             "provenance": json.dumps(self.provenance),
+            **({"weights_sample": self.weights_sample} if self.weights_sample else {}),
         }
         return save(tensors, metadata=metadata)
 
@@ -171,6 +175,13 @@ class ExitAdapter:
                 f"exit adapter {path} was trained for another model (fingerprint {metadata.get('fingerprint')}, "
                 f"this model {fingerprint}); train one for this model"
             )
+        # Trained on other weights of the same shape, it would still be exact, but draft worse.
+        sample = adapters.weights_sample_digest(model)
+        if metadata.get("weights_sample", sample) != sample:
+            raise LayerskipError(
+                f"exit adapter {path} was trained for another model of the same shape (weights differ, as a "
+                "fine-tune's do); train one for this model"
+            )
         try:
             # The metadata's JSON is read as every JSON the project reads (depth and type checked).
             described = parse_json(metadata.get("spec", "")), parse_json(metadata.get("provenance", "{}"))
@@ -180,7 +191,7 @@ class ExitAdapter:
             ) from None
         try:
             spec = ExitSpec(**described[0])
-            adapter = cls(spec, build_module(model, spec), fingerprint, described[1])
+            adapter = cls(spec, build_module(model, spec), fingerprint, described[1], sample)
             adapter.module.load_state_dict(tensors, strict=True)
         except (KeyError, TypeError, RuntimeError) as exc:
             raise LayerskipError(f"exit adapter {path} does not fit this model ({str(exc).splitlines()[0]})") from None

@@ -5,7 +5,7 @@ A policy file is JSON:
     {"format": "layerskip-policy", "version": 1,
      "skip_attention": [..], "skip_mlp": [..],
      "draft": {"max_draft_tokens": 4, "adaptive": true, ...},
-     "model": {"name": .., "architecture": .., "num_layers": .., "fingerprint": ..},
+     "model": {"name": .., "architecture": .., "num_layers": .., "fingerprint": .., "weights_sample": ..},
      "provenance": {..., "machine": {..}},   # how it was found, and on which machine
      "measured": {...},
      "draft_vocabulary": [..],   # ranked rows of a truncated draft head (optional)
@@ -257,10 +257,13 @@ class ExitSettings:
 
 @dataclass(frozen=True)
 class ModelIdentity:
+    """The model a policy was made for; an empty field (a hand-written or older file) is not checked."""
+
     name: str = ""
     architecture: str = ""
     num_layers: int = 0
-    fingerprint: str = ""
+    fingerprint: str = ""  # parameter names and shapes (adapters.weights_fingerprint)
+    weights_sample: str = ""  # a sample of the weights' values: tells a fine-tune of the same shape apart
 
     @classmethod
     def of(cls, model: nn.Module, name: str = "") -> ModelIdentity:
@@ -269,6 +272,7 @@ class ModelIdentity:
             architecture=adapters.architecture_of(model),
             num_layers=adapters.num_layers(model),
             fingerprint=adapters.weights_fingerprint(model),
+            weights_sample=adapters.weights_sample_digest(model),
         )
 
 

@@ -8,7 +8,7 @@ model's. Plain decoding is the same loop with a drafter that proposes nothing (b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence, Sized
 
 import torch
 from torch import nn
@@ -43,6 +43,25 @@ from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.hf.ragged import model_ragged_cache
 from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
+
+
+def check_batch(prompts: Sized) -> None:
+    """A batch holds at least one prompt (an empty one used to end in ``max()`` of nothing)."""
+    if len(prompts) == 0:  # len(): a tensor of prompts has no truth value
+        raise LayerskipError("no prompts given: the batch is empty; pass at least one prompt")
+
+
+def check_fits(model: nn.Module, prompt_tokens: int, new_tokens: int, what: str = "the prompt") -> None:
+    """Refuse a prompt that, with the tokens to generate, runs past the model's positions: past
+    them, rotary models write garbage (plain ``generate`` only warns) and learned-position models
+    (GPT-2) fail with an IndexError. Every decode checks it; tools that also run HF's ``generate``
+    on the same prompt (``--compare``, the bench) call it first."""
+    limit = adapters.max_positions(model)
+    if limit is not None and prompt_tokens + new_tokens > limit:
+        raise LayerskipError(
+            f"{what} has {prompt_tokens} tokens; with {new_tokens} new tokens that is {prompt_tokens + new_tokens}, "
+            f"past the model's {limit} positions; shorten the prompt or lower the number of new tokens"
+        )
 
 
 class Decoder:
@@ -148,6 +167,7 @@ class Decoder:
             start = clock.now()  # everything this call does is timed, set-up included
             settings.validate()
             prompt = prompt_ids(input_ids)
+            check_fits(self.model, len(prompt), settings.max_new_tokens)
             output = TokenOutput(prompt, settings, tokenizer, on_tokens, stop_check)
             generator = seeded_generator(settings.seed, self.device)
             drafter = drafter or self._drafter(len(prompt), settings, generator)
@@ -192,7 +212,11 @@ class Decoder:
         for all rows. Returns (new tokens, stats) per prompt, in order; each row's output is what it
         would be alone. With a seed, row ``i`` samples from its own generator seeded ``seed + i``."""
         settings.validate()
+        check_batch(prompts)
         ids = [prompt_ids(prompt) for prompt in prompts]
+        # Every row before any decodes (a batch's row i is "prompt i + 1", as the CLI counts them).
+        for index, row in enumerate(ids):
+            check_fits(self.model, len(row), settings.max_new_tokens, f"prompt {index + 1}")
         hooks = list(logits_hooks) if logits_hooks is not None else [None] * len(ids)
         stops = list(stop_checks) if stop_checks is not None else [None] * len(ids)
         if not self.batches() or len(ids) == 1:
@@ -345,11 +369,12 @@ def generate(
         eos_token_ids=eos_token_ids(model, tokenizer),
         stop_strings=tuple(stop_strings),
     )
+    texts = None if isinstance(prompt, str) else _texts(prompt)  # checked before a draft is prepared
     decoder = decoder or Decoder.for_policy(model, policy)
-    if not isinstance(prompt, str):
+    if texts is not None:
         if stream is not None:
             raise LayerskipError("stream= takes one prompt; pass a string, or drop stream= for a list")
-        ids = [encode_prompt(tokenizer, text, chat) for text in prompt]
+        ids = [encode_prompt(tokenizer, text, chat) for text in texts]
         results = decoder.decode_batch(ids, settings, tokenizer=tokenizer)
         return [
             GenerationResult(
@@ -364,3 +389,19 @@ def generate(
     tokens, stats = decoder.decode(ids, settings, tokenizer=tokenizer, on_tokens=stream)
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     return GenerationResult(tokens=tokens, text=text, prompt_tokens=len(ids), stats=stats)
+
+
+def _texts(prompts: object) -> list[str]:
+    """A list of prompts as texts. Anything but a str reaches no tokenizer: bytes or a number there
+    is a transformers traceback, and a None was taken for an empty prompt."""
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise LayerskipError(f"the prompt is {_kind(prompts)}, not text; pass a str, or a list of str")
+    texts = list(prompts)
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise LayerskipError(f"prompt {index + 1} is {_kind(text)}, not text; pass every prompt as a str")
+    return texts
+
+
+def _kind(value: object) -> str:
+    return "None" if value is None else f"of type {type(value).__name__}"

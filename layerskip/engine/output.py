@@ -5,6 +5,7 @@ Shared by the single-row loop (``engine.decoding``) and the batch loop (``engine
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -95,7 +96,17 @@ def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator 
 
 
 def prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
-    ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.is_floating_point() or input_ids.is_complex():
+            raise LayerskipError(f"prompt token ids are of dtype {input_ids.dtype}; pass integer token ids")
+        ids = input_ids.reshape(-1).tolist()
+    else:
+        try:
+            ids = [operator.index(t) for t in input_ids]  # ints and numpy's integers; not str, float or None
+        except TypeError:
+            raise LayerskipError(
+                "a prompt of token ids holds something other than integers; pass a list of ints"
+            ) from None
     if not ids:
         raise LayerskipError("the prompt is empty; pass some text to continue")
     return ids

@@ -3,10 +3,10 @@
 ``<root>/<kind>-<digest of key>.json`` holds ``{"key": key, ...}``, written atomically. An entry is
 used only when its stored key equals the key asked for and it passes its reader's checks; one
 that cannot be read (missing, not a regular file, damaged, made for other inputs) is passed by, so
-that the result is measured again and written over it. A cache named NAME lives in
-``$LAYERSKIP_<NAME>_CACHE``, else in NAME/ under the model cache (``$LAYERSKIP_CACHE``, default
-``~/.cache/layerskip``): ``calibration`` holds ``auto``'s calibrations, ``search`` the search's
-references and latency.
+that the result is measured again and written over it: a link in its place is replaced by the
+file, never written through. A cache named NAME lives in ``$LAYERSKIP_<NAME>_CACHE``, else in
+NAME/ under the model cache (``$LAYERSKIP_CACHE``, default ``~/.cache/layerskip``):
+``calibration`` holds ``auto``'s calibrations, ``search`` the search's references and latency.
 """
 
 from __future__ import annotations
@@ -88,10 +88,12 @@ class ResultCache:
 
     def store(self, kind: str, key: dict[str, Any], payload: dict[str, Any]) -> str | None:
         """Write the entry; what kept it from being written (a read-only cache, a FIFO or device in its
-        place, which is left as it is), or None. A result not cached costs time later, never now."""
+        place, which is left as it is), or None. A result not cached costs time later, never now. A
+        link in the entry's place is replaced: what it leads to is never written."""
         path = self.path(kind, key)
         try:
-            write_json_atomic(path, {"key": key, **payload})
+            # owned: a link in the cache is replaced, never written through to what it leads to.
+            write_json_atomic(path, {"key": key, **payload}, owned=True)
         except OSError as error:
             return f"could not write {self.what} {path}: {error.strerror}"
         except LayerskipError as error:

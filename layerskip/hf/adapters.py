@@ -224,7 +224,8 @@ def overhead_twin(model: nn.Module) -> nn.Module:
 
 
 def weights_fingerprint(model: nn.Module) -> str:
-    """A short hash of parameter names and shapes: tells models apart without hashing weights."""
+    """A short hash of parameter names and shapes: tells models of another shape apart (a
+    fine-tune of the same shape has the same one; ``weights_sample_digest`` tells those apart)."""
     digest = hashlib.sha256(architecture_of(model).encode())
     for name, param in model.state_dict().items():
         digest.update(f"{name}:{tuple(param.shape)};".encode())
@@ -233,15 +234,19 @@ def weights_fingerprint(model: nn.Module) -> str:
 
 def weights_sample_digest(model: nn.Module) -> str:
     """A hash of up to 256 evenly spaced values of every tensor: tells apart two checkpoints with
-    the same shapes (a fine-tune, another random init) without hashing every weight."""
+    the same shapes (a fine-tune, another random init) without hashing every weight.
+
+    The values are hashed as bfloat16, so one checkpoint loaded in float32 or bfloat16 gives one
+    digest (a float32 weight loaded as bfloat16 is that rounding); float16 rounds (and flushes
+    tiny values) otherwise, so a float16 copy gives another."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             flat = tensor.detach().reshape(-1)
             step = max(1, flat.numel() // 256)
-            sample = flat[::step][:256].to(device="cpu", dtype=torch.float32).contiguous()
+            sample = flat[::step][:256].to(device="cpu", dtype=torch.bfloat16).contiguous()
             digest.update(name.encode())
-            digest.update(sample.numpy().tobytes())
+            digest.update(sample.view(torch.int16).numpy().tobytes())  # numpy has no bfloat16
     return digest.hexdigest()[:16]
 
 

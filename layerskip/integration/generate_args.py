@@ -20,12 +20,16 @@ the config:
   Its answer may be a tensor or a Python bool, as plain ``generate`` accepts.
 
 A batch (or ``num_return_sequences`` copies of one prompt) is one engine call per row; the rows
-are decoded together (``Decoder.decode_batch``). Anything whose output we cannot reproduce
-exactly is refused in one line naming the argument.
+are decoded together (``Decoder.decode_batch``). The processors run on one row at a time, so a
+processor that ``generate`` built for the whole batch (the repetition penalty's per-row padding
+lengths, ``prefix_allowed_tokens_fn``'s batch index) is given each row as a batch of one
+(``_for_row``). Anything whose output we cannot reproduce exactly is refused in one line naming
+the argument.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +37,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.generation.logits_process import (
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 from layerskip.engine.decoding import DecodeSettings, StopCheck
 from layerskip.engine.verifiers import LogitsHook
@@ -151,13 +159,32 @@ def _split_processors(
     return items[:cut], items[cut:], Sampling(**values)
 
 
-def _check_processors(processors: list[object], rows: int) -> None:
+def _check_processors(processors: list[object]) -> None:
     for processor in processors:
         name = type(processor).__name__
         if name == "UnbatchedClassifierFreeGuidanceLogitsProcessor":  # runs the model itself, with state
             raise LayerskipError(f"negative_prompt_ids / guidance_scale {UNSUPPORTED}")
-        if name == "PrefixConstrainedLogitsProcessor" and rows > 1:  # it is told the row's batch index
-            raise LayerskipError(f"prefix_allowed_tokens_fn with a batch of {rows} {UNSUPPORTED}; pass one prompt")
+        if name == "SynthIDTextWatermarkLogitsProcessor":  # counts its calls: one per token in plain generate
+            raise LayerskipError(f"SynthID watermarking_config {UNSUPPORTED}")
+
+
+def _for_row(processor: object, row: int, rows: int) -> object:
+    """``processor`` as it acts on row ``row`` of generate's ``rows``, called with that row alone:
+    the logits hook hands processors one row (``[1, L]`` ids), where generate built some of them
+    with per-row state for the whole batch."""
+    if isinstance(processor, RepetitionPenaltyLogitsProcessor):
+        ignored = processor.prompt_ignore_length  # generate's: each row's left padding, not penalised
+        if isinstance(ignored, torch.Tensor) and ignored.shape[0] == rows:
+            alone = copy.copy(processor)
+            alone.prompt_ignore_length = ignored[row : row + 1]
+            return alone
+    if isinstance(processor, PrefixConstrainedLogitsProcessor):
+        # The user's function is told the prompt's index: rows are num_beams (num_return_sequences) copies.
+        allowed, copies = processor._prefix_allowed_tokens_fn, processor._num_beams
+        alone = copy.copy(processor)
+        alone._prefix_allowed_tokens_fn, alone._num_beams = (lambda _, ids: allowed(row // copies, ids)), 1
+        return alone
+    return processor
 
 
 def apply_by_row(
@@ -225,7 +252,7 @@ def engine_calls(
 
         others.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     processors, warpers, sampling = _split_processors(logits_processor, bool(generation_config.do_sample))
-    _check_processors(processors, len(prompts))
+    _check_processors(processors)
     if len(prompts) > 1 and generation_config.return_dict_in_generate:
         for name in ("output_scores", "output_logits"):  # generate scores a finished row's padding too
             if getattr(generation_config, name, False):
@@ -240,10 +267,10 @@ def engine_calls(
             prompt=prompt,
             padding=padding,
             settings=settings,
-            logits_hook=_logits_hook(processors, padding),
+            logits_hook=_logits_hook([_for_row(p, row, len(prompts)) for p in processors], padding),
             criteria=others,
             warpers=warpers,
             device=input_ids.device,
         )
-        for prompt, padding in prompts
+        for row, (prompt, padding) in enumerate(prompts)
     ]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers.generation import GenerateDecoderOnlyOutput
 
-from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.engine.decoding import Decoder, DecodeSettings, check_batch
 from layerskip.errors import LayerskipError
 from layerskip.integration.decoders import PolicySpec, decoder_for
 from layerskip.integration.generate_args import UNSUPPORTED, EngineCall, engine_calls
@@ -75,6 +75,7 @@ def self_speculative_generate(
     arguments from the ``generate`` call to it.
     """
     try:
+        check_batch(input_ids)  # the engine's check, before a draft is prepared for no row
         if synced_gpus:
             raise LayerskipError(f"synced_gpus {UNSUPPORTED}")
         if streamer is not None and input_ids.shape[0] > 1:

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from layerskip.errors import LayerskipError
 from layerskip.integration.plugin import self_speculative_generate
+from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock
 
 LAYOUTS = ("similar", "mixed")
@@ -87,11 +88,18 @@ BatchRunner = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[st
 
 
 def batch_runner(
-    model: nn.Module, max_new_tokens: int, eos: Sequence[int], pad: int, skip_policy: Any | None
+    model: nn.Module,
+    max_new_tokens: int,
+    eos: Sequence[int],
+    pad: int,
+    skip_policy: Any | None,
+    sampling: Sampling | None = None,
+    seed: int | None = None,
 ) -> BatchRunner:
     """``(input_ids, attention_mask) -> (sequences, the batch's steps of each kind or None)``
     through ``model.generate``: HF's own loop (``skip_policy`` None) or the self-speculative
-    plug-in with that policy."""
+    plug-in with that policy; greedy, or with ``sampling`` (each call seeding torch's RNG with
+    ``seed`` when given)."""
     arguments: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "do_sample": False,
@@ -101,12 +109,18 @@ def batch_runner(
         "eos_token_id": list(eos) or None,
         "pad_token_id": pad,
     }
+    if sampling is not None:
+        arguments.update(
+            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None
+        )
     if skip_policy is not None:
         arguments.update(
             custom_generate=self_speculative_generate, skip_policy=skip_policy, return_dict_in_generate=True
         )
 
     def run(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, int] | None]:
+        if sampling is not None and seed is not None:
+            torch.manual_seed(seed)
         output = model.generate(input_ids=ids, attention_mask=mask, **arguments)
         if skip_policy is None:
             return output, None
