@@ -10,7 +10,9 @@ decide per verifier. The prefill is a verify with nothing proposed.
   path follows the argmax down the tree.
 * ``SampledVerifier``: rejection sampling against how each candidate was drawn (the output keeps
   the model's distribution); along a chain it is the standard chain rule, draw for draw.
-* ``HookedVerifier``: the full logits processed first (HF logits processors), then greedy or sampled.
+* ``HookedVerifier``: the logits processed first (HF logits processors), then greedy or sampled.
+  A greedy one whose hook acts on each token's logit alone (``hook.per_token``: masks, penalties)
+  takes the processed argmax from the certified head; any other reads the full logits.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from layerskip.sampling import Sampling, accept_tree_greedy, verify_tree_sampled
 
 # (context, logits [k+1, V]) -> processed logits [k+1, V]; row i follows context[: len(context) - k + i].
 # Applied to the verify's logits only: the draft proposes from its own, so the output stays exact.
+# A hook with a true ``per_token`` attribute promises that it masks each token's logit or changes it
+# by a nondecreasing function of that logit alone (what the certified head's bounds survive).
 LogitsHook = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 __all__ = ["GreedyVerifier", "HookedVerifier", "LogitsHook", "SampledVerifier", "Verdict", "Verifier"]
@@ -78,7 +82,15 @@ class HookedVerifier:
         self.hook = hook
         self.sampled = sampled
 
+    @property
+    def certified(self) -> bool:
+        """Whether the greedy argmax comes from the certified head (no full-vocabulary product)."""
+        return self.sampled is None and bool(getattr(self.hook, "per_token", False)) and self.head.certified
+
     def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        if self.certified:
+            targets = self.head.argmax(hidden, lambda logits: self._hooked(logits, proposal, history))
+            return greedy_verdict(proposal, targets)
         logits = self._hooked(self.head.logits(hidden), proposal, history)
         if self.sampled is not None:
             return self.sampled.choose(logits, proposal)
@@ -118,8 +130,14 @@ def verify_rows(
     sizes = [h.shape[0] for h in hidden]
     heads = {id(getattr(v, "head", None)) for v in verifiers}
     rows = proposals.rows
-    if len(heads) == 1 and all(type(v) is GreedyVerifier for v in verifiers):
-        targets = verifiers[0].head.argmax(torch.cat(list(hidden)))
+    hooked = [type(v) is HookedVerifier and v.certified for v in verifiers]
+    if len(heads) == 1 and all(type(v) is GreedyVerifier or h for v, h in zip(verifiers, hooked, strict=True)):
+
+        def process(logits: torch.Tensor) -> torch.Tensor:  # each row's own hook on its rows of the block
+            parts = zip(verifiers, hooked, logits.split(sizes), rows, histories, strict=True)
+            return torch.cat([v._hooked(part, p, history) if h else part for v, h, part, p, history in parts])
+
+        targets = verifiers[0].head.argmax(torch.cat(list(hidden)), process if any(hooked) else None)
         verdicts, start = [], 0
         for size, proposal in zip(sizes, rows, strict=True):
             verdicts.append(greedy_verdict(proposal, targets[start : start + size]))

@@ -16,12 +16,18 @@ g = K 2^-24 for an fp32 sum of K terms): rounding x and w_j to bf16 moves each p
 itself carries g sum|w_ji x_i|; and Cauchy-Schwarz bounds sum|w_ji x_i| by |w_j| |x|. The bf16
 output rounding adds u/(1 - u) |z_j|. A 1 % margin covers the lower-order terms.
 
-Sampling and logits processors need every logit: they use ``logits``.
+Logits processors that act on each token's logit alone, as a mask or a nondecreasing change
+(``argmax``'s ``process``: HF's repetition penalty, min new tokens, bad words, suppressed tokens,
+no-repeat n-grams ...) keep the certificate: the bounds above are processed like the logits, so
+each token's processed logit lies between its processed lower and upper bound; the tokens whose
+upper bound reaches the best lower bound are recomputed in fp32 and processed again, and the best
+of them is the processed argmax. Sampling and any other processor need every logit: ``logits``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +41,10 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 # A row whose candidate set is larger than this is scored by the fp32 head instead: a flat
 # distribution, where the gather would cost more than the product it saves.
 MAX_CANDIDATES = 64
+
+
+# Logits [q, V] -> processed logits [q, V]: a mask or a nondecreasing change of each token's logit.
+Process = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -77,10 +87,15 @@ class VerifyHead:
         """``[q, H] -> [q, V]``, as the model's forward computes them (fp32 for an fp32 model)."""
         return adapters.logits_from_hidden(self.model, hidden)
 
-    def argmax(self, hidden: torch.Tensor) -> list[int]:
-        """The greedy token of each row of ``hidden [q, H]``: the argmax of ``logits(hidden)``."""
+    def argmax(self, hidden: torch.Tensor, process: Process | None = None) -> list[int]:
+        """The greedy token of each row of ``hidden [q, H]``: the argmax of ``logits(hidden)``, or of
+        ``process(logits(hidden))`` where ``process`` changes each token's logit on its own: masks it
+        or moves it by a nondecreasing function (see the module doc)."""
         if not self.certified:
-            return self.logits(hidden).argmax(dim=-1).tolist()
+            logits = self.logits(hidden)
+            return (logits if process is None else process(logits)).argmax(dim=-1).tolist()
+        if process is not None:
+            return self._processed_argmax(hidden, process)
         x = hidden.float()
         scores = F.linear(x.to(torch.bfloat16), self.low)  # [q, V] bf16
         if self.bias is not None:
@@ -99,6 +114,36 @@ class VerifyHead:
                 self.stats.certified += 1
             winners.append(winner)
         return winners
+
+    def _processed_argmax(self, hidden: torch.Tensor, process: Process) -> list[int]:
+        x = hidden.float()  # [q, H]
+        scores = F.linear(x.to(torch.bfloat16), self.low).float()  # [q, V]
+        if self.bias is not None:
+            scores = scores + self.bias
+        norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)  # [q, 1]
+        bound = self.coefficient * norms * self.row_norms + self.output_coefficient * scores.abs()  # [q, V]
+        # Each token's processed fp32 logit lies in [process(low), process(high)]: the processing is
+        # a mask (a constant) or nondecreasing in the token's own logit.
+        low, high = process(self._capped(scores - bound)), process(self._capped(scores + bound))
+        reach = high >= low.amax(dim=1, keepdim=True)  # [q, V]: may be the processed argmax
+        chosen = [row.nonzero().squeeze(1) for row in reach]
+        self.stats.rows += len(chosen)
+        if any(not 0 < index.numel() <= MAX_CANDIDATES for index in chosen):
+            # A flat row, a row the bounds cannot narrow, or a non-finite one: the full fp32 head.
+            self.stats.fallbacks += len(chosen)
+            return process(self.logits(hidden)).argmax(dim=-1).tolist()
+        exact = scores  # only the candidates' entries are read below: they get their fp32 logits
+        for r, index in enumerate(chosen):
+            values = self.weight[index] @ x[r]  # [n] fp32, as the fp32 head computes each of them
+            exact[r, index] = values if self.bias is None else values + self.bias[index]
+            self.stats.candidates += index.numel()
+        processed = process(self._capped(exact))  # [q, V]
+        self.stats.certified += len(chosen)
+        # index is ascending: ties go to the lower id, as argmax's do
+        return [int(index[processed[r, index].argmax()]) for r, index in enumerate(chosen)]
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
     def _certified_row(self, x: torch.Tensor, row: torch.Tensor, norm: float, top: float, biggest: float) -> int | None:
         if not (math.isfinite(norm) and math.isfinite(top) and math.isfinite(biggest)):

@@ -11,7 +11,9 @@ the config:
   words, a user's ``logits_processor`` ...) runs on the verify's logits, row by row, each row
   with the token ids that precede it. The draft proposes from unprocessed logits; greedy
   acceptance and rejection sampling check it against the processed ones, so the output is
-  exactly plain ``generate``'s (greedy) or follows its distribution (sampling);
+  exactly plain ``generate``'s (greedy) or follows its distribution (sampling). HF's processors
+  that mask or move single tokens' logits (``PER_TOKEN``) keep a greedy verify on the certified
+  head (no full-vocabulary product); any other processor makes it read every logit;
 - ``MaxLengthCriteria`` and ``EosTokenCriteria`` become the engine's token budget and EOS ids;
   every other criterion (stop strings, ``max_time``, a user's ``stopping_criteria``) is asked
   after each accepted token, as plain ``generate`` asks after each token, with what plain
@@ -30,7 +32,6 @@ the argument.
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -187,25 +188,51 @@ def _for_row(processor: object, row: int, rows: int) -> object:
     return processor
 
 
-def apply_by_row(
-    processors: Sequence[object], padding: list[int], context: list[int], logits: torch.Tensor
-) -> torch.Tensor:
-    """HF processors over ``logits [k+1, V]``, each row with the ids before it (as in ``LogitsHook``)."""
-    first = len(context) - logits.shape[0] + 1  # row i scores the token after context[:first + i]
-    rows = []
-    for i in range(logits.shape[0]):
-        ids = torch.tensor([[*padding, *context[: first + i]]], device=logits.device)
-        scores = logits[i : i + 1].to(torch.float32)  # HF hands processors float32 scores
-        for processor in processors:
-            scores = processor(ids, scores)
-        rows.append(scores)
-    return torch.cat(rows)
+# HF's processors that mask a token's logit or change it by a nondecreasing function of that logit
+# alone (penalty > 0, a fixed bias): the certified head's bounds hold through them (engine.verify_head),
+# so a greedy verify needs no full-vocabulary product. Matched by exact type: a subclass may do more.
+PER_TOKEN = {
+    "RepetitionPenaltyLogitsProcessor",  # x < 0 ? x * p : x / p, p > 0, on the tokens of the context
+    "EncoderRepetitionPenaltyLogitsProcessor",
+    "NoRepeatNGramLogitsProcessor",  # masks
+    "EncoderNoRepeatNGramLogitsProcessor",
+    "NoBadWordsLogitsProcessor",
+    "SequenceBiasLogitsProcessor",  # x + a fixed bias
+    "SuppressTokensLogitsProcessor",
+    "SuppressTokensAtBeginLogitsProcessor",
+    "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor",  # every logit a constant
+    "ForcedEOSTokenLogitsProcessor",
+    "PrefixConstrainedLogitsProcessor",
+}
+
+
+@dataclass(frozen=True)
+class RowProcessors:
+    """HF processors as a ``LogitsHook``: over ``logits [k+1, V]``, each row with the ids before it."""
+
+    processors: tuple[object, ...]
+    padding: tuple[int, ...]
+
+    @property
+    def per_token(self) -> bool:
+        return all(type(p).__name__ in PER_TOKEN for p in self.processors)
+
+    def __call__(self, context: list[int], logits: torch.Tensor) -> torch.Tensor:
+        first = len(context) - logits.shape[0] + 1  # row i scores the token after context[:first + i]
+        rows = []
+        for i in range(logits.shape[0]):
+            ids = torch.tensor([[*self.padding, *context[: first + i]]], device=logits.device)
+            scores = logits[i : i + 1].to(torch.float32)  # HF hands processors float32 scores
+            for processor in self.processors:
+                scores = processor(ids, scores)
+            rows.append(scores)
+        return torch.cat(rows)
 
 
 def _logits_hook(processors: list[object], padding: list[int]) -> LogitsHook | None:
-    if not processors:
-        return None
-    return functools.partial(apply_by_row, processors, padding)
+    return RowProcessors(tuple(processors), tuple(padding)) if processors else None
 
 
 def _stops(answer: object) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from layerskip.engine.verifiers import LogitsHook
-from layerskip.integration.generate_args import apply_by_row
+from layerskip.integration.generate_args import RowProcessors
 
 
 class ScoreRecorder:
@@ -22,8 +22,7 @@ class ScoreRecorder:
 
     def __init__(self, hook: LogitsHook | None, warpers: list[object], padding: list[int]) -> None:
         self.hook = hook
-        self.warpers = warpers
-        self.padding = padding
+        self.warpers = RowProcessors(tuple(warpers), tuple(padding)) if warpers else None
         self.scores: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
         self._block: tuple[torch.Tensor, torch.Tensor] | None = None  # (raw, scores) of the last verify
@@ -32,7 +31,7 @@ class ScoreRecorder:
         """The logits hook: what the engine chooses from is unchanged; the block is kept for the record."""
         raw = logits.to(torch.float32)
         processed = raw if self.hook is None else self.hook(context, logits)
-        scores = apply_by_row(self.warpers, self.padding, context, processed) if self.warpers else processed
+        scores = processed if self.warpers is None else self.warpers(context, processed)
         self._block = (raw, scores)
         return processed
 

@@ -1,0 +1,142 @@
+"""Logits processors on the certified head: a greedy verify through processors that mask or move
+single tokens' logits takes the processed argmax from the bf16 head and an fp32 recheck of a few
+candidates, never the full fp32 product; any other processor keeps the full logits.
+
+The argmax is compared with the processors applied to the model's own fp32 logits, on rows where
+the processors change the winner, on rows the certificate cannot narrow (the fallback), and through
+the plug-in against plain ``generate``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model, tiny_tokenizer
+from transformers import (
+    LogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+)
+
+import layerskip
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.engine import verify_head
+from layerskip.engine.verify_head import VerifyHead, engine_verify_head
+from layerskip.integration.generate_args import RowProcessors
+
+POLICY = SkipPolicy.skip_layers([1, 2], draft=DraftSettings(max_draft_tokens=3))
+
+
+class Doubling(LogitsProcessor):
+    """A user's processor: not one the certificate knows, so the verify reads every logit."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores * 2.0
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model("llama")
+
+
+def _rows(model: torch.nn.Module, count: int = 6, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return scale * torch.randn(count, model.config.hidden_size, generator=generator) * 4  # [q, H]
+
+
+def _processors(head: VerifyHead, hidden: torch.Tensor, context: list[int]) -> RowProcessors:
+    """Processors that change the raw argmax of every row: its winner penalised hard, suppressed or banned."""
+    winners = head.logits(hidden).argmax(dim=-1).tolist()
+    return RowProcessors(
+        (
+            RepetitionPenaltyLogitsProcessor(penalty=50.0),
+            MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=2, min_new_tokens=100, eos_token_id=winners[1]),
+            SuppressTokensLogitsProcessor([winners[2]]),
+            NoRepeatNGramLogitsProcessor(2),
+            SequenceBiasLogitsProcessor({(winners[3],): -1e4}),
+        ),
+        (),
+    )
+
+
+def _context(head: VerifyHead, hidden: torch.Tensor) -> list[int]:
+    winners = head.logits(hidden).argmax(dim=-1).tolist()
+    # Row i follows context[: len - q + 1 + i]; the first winner sits in every row's context, so the
+    # penalty moves it; a repeated bigram bans the token after it.
+    return [winners[0], 7, 9, 7, *range(20, 20 + hidden.shape[0] - 1)]
+
+
+def test_the_processed_argmax_is_certified_and_exact(model) -> None:
+    head = VerifyHead(model, certified=True)
+    hidden = _rows(model)
+    context = _context(head, hidden)
+    hook = _processors(head, hidden, context)
+    assert hook.per_token
+    expected = hook(context, head.logits(hidden)).argmax(dim=-1).tolist()
+    assert expected != head.logits(hidden).argmax(dim=-1).tolist()  # the processors change winners
+    got = head.argmax(hidden, lambda logits: hook(context, logits))
+    assert got == expected
+    assert head.stats.certified == hidden.shape[0] and head.stats.fallbacks == 0
+
+
+def test_rows_the_certificate_cannot_narrow_fall_back_exactly(model, monkeypatch) -> None:
+    head = VerifyHead(model, certified=True)
+    hidden = _rows(model)
+    context = _context(head, hidden)
+    hook = _processors(head, hidden, context)
+    monkeypatch.setattr(verify_head, "MAX_CANDIDATES", 0)  # no row may be certified
+    got = head.argmax(hidden, lambda logits: hook(context, logits))
+    assert got == hook(context, head.logits(hidden)).argmax(dim=-1).tolist()
+    assert head.stats.fallbacks == hidden.shape[0] and head.stats.certified == 0
+
+
+def test_near_ties_are_decided_in_fp32(model) -> None:
+    """Tiny hidden states put many logits within the bf16 bound of the top: they are rechecked."""
+    head = VerifyHead(model, certified=True)
+    hidden = _rows(model, scale=0.05)
+    context = _context(head, hidden)
+    hook = _processors(head, hidden, context)
+    got = head.argmax(hidden, lambda logits: hook(context, logits))
+    assert got == hook(context, head.logits(hidden)).argmax(dim=-1).tolist()
+    assert head.stats.candidates > head.stats.certified  # rows with more than one candidate
+
+
+def test_only_per_token_processors_keep_the_certificate() -> None:
+    assert RowProcessors((RepetitionPenaltyLogitsProcessor(1.05),), ()).per_token
+    assert not RowProcessors((RepetitionPenaltyLogitsProcessor(1.05), Doubling()), ()).per_token
+
+
+@pytest.mark.parametrize(
+    "kwargs, certified",
+    [
+        (dict(repetition_penalty=1.3), True),
+        (dict(no_repeat_ngram_size=2), True),
+        (dict(min_new_tokens=12, eos_token_id=3, pad_token_id=0), True),
+        (dict(suppress_tokens=[5, 6]), True),
+        (dict(logits_processor=[Doubling()]), False),
+    ],
+    ids=["repetition", "ngram", "min_new_tokens", "suppress", "unknown"],
+)
+def test_the_plugin_verifies_per_token_processors_on_the_certified_head(kwargs, certified) -> None:
+    model = tiny_model("llama")
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token, tokenizer.padding_side = "[UNK]", "left"
+    batch = dict(tokenizer(["w3 w17 w40 hello w5", "w7 w7 w8"], return_tensors="pt", padding=True))
+    plain = model.generate(**batch, max_new_tokens=12, do_sample=False, **kwargs)
+    head = engine_verify_head(model)
+    before = head.stats.rows, head.stats.certified + head.stats.fallbacks
+    ours = model.generate(
+        **batch,
+        max_new_tokens=12,
+        do_sample=False,
+        custom_generate=layerskip.custom_generate_path(),
+        trust_remote_code=True,
+        skip_policy=POLICY,
+        **kwargs,
+    )
+    assert torch.equal(ours, plain)
+    rows, decided = head.stats.rows - before[0], head.stats.certified + head.stats.fallbacks - before[1]
+    assert (rows > 0 and decided == rows) if certified else rows == 0
