@@ -11,7 +11,7 @@ decide per verifier. The prefill is a verify with nothing proposed.
 * ``SampledVerifier``: rejection sampling against how each candidate was drawn (the output keeps
   the model's distribution); along a chain it is the standard chain rule, draw for draw.
 * ``HookedVerifier``: the logits processed first (HF logits processors), then greedy or sampled.
-  A greedy one whose hook acts on each token's logit alone (``hook.per_token``: masks, penalties)
+  A greedy one whose hook touches few tokens of each row (``hook.edits``: masks, penalties, biases)
   takes the processed argmax from the certified head; any other reads the full logits.
 """
 
@@ -23,13 +23,14 @@ from typing import Protocol
 import torch
 
 from layerskip.drafts.base import Proposal, Proposals, Verdict
-from layerskip.engine.verify_head import VerifyHead
+from layerskip.engine.verify_head import TokenEdits, VerifyHead
 from layerskip.sampling import Sampling, accept_tree_greedy, verify_tree_sampled
 
 # (context, logits [k+1, V]) -> processed logits [k+1, V]; row i follows context[: len(context) - k + i].
 # Applied to the verify's logits only: the draft proposes from its own, so the output stays exact.
-# A hook with a true ``per_token`` attribute promises that it masks each token's logit or changes it
-# by a nondecreasing function of that logit alone (what the certified head's bounds survive).
+# A hook may also have ``edits(contexts, vocab) -> [TokenEdits] | None``: what it does to the row
+# after each context as edits of few tokens (None: it needs every logit), so a greedy verify keeps
+# the certified head.
 LogitsHook = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 __all__ = ["GreedyVerifier", "HookedVerifier", "LogitsHook", "SampledVerifier", "Verdict", "Verifier"]
@@ -82,15 +83,19 @@ class HookedVerifier:
         self.hook = hook
         self.sampled = sampled
 
-    @property
-    def certified(self) -> bool:
-        """Whether the greedy argmax comes from the certified head (no full-vocabulary product)."""
-        return self.sampled is None and bool(getattr(self.hook, "per_token", False)) and self.head.certified
+    def edits(self, proposal: Proposal, history: list[int]) -> list[TokenEdits] | None:
+        """Each block row's edits, where a greedy verify can take them to the certified head."""
+        edits = getattr(self.hook, "edits", None)
+        if self.sampled is not None or edits is None or not self.head.certified:
+            return None
+        tree = proposal.tree
+        contexts = [history, *([*history, *tree.path_tokens(node)] for node in range(len(tree)))]
+        return edits(contexts, self.head.weight.shape[0])
 
     def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
-        if self.certified:
-            targets = self.head.argmax(hidden, lambda logits: self._hooked(logits, proposal, history))
-            return greedy_verdict(proposal, targets)
+        edits = self.edits(proposal, history)
+        if edits is not None:
+            return greedy_verdict(proposal, self.head.argmax(hidden, edits))
         logits = self._hooked(self.head.logits(hidden), proposal, history)
         if self.sampled is not None:
             return self.sampled.choose(logits, proposal)
@@ -130,14 +135,17 @@ def verify_rows(
     sizes = [h.shape[0] for h in hidden]
     heads = {id(getattr(v, "head", None)) for v in verifiers}
     rows = proposals.rows
-    hooked = [type(v) is HookedVerifier and v.certified for v in verifiers]
-    if len(heads) == 1 and all(type(v) is GreedyVerifier or h for v, h in zip(verifiers, hooked, strict=True)):
-
-        def process(logits: torch.Tensor) -> torch.Tensor:  # each row's own hook on its rows of the block
-            parts = zip(verifiers, hooked, logits.split(sizes), rows, histories, strict=True)
-            return torch.cat([v._hooked(part, p, history) if h else part for v, h, part, p, history in parts])
-
-        targets = verifiers[0].head.argmax(torch.cat(list(hidden)), process if any(hooked) else None)
+    edits = [
+        v.edits(proposal, history) if type(v) is HookedVerifier else None
+        for v, proposal, history in zip(verifiers, rows, histories, strict=True)
+    ]
+    greedy = [type(v) is GreedyVerifier or e is not None for v, e in zip(verifiers, edits, strict=True)]
+    if len(heads) == 1 and all(greedy):
+        plain = TokenEdits((), lambda values: values)  # a row without processors
+        every = [e or [plain] * size for e, size in zip(edits, sizes, strict=True)]
+        targets = verifiers[0].head.argmax(
+            torch.cat(list(hidden)), [e for row in every for e in row] if any(edits) else None
+        )
         verdicts, start = [], 0
         for size, proposal in zip(sizes, rows, strict=True):
             verdicts.append(greedy_verdict(proposal, targets[start : start + size]))

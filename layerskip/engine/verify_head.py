@@ -16,18 +16,16 @@ g = K 2^-24 for an fp32 sum of K terms): rounding x and w_j to bf16 moves each p
 itself carries g sum|w_ji x_i|; and Cauchy-Schwarz bounds sum|w_ji x_i| by |w_j| |x|. The bf16
 output rounding adds u/(1 - u) |z_j|. A 1 % margin covers the lower-order terms.
 
-Logits processors that act on each token's logit alone, as a mask or a nondecreasing change
-(``argmax``'s ``process``: HF's repetition penalty, min new tokens, bad words, suppressed tokens,
-no-repeat n-grams ...) keep the certificate: the bounds above are processed like the logits, so
-each token's processed logit lies between its processed lower and upper bound; the tokens whose
-upper bound reaches the best lower bound are recomputed in fp32 and processed again, and the best
-of them is the processed argmax. Sampling and any other processor need every logit: ``logits``.
+Logits processors that touch few tokens (``TokenEdits``: masks, penalties, biases) keep the
+certificate: masked tokens leave the candidates, the edited ones are computed exactly in fp32 and
+edited, and the rest are certified against the best of them as above. Sampling and any other
+processor need every logit: ``logits``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +41,14 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 MAX_CANDIDATES = 64
 
 
-# Logits [q, V] -> processed logits [q, V]: a mask or a nondecreasing change of each token's logit.
-Process = Callable[[torch.Tensor], torch.Tensor]
+@dataclass(frozen=True)
+class TokenEdits:
+    """What logits processors do to one row, where they touch few tokens: ``masked`` tokens get
+    -inf; ``tokens`` (ascending) get ``apply(their exact logits [n]) -> [n]``; the rest keep theirs."""
+
+    tokens: tuple[int, ...]
+    apply: Callable[[torch.Tensor], torch.Tensor]
+    masked: tuple[int, ...] = ()
 
 
 @dataclass
@@ -87,15 +91,13 @@ class VerifyHead:
         """``[q, H] -> [q, V]``, as the model's forward computes them (fp32 for an fp32 model)."""
         return adapters.logits_from_hidden(self.model, hidden)
 
-    def argmax(self, hidden: torch.Tensor, process: Process | None = None) -> list[int]:
-        """The greedy token of each row of ``hidden [q, H]``: the argmax of ``logits(hidden)``, or of
-        ``process(logits(hidden))`` where ``process`` changes each token's logit on its own: masks it
-        or moves it by a nondecreasing function (see the module doc)."""
+    def argmax(self, hidden: torch.Tensor, edits: Sequence[TokenEdits] | None = None) -> list[int]:
+        """The greedy token of each row of ``hidden [q, H]``: the argmax of ``logits(hidden)``, each
+        row after its ``edits`` where given (logits processors that touch few tokens)."""
         if not self.certified:
-            logits = self.logits(hidden)
-            return (logits if process is None else process(logits)).argmax(dim=-1).tolist()
-        if process is not None:
-            return self._processed_argmax(hidden, process)
+            if edits is None:
+                return self.logits(hidden).argmax(dim=-1).tolist()
+            return [self._dense(hidden[r : r + 1], edits[r]) for r in range(hidden.shape[0])]
         x = hidden.float()
         scores = F.linear(x.to(torch.bfloat16), self.low)  # [q, V] bf16
         if self.bias is not None:
@@ -106,67 +108,77 @@ class VerifyHead:
         winners = []
         for r, row in enumerate(scores):
             self.stats.rows += 1
-            winner = self._certified_row(x[r], row, norms[r], tops[r], max(abs(tops[r]), abs(lows[r])))
+            biggest = max(abs(tops[r]), abs(lows[r]))
+            winner = self._certified_row(x[r], row, norms[r], tops[r], biggest, edits[r] if edits else None)
             if winner is None:
                 self.stats.fallbacks += 1
-                winner = int(self.logits(hidden[r : r + 1]).argmax(dim=-1))
+                winner = self._dense(hidden[r : r + 1], edits and edits[r])
             else:
                 self.stats.certified += 1
             winners.append(winner)
         return winners
 
-    def _processed_argmax(self, hidden: torch.Tensor, process: Process) -> list[int]:
-        x = hidden.float()  # [q, H]
-        scores = F.linear(x.to(torch.bfloat16), self.low).float()  # [q, V]
-        if self.bias is not None:
-            scores = scores + self.bias
-        norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)  # [q, 1]
-        bound = self.coefficient * norms * self.row_norms + self.output_coefficient * scores.abs()  # [q, V]
-        # Each token's processed fp32 logit lies in [process(low), process(high)]: the processing is
-        # a mask (a constant) or nondecreasing in the token's own logit.
-        low, high = process(self._capped(scores - bound)), process(self._capped(scores + bound))
-        reach = high >= low.amax(dim=1, keepdim=True)  # [q, V]: may be the processed argmax
-        chosen = [row.nonzero().squeeze(1) for row in reach]
-        self.stats.rows += len(chosen)
-        if any(not 0 < index.numel() <= MAX_CANDIDATES for index in chosen):
-            # A flat row, a row the bounds cannot narrow, or a non-finite one: the full fp32 head.
-            self.stats.fallbacks += len(chosen)
-            return process(self.logits(hidden)).argmax(dim=-1).tolist()
-        exact = scores  # only the candidates' entries are read below: they get their fp32 logits
-        for r, index in enumerate(chosen):
-            values = self.weight[index] @ x[r]  # [n] fp32, as the fp32 head computes each of them
-            exact[r, index] = values if self.bias is None else values + self.bias[index]
-            self.stats.candidates += index.numel()
-        processed = process(self._capped(exact))  # [q, V]
-        self.stats.certified += len(chosen)
-        # index is ascending: ties go to the lower id, as argmax's do
-        return [int(index[processed[r, index].argmax()]) for r, index in enumerate(chosen)]
+    def _dense(self, hidden: torch.Tensor, edits: TokenEdits | None) -> int:
+        """The argmax of one row's full logits (``hidden [1, H]``), after its edits."""
+        logits = self.logits(hidden)[0].float()  # [V]
+        if edits is not None:
+            logits[list(edits.masked)] = -float("inf")
+            index = list(edits.tokens)
+            logits[index] = edits.apply(logits[index])
+        return int(logits.argmax())
 
-    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
-
-    def _certified_row(self, x: torch.Tensor, row: torch.Tensor, norm: float, top: float, biggest: float) -> int | None:
-        if not (math.isfinite(norm) and math.isfinite(top) and math.isfinite(biggest)):
-            return None
-        # Coarse filter: every bound is at most ``widest``, so a token can beat the best lower
-        # bound only if its bf16 score is within two of them of the top score.
-        widest = self.coefficient * norm * self.max_row_norm + self.output_coefficient * biggest
-        index = (row >= top - 2 * widest).nonzero().squeeze(1)  # [n]
-        if index.numel() > 4 * MAX_CANDIDATES:
-            return None
-        scores = row[index].float()
-        bound = self.coefficient * norm * self.row_norms[index] + self.output_coefficient * scores.abs()
-        keep = scores + bound >= (scores - bound).max()
-        index = index[keep]
-        if index.numel() > MAX_CANDIDATES:
-            return None
-        exact = self.weight[index] @ x  # [n] fp32, as the fp32 head computes each of them
+    def _exact(self, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 logits of tokens ``index [n]`` for one hidden state ``x [H]``, as the fp32 head
+        computes each of them."""
+        exact = self.weight[index] @ x  # [n]
         if self.bias is not None:
             exact = exact + self.bias[index]
         if self.softcap:
             exact = torch.tanh(exact / self.softcap) * self.softcap
-        self.stats.candidates += index.numel()
-        return int(index[exact.argmax()])  # index is ascending: ties go to the lower id, as argmax's do
+        return exact
+
+    def _certified_row(
+        self, x: torch.Tensor, row: torch.Tensor, norm: float, top: float, biggest: float, edits: TokenEdits | None
+    ) -> int | None:
+        if not (math.isfinite(norm) and math.isfinite(top) and math.isfinite(biggest)):
+            return None
+        # Every bound is at most ``widest``.
+        widest = self.coefficient * norm * self.max_row_norm + self.output_coefficient * biggest
+        edited = torch.zeros(0, dtype=torch.long)
+        edited_values = torch.zeros(0)
+        floor = -math.inf  # a value some token surely reaches
+        if edits is not None and (edits.tokens or edits.masked):
+            if self.softcap:  # the rows are compared before the cap, the edits act after it
+                return None
+            edited = torch.tensor(edits.tokens, dtype=torch.long)
+            edited_values = edits.apply(self._exact(edited, x))  # exact, as the processors compute them
+            if edited.numel() and bool(torch.isfinite(edited_values).any()):
+                floor = float(edited_values.max())
+            # The other tokens keep their logits: drop the edited and the masked ones from the row.
+            row = row.index_fill(0, torch.tensor([*edits.tokens, *edits.masked], dtype=torch.long), -math.inf)
+            top = float(row.max())
+        if math.isfinite(top):
+            # Coarse filter: a token can beat the best lower bound only if its bf16 score is within
+            # two bounds of the top score, and within one of a value surely reached.
+            index = (row >= max(top - 2 * widest, floor - widest)).nonzero().squeeze(1)  # [n]
+            if index.numel() > 4 * MAX_CANDIDATES:
+                return None
+            scores = row[index].float()
+            bound = self.coefficient * norm * self.row_norms[index] + self.output_coefficient * scores.abs()
+            lower = float((scores - bound).max()) if index.numel() else -math.inf
+            keep = scores + bound >= max(lower, floor)
+            index = index[keep]
+            if index.numel() > MAX_CANDIDATES:
+                return None
+            self.stats.candidates += index.numel()
+            exact = self._exact(index, x)
+        else:
+            index, exact = edited[:0], edited_values[:0]
+        tokens, values = torch.cat([index, edited]), torch.cat([exact, edited_values])
+        if not tokens.numel() or not bool(torch.isfinite(values).any()):
+            return None
+        best = values.max()
+        return int(tokens[values == best].min())  # ties go to the lower id, as argmax's do
 
 
 _SHARED_ATTRIBUTE = "_layerskip_verify_heads"

@@ -12,8 +12,8 @@ the config:
   with the token ids that precede it. The draft proposes from unprocessed logits; greedy
   acceptance and rejection sampling check it against the processed ones, so the output is
   exactly plain ``generate``'s (greedy) or follows its distribution (sampling). HF's processors
-  that mask or move single tokens' logits (``PER_TOKEN``) keep a greedy verify on the certified
-  head (no full-vocabulary product); any other processor makes it read every logit;
+  that touch few tokens (masks, penalties, biases: ``integration.token_edits``) keep a greedy
+  verify on the certified head (no full-vocabulary product); any other makes it read every logit;
 - ``MaxLengthCriteria`` and ``EosTokenCriteria`` become the engine's token budget and EOS ids;
   every other criterion (stop strings, ``max_time``, a user's ``stopping_criteria``) is asked
   after each accepted token, as plain ``generate`` asks after each token, with what plain
@@ -45,7 +45,9 @@ from transformers.generation.logits_process import (
 
 from layerskip.engine.decoding import DecodeSettings, StopCheck
 from layerskip.engine.verifiers import LogitsHook
+from layerskip.engine.verify_head import TokenEdits
 from layerskip.errors import LayerskipError
+from layerskip.integration.token_edits import row_edits
 from layerskip.sampling import Sampling
 
 # model_kwargs that ``generate`` prepares for its own loop; our engine keeps its own cache,
@@ -188,26 +190,6 @@ def _for_row(processor: object, row: int, rows: int) -> object:
     return processor
 
 
-# HF's processors that mask a token's logit or change it by a nondecreasing function of that logit
-# alone (penalty > 0, a fixed bias): the certified head's bounds hold through them (engine.verify_head),
-# so a greedy verify needs no full-vocabulary product. Matched by exact type: a subclass may do more.
-PER_TOKEN = {
-    "RepetitionPenaltyLogitsProcessor",  # x < 0 ? x * p : x / p, p > 0, on the tokens of the context
-    "EncoderRepetitionPenaltyLogitsProcessor",
-    "NoRepeatNGramLogitsProcessor",  # masks
-    "EncoderNoRepeatNGramLogitsProcessor",
-    "NoBadWordsLogitsProcessor",
-    "SequenceBiasLogitsProcessor",  # x + a fixed bias
-    "SuppressTokensLogitsProcessor",
-    "SuppressTokensAtBeginLogitsProcessor",
-    "MinLengthLogitsProcessor",
-    "MinNewTokensLengthLogitsProcessor",
-    "ForcedBOSTokenLogitsProcessor",  # every logit a constant
-    "ForcedEOSTokenLogitsProcessor",
-    "PrefixConstrainedLogitsProcessor",
-}
-
-
 @dataclass(frozen=True)
 class RowProcessors:
     """HF processors as a ``LogitsHook``: over ``logits [k+1, V]``, each row with the ids before it."""
@@ -215,9 +197,16 @@ class RowProcessors:
     processors: tuple[object, ...]
     padding: tuple[int, ...]
 
-    @property
-    def per_token(self) -> bool:
-        return all(type(p).__name__ in PER_TOKEN for p in self.processors)
+    def edits(self, contexts: list[list[int]], vocab: int) -> list[TokenEdits] | None:
+        """What the processors do to the row after each context, as edits of few tokens; None where
+        one of them needs every logit (``integration.token_edits``)."""
+        rows = []
+        for context in contexts:
+            edits = row_edits(self.processors, [*self.padding, *context], vocab)
+            if edits is None:
+                return None
+            rows.append(edits)
+        return rows
 
     def __call__(self, context: list[int], logits: torch.Tensor) -> torch.Tensor:
         first = len(context) - logits.shape[0] + 1  # row i scores the token after context[:first + i]
