@@ -1,59 +1,68 @@
 """layerskip: lossless self-speculative decoding for Hugging Face models, the model drafting for itself
 (an int4 copy of its weights, prompt lookup, bypassed layers or sublayers), each choice priced on the machine.
 
-The public names, re-exported from the packages that hold them (see docs/contributing.md).
+The public names, re-exported from the packages that hold them (see docs/contributing.md). Every
+other name imports from its own module (``from layerskip.drafts.builder import prepare_draft``).
 """
 
-from layerskip.drafts.builder import (
-    DraftModels,
-    DraftRun,
-    PreparedDraft,
-    build_drafter,
-    check_policy_fits,
-    prepare_draft,
-)
-from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
-from layerskip.drafts.policy import AutoSettings, DraftSettings, ExitSettings, OnTheFlySettings, SkipPolicy
-from layerskip.engine.decoding import (
-    Decoder,
-    DecodeSettings,
-    decode,
-    decode_autoregressive,
-    decode_speculative,
-    generate,
-)
-from layerskip.errors import LayerskipError
-from layerskip.hf.models import load_model
-from layerskip.integration.plugin import SelfSpeculativeOutput, custom_generate_path, self_speculative_generate
-from layerskip.sampling import Sampling
-from layerskip.stats import GenerationResult, GenerationStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on first use
+    from layerskip.drafts.policy import DraftSettings, SkipPolicy
+    from layerskip.engine.decoding import Decoder, DecodeSettings, generate
+    from layerskip.errors import LayerskipError
+    from layerskip.hf.models import load_model
+    from layerskip.integration.plugin import SelfSpeculativeOutput, custom_generate_path, self_speculative_generate
+    from layerskip.sampling import Sampling
+    from layerskip.stats import GenerationResult, GenerationStats
+
+# Each public name and the module that holds it. They import on first use (PEP 562): ``import
+# layerskip`` alone, or a tool that needs only some of the package, does not pay for torch and
+# transformers before it asks for them.
+_HOMES = {
+    "DecodeSettings": "layerskip.engine.decoding",
+    "Decoder": "layerskip.engine.decoding",
+    "DraftSettings": "layerskip.drafts.policy",
+    "GenerationResult": "layerskip.stats",
+    "GenerationStats": "layerskip.stats",
+    "LayerskipError": "layerskip.errors",
+    "Sampling": "layerskip.sampling",
+    "SelfSpeculativeOutput": "layerskip.integration.plugin",
+    "SkipPolicy": "layerskip.drafts.policy",
+    "custom_generate_path": "layerskip.integration.plugin",
+    "generate": "layerskip.engine.decoding",
+    "load_model": "layerskip.hf.models",
+    "self_speculative_generate": "layerskip.integration.plugin",
+}
 
 __all__ = [
-    "AutoSettings",
     "DecodeSettings",
     "Decoder",
-    "DraftModels",
-    "DraftRun",
     "DraftSettings",
-    "ExitAdapter",
-    "ExitSettings",
-    "ExitSpec",
     "GenerationResult",
     "GenerationStats",
     "LayerskipError",
-    "OnTheFlySettings",
-    "PreparedDraft",
     "Sampling",
     "SelfSpeculativeOutput",
     "SkipPolicy",
-    "build_drafter",
-    "check_policy_fits",
     "custom_generate_path",
-    "decode",
-    "decode_autoregressive",
-    "decode_speculative",
     "generate",
     "load_model",
-    "prepare_draft",
     "self_speculative_generate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:  # AttributeError lets `from layerskip import fileio` fall through to the submodule
+        raise AttributeError(f"module 'layerskip' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later look-ups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

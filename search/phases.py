@@ -204,8 +204,8 @@ def auto_policy(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: i
     """``--warm-start auto``: what auto chooses on this machine (its skip set, head size, padding,
     lookup and tree settings) after generating from the calibration prompts, as a fixed policy."""
     decoder = Decoder.for_policy(model, SkipPolicy.auto_choice(next(model.parameters()).device))
-    for ids in prompt_ids:
-        decoder.decode(ids, DecodeSettings(max_new_tokens=max_new_tokens))
+    for ids in prompt_ids:  # every one of max_new_tokens, EOS or not: as many steps to learn from as asked
+        decoder.decode(ids, DecodeSettings(max_new_tokens=max_new_tokens, eos_token_ids=()))
     assert decoder.draft is not None
     return decoder.draft.fixed_policy().with_model(model, name)
 

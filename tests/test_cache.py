@@ -7,7 +7,7 @@ import torch
 from tiny_models import LAYERS, random_prompt, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine.decoding import DecodeSettings, decode_speculative
+from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf import adapters
 from layerskip.hf.cache import _MIN_CAPACITY, RollbackCache, RollbackLayer
 
@@ -35,7 +35,7 @@ def test_every_layer_holds_exactly_the_committed_tokens_after_every_step(arch: s
         for layer in cache.layers:  # the views the attention reads agree with the length
             assert layer.keys.shape[-2] == layer.length == layer.values.shape[-2]
 
-    tokens, stats = decode_speculative(model, prompt, POLICIES[policy_name], DecodeSettings(30), cache_observer=observe)
+    tokens, stats = decode(model, prompt, POLICIES[policy_name], DecodeSettings(30), cache_observer=observe)
     assert len(seen) == stats.steps
     for step, (lengths, committed) in enumerate(seen):
         assert lengths == [committed] * len(lengths), f"step {step}: layer lengths {lengths}, committed {committed}"

@@ -73,6 +73,15 @@ def test_policy_file_and_on_the_fly(tmp_path) -> None:
     assert isinstance(out.skip_sets, dict) and out.skip_sets  # on-the-fly reports the sets it drafted with
 
 
+def test_plain_is_the_engine_without_a_draft() -> None:
+    """``skip_policy="plain"``, the command line's word, was looked for as a file."""
+    model = tiny_model("llama")
+    ids = _ids()
+    out = _ours(model, ids, policy="plain", max_new_tokens=NEW, return_dict_in_generate=True)
+    assert out.sequences.tolist() == model.generate(ids, max_new_tokens=NEW).tolist()
+    assert out.stats.drafted == 0
+
+
 def test_prepared_decoder_is_reused() -> None:
     model = tiny_model("llama")
     for _ in range(2):

@@ -18,7 +18,7 @@ from layerskip.drafts import draft_length
 from layerskip.drafts.draft_length import WARM_UP_STEPS, DraftLengthByCost
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine.decoding import DecodeSettings, decode_speculative
+from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
@@ -134,7 +134,7 @@ def test_greedy_identical_with_varying_draft_lengths(arch: str, monkeypatch: pyt
         lengths.append((cache.layer_lengths(), committed))
 
     policy = SkipPolicy(skip_attention=(1,), skip_mlp=(3,), draft=BY_COST)
-    tokens, stats = decode_speculative(model, prompt, policy, DecodeSettings(40), cache_observer=observe)
+    tokens, stats = decode(model, prompt, policy, DecodeSettings(40), cache_observer=observe)
     assert_same_tokens(tokens, reference, ref_logits=logits, label=f"{arch} by cost")
     assert all(layer_lengths == [committed] * len(layer_lengths) for layer_lengths, committed in lengths)
     drafted_per_step = {length - 1 for length in stats.block_histogram}
@@ -148,7 +148,7 @@ def test_greedy_identical_with_the_measured_rule() -> None:
     prompt = random_prompt()
     reference, logits = hf_greedy(model, prompt, 40)
     policy = SkipPolicy(skip_attention=(0,), draft=DraftSettings(max_draft_tokens=5, length_by_cost=True))
-    tokens, _ = decode_speculative(model, prompt, policy, DecodeSettings(40))
+    tokens, _ = decode(model, prompt, policy, DecodeSettings(40))
     assert_same_tokens(tokens, reference, ref_logits=logits, label="qwen2 by cost")
 
 
@@ -166,7 +166,7 @@ def test_sampling_keeps_the_model_law_when_the_draft_decides_its_length(monkeypa
     for seed in range(seeds):
         # 4 tokens: the prefill gives the first, so the first draft may hold 1 or 2 (the budget).
         settings = DecodeSettings(max_new_tokens=4, sampling=Sampling(), seed=seed)
-        tokens, stats = decode_speculative(model, prompt, policy, settings)
+        tokens, stats = decode(model, prompt, policy, settings)
         first[tokens[0]] += 1
         second[tokens[1]] += 1  # the first token that went through draft + verify
         blocks |= set(stats.block_histogram)

@@ -19,7 +19,7 @@ from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model
 from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
 from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
-from layerskip.engine.decoding import Decoder, DecodeSettings, decode_speculative
+from layerskip.engine.decoding import Decoder, DecodeSettings, decode
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling
@@ -66,7 +66,7 @@ def test_exit_draft_is_lossless(arch: str, kind: str, reuse: bool, tmp_path: Pat
     policy = exit_policy(model, tmp_path, kind, reuse)
     reference, logits = hf_greedy(model, prompt, NEW_TOKENS)
     lengths: list[tuple[list[int], int]] = []
-    tokens, stats = decode_speculative(
+    tokens, stats = decode(
         model,
         prompt,
         policy,
@@ -93,7 +93,7 @@ def test_exit_draft_with_every_draft_ending(ending: str, tmp_path: Path) -> None
     }[ending]
     policy = exit_policy(model, tmp_path, "layer", reuse_kv=True, **draft)
     reference, logits = hf_greedy(model, prompt, NEW_TOKENS)
-    tokens, _ = decode_speculative(model, prompt, policy, DecodeSettings(NEW_TOKENS))
+    tokens, _ = decode(model, prompt, policy, DecodeSettings(NEW_TOKENS))
     assert_same_tokens(tokens, reference, ref_logits=logits)
 
 

@@ -142,12 +142,35 @@ def test_only_the_builder_constructs_a_draft_model() -> None:
     assert sorted(builders) == ["layerskip/drafts/builder.py"], f"DraftModel built outside the builder: {builders}"
 
 
+MAX_PUBLIC_NAMES = 14  # what a user calls; the engine's parts import from their own modules
+
+
 def test_public_names_import_from_the_top() -> None:
     import layerskip
 
-    for name in ("load_model", "generate", "SkipPolicy", "custom_generate_path", "Decoder", "prepare_draft"):
-        assert hasattr(layerskip, name), name
+    assert len(layerskip.__all__) <= MAX_PUBLIC_NAMES, layerskip.__all__
+    assert len(set(layerskip.__all__)) == len(layerskip.__all__)
+    for name in layerskip.__all__:  # each resolves, whether imported on first use or not
+        assert getattr(layerskip, name) is not None, name
+    namespace: dict[str, object] = {}
+    exec("from layerskip import *", namespace)
+    assert set(layerskip.__all__) <= set(namespace)
+    assert set(layerskip.__all__) <= set(dir(layerskip))
     assert Path(layerskip.custom_generate_path(), "custom_generate", "generate.py").is_file()
+    from layerskip import fileio  # a submodule still imports by name beside the lazy public names
+
+    assert fileio.__name__ == "layerskip.fileio"
+
+
+def test_importing_the_package_imports_no_torch() -> None:
+    """The public names import on first use: ``import layerskip`` (and a tool that needs only part
+    of it) does not pay for torch and transformers up front."""
+    import subprocess
+    import sys
+
+    check = "import sys, layerskip; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
 
 
 MAX_FUNCTION_LINES = 80  # a longer function is several steps that want names of their own

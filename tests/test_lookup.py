@@ -7,7 +7,7 @@ from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.lookup import LookupMatch, LookupRunLength, continuation, match_lookup
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.measure.agreement import Reference, simulate_greedy
 
 
@@ -91,8 +91,8 @@ def test_replay_of_lookup_drafting_is_exact(confidence: float) -> None:
         lookup_max_ngram=3, lookup_min_ngram=1, lookup_max_tokens=5, use_skip_draft=False, lookup_confidence=confidence
     )
     settings = DecodeSettings(max_new_tokens=40)
-    reference, _ = decode_autoregressive(model, prompt, settings)
-    tokens, stats = decode_speculative(model, prompt, SkipPolicy(draft=draft), settings)
+    reference, _ = decode(model, prompt, None, settings)
+    tokens, stats = decode(model, prompt, SkipPolicy(draft=draft), settings)
     assert tokens == reference
     replay = simulate_greedy(Reference(tuple(prompt), tuple(reference)), draft)
     assert replay.tokens == len(reference)

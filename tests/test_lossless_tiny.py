@@ -9,6 +9,7 @@ far past the sliding window (4) of Mistral / Gemma 2 / Gemma 3.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model, tiny_tokenizer
 
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.engine.decoding import Decoder, DecodeSettings, decode, generate
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 
@@ -82,7 +83,7 @@ def _check(arch: str, got: list[int], label: str) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_autoregressive_matches_hf(arch: str) -> None:
-    tokens, stats = decode_autoregressive(_model(arch), random_prompt(), DecodeSettings(max_new_tokens=NEW_TOKENS))
+    tokens, stats = decode(_model(arch), random_prompt(), None, DecodeSettings(max_new_tokens=NEW_TOKENS))
     _check(arch, tokens, "autoregressive")
     assert stats.new_tokens == NEW_TOKENS and stats.steps == NEW_TOKENS
 
@@ -93,7 +94,7 @@ def test_speculative_matches_hf(arch: str, policy_name: str) -> None:
     model = _model(arch)
     policy = POLICIES[policy_name]
     streamed: list[int] = []
-    tokens, stats = decode_speculative(
+    tokens, stats = decode(
         model, random_prompt(), policy, DecodeSettings(max_new_tokens=NEW_TOKENS), on_tokens=streamed.extend
     )
     _check(arch, tokens, policy_name)
@@ -120,7 +121,7 @@ def test_drafts_get_rejected_too(arch: str) -> None:
     model = _model(arch)
     rejected = 0
     for name in ("layers-1-2", "early-exit-2", "mlp-1-3"):
-        _, stats = decode_speculative(model, random_prompt(), POLICIES[name], DecodeSettings(max_new_tokens=NEW_TOKENS))
+        _, stats = decode(model, random_prompt(), POLICIES[name], DecodeSettings(max_new_tokens=NEW_TOKENS))
         rejected += stats.drafted - stats.accepted
     assert rejected > 0
 
@@ -141,9 +142,7 @@ def test_truncated_draft_head_is_lossless(arch: str) -> None:
     ref, _ = _reference(arch)
     rows = torch.tensor(sorted(set(ref) | set(range(0, 128, 3))))  # include the reference tokens: acceptances
     policy = SkipPolicy(skip_mlp=(1,), skip_attention=(3,), draft=DraftSettings(draft_vocab_size=len(rows)))
-    tokens, stats = decode_speculative(
-        model, random_prompt(), policy, DecodeSettings(max_new_tokens=NEW_TOKENS), vocab_rows=rows
-    )
+    tokens, stats = decode(model, random_prompt(), policy, DecodeSettings(max_new_tokens=NEW_TOKENS), vocab_rows=rows)
     _check(arch, tokens, "truncated head")
     assert stats.accepted > 0
 
@@ -157,9 +156,9 @@ def test_eos_stops_inside_an_accepted_block(arch: str, policy_name: str) -> None
     eos = ref[len(ref) // 2]
     expected = ref[: ref.index(eos) + 1]
     settings = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=(eos,))
-    tokens, _ = decode_speculative(model, random_prompt(), POLICIES[policy_name], settings)
+    tokens, _ = decode(model, random_prompt(), POLICIES[policy_name], settings)
     assert tokens == expected, mismatch_message(tokens, expected, label=f"{arch} {policy_name} eos={eos}")
-    plain, _ = decode_autoregressive(model, random_prompt(), settings)
+    plain, _ = decode(model, random_prompt(), None, settings)
     assert plain == expected
 
 
@@ -168,7 +167,7 @@ def test_short_budgets(max_new_tokens: int) -> None:
     """The token budget is exact even when a draft block could overshoot it."""
     ref, _ = _reference("llama")
     for name in ("attention-0-2", "mixed-k8", "lookup"):
-        tokens, stats = decode_speculative(
+        tokens, stats = decode(
             _model("llama"), random_prompt(), POLICIES[name], DecodeSettings(max_new_tokens=max_new_tokens)
         )
         assert tokens == ref[:max_new_tokens], name
@@ -180,7 +179,7 @@ def test_long_generation_past_initial_cache_capacity() -> None:
     model = tiny_model("mistral", max_position_embeddings=1024)
     prompt = random_prompt(length=200, seed=1)
     ref, logits = hf_greedy(model, prompt, 80)
-    tokens, stats = decode_speculative(model, prompt, POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=80))
+    tokens, stats = decode(model, prompt, POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=80))
     assert_same_tokens(tokens, ref, ref_logits=logits, label="mistral 200+80")
     assert stats.accepted > 0
 
@@ -188,7 +187,7 @@ def test_long_generation_past_initial_cache_capacity() -> None:
 def test_tensor_prompt_is_accepted() -> None:
     ref, _ = _reference("qwen2")
     prompt = torch.tensor([random_prompt()])  # [1, T] as HF tokenizers return it
-    tokens, _ = decode_speculative(_model("qwen2"), prompt, POLICIES["layers-1-2"], DecodeSettings(max_new_tokens=10))
+    tokens, _ = decode(_model("qwen2"), prompt, POLICIES["layers-1-2"], DecodeSettings(max_new_tokens=10))
     assert tokens == ref[:10]
 
 
@@ -237,10 +236,10 @@ def test_bypass_is_restored_when_drafting_fails(arch: str, monkeypatch: pytest.M
 
     monkeypatch.setattr(DraftModel, "logits", failing)
     with pytest.raises(RuntimeError, match="draft failed"):
-        decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=NEW_TOKENS))
+        decode(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=NEW_TOKENS))
     assert not adapters.is_bypassed(model)
     monkeypatch.undo()
-    tokens, _ = decode_speculative(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(NEW_TOKENS))
+    tokens, _ = decode(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(NEW_TOKENS))
     _check(arch, tokens, "after a failed decode")
 
 
@@ -256,7 +255,7 @@ def test_stop_strings_cut_speculative_and_plain_output_alike() -> None:
     tokenizer = tiny_tokenizer()
     model = _word_model()
     prompt = tokenizer("hello world w1 w2 w3 w4")["input_ids"]
-    full, _ = decode_autoregressive(model, prompt, DecodeSettings(max_new_tokens=30))
+    full, _ = decode(model, prompt, None, DecodeSettings(max_new_tokens=30))
     words = tokenizer.decode(full, skip_special_tokens=True).split()
     stop = words[len(words) // 2]
     # Output ends with the token that completes the stop string.
@@ -264,43 +263,71 @@ def test_stop_strings_cut_speculative_and_plain_output_alike() -> None:
     expected = full[: end + 1]
     assert 1 < len(expected) < len(full)
     settings = DecodeSettings(max_new_tokens=30, stop_strings=(stop,))
-    plain, _ = decode_autoregressive(model, prompt, settings, tokenizer=tokenizer)
+    plain, _ = decode(model, prompt, None, settings, tokenizer=tokenizer)
     assert plain == expected
     for name in ("attention-0-2", "mixed-k8", "lookup-hybrid"):
-        tokens, _ = decode_speculative(model, prompt, POLICIES[name], settings, tokenizer=tokenizer)
+        tokens, _ = decode(model, prompt, POLICIES[name], settings, tokenizer=tokenizer)
         assert tokens == expected, name
 
 
 def test_stop_strings_need_a_tokenizer() -> None:
     with pytest.raises(LayerskipError, match="tokenizer"):
-        decode_speculative(
-            _word_model(), [1, 2, 3], POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=4, stop_strings=("x",))
-        )
+        decode(_word_model(), [1, 2, 3], POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=4, stop_strings=("x",)))
 
 
 @pytest.mark.parametrize("bad", [[], torch.zeros(1, 0, dtype=torch.long)], ids=["list", "tensor"])
 def test_empty_prompt_ids_are_refused(bad: object) -> None:
     with pytest.raises(LayerskipError, match="empty"):
-        decode_speculative(_model("llama"), bad, POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=4))
+        decode(_model("llama"), bad, POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=4))
     with pytest.raises(LayerskipError, match="empty"):
-        decode_autoregressive(_model("llama"), bad, DecodeSettings(max_new_tokens=4))
+        decode(_model("llama"), bad, None, DecodeSettings(max_new_tokens=4))
 
 
 def test_zero_budget_is_refused() -> None:
     with pytest.raises(LayerskipError, match="max_new_tokens"):
-        decode_speculative(_model("llama"), random_prompt(), POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=0))
+        decode(_model("llama"), random_prompt(), POLICIES["mlp-1-3"], DecodeSettings(max_new_tokens=0))
 
 
 def test_invalid_policy_is_refused_before_decoding() -> None:
     with pytest.raises(LayerskipError, match="every sublayer"):
-        decode_speculative(_model("llama"), random_prompt(), SkipPolicy.early_exit(LAYERS, 0), DecodeSettings(4))
+        decode(_model("llama"), random_prompt(), SkipPolicy.early_exit(LAYERS, 0), DecodeSettings(4))
+
+
+def test_decoding_stops_at_the_models_eos_unless_told_not_to() -> None:
+    """``DecodeSettings`` stops where HF ``generate`` does, at the generation config's EOS ids,
+    alone or in a batch, plain or drafted; ``eos_token_ids=()`` runs the whole budget."""
+    model = tiny_model("llama")  # its own: its generation config changes below
+    prompt = random_prompt()
+    full, _ = decode(model, prompt, None, DecodeSettings(NEW_TOKENS))  # no EOS configured yet
+    assert len(full) == NEW_TOKENS
+    eos = full[NEW_TOKENS // 2]
+    model.generation_config.eos_token_id = eos
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=eos)
+    expected = hf[0, len(prompt) :].tolist()
+    assert expected == full[: full.index(eos) + 1]
+    for policy in (None, POLICIES["mixed-k8"]):
+        decoder = Decoder.for_policy(model, policy)
+        assert decoder.decode(prompt, DecodeSettings(NEW_TOKENS))[0] == expected
+        rows = decoder.decode_batch([prompt, prompt], DecodeSettings(NEW_TOKENS))
+        assert [tokens for tokens, _ in rows] == [expected, expected]
+    assert decode(model, prompt, None, DecodeSettings(NEW_TOKENS, eos_token_ids=()))[0] == full
+
+
+def test_generate_drafts_with_auto_unless_told_plain() -> None:
+    """``generate`` and ``Decoder.for_policy`` default to ``auto``, as the CLI and the plug-in do;
+    ``"plain"`` (the CLI's word) and None prepare no draft."""
+    for function in (generate, Decoder.for_policy):
+        assert inspect.signature(function).parameters["policy"].default == "auto"
+    assert Decoder.for_policy(_word_model(), "plain").draft is None
+    assert Decoder.for_policy(_word_model(), None).draft is None
+    assert Decoder(_word_model()).draft is None
 
 
 def test_generate_text_entry_point() -> None:
     tokenizer = tiny_tokenizer()
     model = _word_model()
     streamed: list[int] = []
-    plain = generate(model, tokenizer, "hello world w7", max_new_tokens=12)
+    plain = generate(model, tokenizer, "hello world w7", "plain", max_new_tokens=12)
     fast = generate(
         model, tokenizer, "hello world w7", POLICIES["layers-1-2"], max_new_tokens=12, stream=streamed.extend
     )

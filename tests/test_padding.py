@@ -8,7 +8,7 @@ import pytest
 from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine.decoding import DecodeSettings, decode_speculative
+from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference, simulate_greedy
 from layerskip.sampling import Sampling
@@ -33,8 +33,8 @@ def test_greedy_padding_changes_only_the_block_lengths(arch: str, name: str) -> 
     model = tiny_model(arch)
     prompt = random_prompt(seed=2) * 2
     settings = DecodeSettings(max_new_tokens=30)
-    plain_tokens, plain = decode_speculative(model, prompt, POLICIES[name], settings)
-    tokens, padded = decode_speculative(model, prompt, _padded(POLICIES[name]), settings)
+    plain_tokens, plain = decode(model, prompt, POLICIES[name], settings)
+    tokens, padded = decode(model, prompt, _padded(POLICIES[name]), settings)
     assert tokens == plain_tokens
     assert (padded.drafted, padded.accepted, padded.steps) == (plain.drafted, plain.accepted, plain.steps)
     assert any(2 <= b < PAD for b in plain.block_histogram), "nothing to pad: not a real test"
@@ -46,8 +46,8 @@ def test_sampled_output_is_unchanged_by_padding() -> None:
     model = tiny_model("llama")
     settings = DecodeSettings(max_new_tokens=25, sampling=Sampling(temperature=0.9), seed=11)
     policy = POLICIES["skip-k2"]
-    tokens, stats = decode_speculative(model, random_prompt(), policy, settings)
-    padded_tokens, padded = decode_speculative(model, random_prompt(), _padded(policy), settings)
+    tokens, stats = decode(model, random_prompt(), policy, settings)
+    padded_tokens, padded = decode(model, random_prompt(), _padded(policy), settings)
     assert padded_tokens == tokens and padded.accepted == stats.accepted
     assert all(b == 1 or b >= PAD for b in padded.block_histogram)
 

@@ -15,7 +15,7 @@ from compare import assert_same_tokens
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf import adapters
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.integration.baselines import hf_generate
@@ -69,9 +69,7 @@ def test_speculative_matches_hf_generate(smollm2, reference, prompt_id: str, pol
     ids, eos, ref = reference(prompt_id)
     assert len(ref) == NEW_TOKENS or ref[-1] in eos
     policy = POLICIES[policy_name].with_model(smollm2.model, smollm2.name)
-    tokens, stats = decode_speculative(
-        smollm2.model, ids, policy, DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos)
-    )
+    tokens, stats = decode(smollm2.model, ids, policy, DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos))
     assert_same_tokens(tokens, ref, model=smollm2.model, prompt=ids, label=f"{prompt_id} {policy_name}")
     assert stats.accepted > 0
     assert not adapters.is_bypassed(smollm2.model)
@@ -79,7 +77,7 @@ def test_speculative_matches_hf_generate(smollm2, reference, prompt_id: str, pol
 
 def test_autoregressive_matches_hf_generate(smollm2, reference) -> None:
     ids, eos, ref = reference(PROMPT_IDS[0])
-    tokens, _ = decode_autoregressive(smollm2.model, ids, DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos))
+    tokens, _ = decode(smollm2.model, ids, None, DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos))
     assert_same_tokens(tokens, ref, model=smollm2.model, prompt=ids, label="autoregressive")
 
 
@@ -90,5 +88,5 @@ def test_saved_policy_gives_the_same_output(smollm2, reference, tmp_path: Path) 
     assert loaded == policy
     check_policy_fits(smollm2.model, loaded)
     settings = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos)
-    tokens, _ = decode_speculative(smollm2.model, ids, loaded, settings)
+    tokens, _ = decode(smollm2.model, ids, loaded, settings)
     assert_same_tokens(tokens, ref, model=smollm2.model, prompt=ids, label="loaded policy")

@@ -12,7 +12,7 @@ from tiny_models import VOCAB, random_prompt, tiny_model
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.drafts.skip import top2_confidence
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.measure.agreement import Predictor, Reference, TeacherForcedDraft, simulate_greedy
 
 
@@ -39,7 +39,7 @@ def test_replay_moves_the_adaptive_threshold_as_the_engine_does() -> None:
 def test_teacher_forced_predictions_use_the_rows_known_then() -> None:
     model = tiny_model("llama")
     prompt = random_prompt()
-    continuation, _ = decode_autoregressive(model, prompt, DecodeSettings(max_new_tokens=30))
+    continuation, _ = decode(model, prompt, None, DecodeSettings(max_new_tokens=30))
     reference = Reference(tuple(prompt), tuple(continuation))
     base = tuple(range(0, VOCAB, 7))
     view = TeacherForcedDraft(DraftModel(model), reference, attention=(0, 2), head_rows=base)
@@ -66,10 +66,10 @@ def test_confidence_does_not_depend_on_the_head_size() -> None:
 def test_accepted_counts_stop_at_the_eos(arch: str) -> None:
     """Drafts accepted by the verify but cut by an EOS before them were never used: not counted."""
     model = tiny_model(arch)
-    reference, _ = decode_autoregressive(model, random_prompt(), DecodeSettings(max_new_tokens=40))
+    reference, _ = decode(model, random_prompt(), None, DecodeSettings(max_new_tokens=40))
     policy = SkipPolicy(skip_attention=(0,), draft=DraftSettings(max_draft_tokens=8))
     for eos in sorted(set(reference[5:35])):
-        tokens, stats = decode_speculative(model, random_prompt(), policy, DecodeSettings(40, eos_token_ids=(eos,)))
+        tokens, stats = decode(model, random_prompt(), policy, DecodeSettings(40, eos_token_ids=(eos,)))
         assert tokens == reference[: reference.index(eos) + 1]
         # Each step emits its accepted drafts and one token of its own, except a step cut inside its drafts.
         assert stats.new_tokens - (stats.accepted + stats.steps) in (0, -1)

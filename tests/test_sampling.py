@@ -18,7 +18,7 @@ from tiny_models import random_prompt, tiny_model
 from layerskip.drafts.auto import AutoDrafter
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine import verifiers
-from layerskip.engine.decoding import Decoder, DecodeSettings, decode_autoregressive, decode_speculative
+from layerskip.engine.decoding import Decoder, DecodeSettings, decode
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling, sample, verify_sampled
@@ -233,7 +233,7 @@ def _e2e_laws(seeds: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     accepted = 0
     for seed in range(seeds):
         settings = DecodeSettings(max_new_tokens=3, sampling=Sampling(), seed=seed)
-        tokens, stats = decode_speculative(model, prompt, policy, settings)
+        tokens, stats = decode(model, prompt, policy, settings)
         assert len(tokens) == 3
         first[tokens[0]] += 1
         second[tokens[1]] += 1  # token 2 is the first one that went through draft + verify
@@ -274,12 +274,12 @@ def test_sampled_decode_returns_the_budget_and_is_reproducible(policy: SkipPolic
     model = tiny_model("gemma2")
     prompt = random_prompt()
     settings = DecodeSettings(max_new_tokens=max_new_tokens, sampling=Sampling(temperature=0.9, top_p=0.95), seed=7)
-    tokens, stats = decode_speculative(model, prompt, policy, settings)
+    tokens, stats = decode(model, prompt, policy, settings)
     assert len(tokens) == stats.new_tokens == max_new_tokens
     assert not adapters.is_bypassed(model)
-    again, _ = decode_speculative(model, prompt, policy, settings)
+    again, _ = decode(model, prompt, policy, settings)
     assert again == tokens
-    plain, _ = decode_autoregressive(model, prompt, settings)
+    plain, _ = decode(model, prompt, None, settings)
     assert len(plain) == max_new_tokens
 
 
@@ -289,9 +289,9 @@ def test_sampled_decode_with_a_truncated_draft_head() -> None:
     rows = torch.arange(0, 128, 2)
     policy = SkipPolicy(skip_mlp=(1, 2), draft=DraftSettings(max_draft_tokens=3, draft_vocab_size=len(rows)))
     settings = DecodeSettings(max_new_tokens=20, sampling=Sampling(temperature=0.8), seed=3)
-    tokens, stats = decode_speculative(model, random_prompt(), policy, settings, vocab_rows=rows)
+    tokens, stats = decode(model, random_prompt(), policy, settings, vocab_rows=rows)
     assert len(tokens) == 20 and stats.drafted > 0
-    again, _ = decode_speculative(model, random_prompt(), policy, settings, vocab_rows=rows)
+    again, _ = decode(model, random_prompt(), policy, settings, vocab_rows=rows)
     assert again == tokens
 
 

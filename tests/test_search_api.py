@@ -45,7 +45,7 @@ def test_a_study_on_a_loaded_model_exports_a_policy_that_generates_as_plain_deco
     result.policy.save(path)
     policy = SkipPolicy.load(path)
     drafted = generate(tiny.model, tiny.tokenizer, PROMPTS[0], policy, max_new_tokens=12)
-    plain = generate(tiny.model, tiny.tokenizer, PROMPTS[0], max_new_tokens=12)
+    plain = generate(tiny.model, tiny.tokenizer, PROMPTS[0], "plain", max_new_tokens=12)
     assert drafted.tokens == plain.tokens  # greedy: lossless
 
     # The same call again resumes the study; other prompts are refused before any work.

@@ -24,7 +24,7 @@ from layerskip.drafts.head import DraftHead
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.drafts.vocab import DraftVocabulary
 from layerskip.engine import verifiers
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive, decode_speculative, generate
+from layerskip.engine.decoding import DecodeSettings, decode, generate
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling, sample, verify_sampled
 
@@ -93,7 +93,7 @@ def test_greedy_matches_hf_generate(arch: str, combo: str, monkeypatch: pytest.M
     rows = _rows(arch)
     policy, vocab_rows = _policy(combo, rows)
     proposed = _spy_on_skip_drafts(monkeypatch)
-    tokens, stats = decode_speculative(
+    tokens, stats = decode(
         model, random_prompt(), policy, DecodeSettings(max_new_tokens=NEW_TOKENS), vocab_rows=vocab_rows
     )
     assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} {combo}")
@@ -128,7 +128,7 @@ def test_generate_uses_the_policy_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DraftHead, "__init__", init)
     prompt = "hello world w1 w2 w3 w4 w5 hello"
     prompt_ids = tokenizer(prompt)["input_ids"]
-    plain = generate(model, tokenizer, prompt, max_new_tokens=16)
+    plain = generate(model, tokenizer, prompt, "plain", max_new_tokens=16)
     ranking = (100, 90, 80, 70, 60, 50, 40, 30, 20)
     for ranked, start in (((), set(range(8))), (ranking, set(ranking[:8]))):
         heads.clear()
@@ -320,7 +320,7 @@ def test_sampled_truncated_draft_proposes_from_the_rows_only(monkeypatch: pytest
 
     monkeypatch.setattr(verifiers, "verify_tree_sampled", spy)
     settings = DecodeSettings(max_new_tokens=20, sampling=Sampling(temperature=1.3), seed=3)
-    tokens, _ = decode_speculative(_e2e_model(), prompt, policy, settings, vocab_rows=rows)
+    tokens, _ = decode(_e2e_model(), prompt, policy, settings, vocab_rows=rows)
     assert len(tokens) == 20
     outside = torch.ones(E2E_VOCAB, dtype=torch.bool)
     outside[rows] = False
@@ -343,7 +343,7 @@ def test_end_to_end_sampling_with_a_truncated_head_follows_the_model() -> None:
     start = time.perf_counter()
     for seed in range(E2E_SEEDS):
         settings = DecodeSettings(max_new_tokens=3, sampling=Sampling(), seed=seed)
-        tokens, stats = decode_speculative(model, prompt, policy, settings, vocab_rows=rows)
+        tokens, stats = decode(model, prompt, policy, settings, vocab_rows=rows)
         assert len(tokens) == 3 and stats.drafted >= 1
         counts[tokens[1]] += 1  # token 1 comes from the prefill; token 2 was drafted, then verified
         accepted += stats.accepted
@@ -356,9 +356,7 @@ def test_end_to_end_sampling_with_a_truncated_head_follows_the_model() -> None:
     # Plain sampling from the same seeds agrees in law too (a sanity check of the reference law).
     plain = torch.zeros(E2E_VOCAB)
     for seed in range(200):
-        tokens, _ = decode_autoregressive(
-            model, prompt, DecodeSettings(max_new_tokens=2, sampling=Sampling(), seed=seed)
-        )
+        tokens, _ = decode(model, prompt, None, DecodeSettings(max_new_tokens=2, sampling=Sampling(), seed=seed))
         plain[tokens[1]] += 1
     assert tv(plain / 200, law) < 0.2
 
@@ -372,7 +370,7 @@ def test_end_to_end_with_always_accept_fails(monkeypatch: pytest.MonkeyPatch) ->
     counts = torch.zeros(E2E_VOCAB)
     for seed in range(200):
         settings = DecodeSettings(max_new_tokens=3, sampling=Sampling(), seed=seed)
-        tokens, _ = decode_speculative(model, prompt, policy, settings, vocab_rows=rows)
+        tokens, _ = decode(model, prompt, policy, settings, vocab_rows=rows)
         counts[tokens[1]] += 1
     assert set(counts.nonzero().flatten().tolist()) <= set(rows.tolist())
     assert tv(counts / counts.sum(), law) > 2 * E2E_TV_BOUND

@@ -9,6 +9,7 @@ model's. Plain decoding is the same loop with a drafter that proposes nothing (b
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence, Sized
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import SelectionState
 from layerskip.drafts.policy import SkipPolicy
-from layerskip.drafts.policy_spec import load_policy
+from layerskip.drafts.policy_spec import AUTO, PLAIN, load_policy
 from layerskip.engine.batch import BatchRow, BatchStepper, StepKinds, run_batch, step_kinds
 from layerskip.engine.batch_prices import BatchPrices
 from layerskip.engine.calibration import prepare_calibration
@@ -65,7 +66,8 @@ def check_fits(model: nn.Module, prompt_tokens: int, new_tokens: int, what: str 
 
 
 class Decoder:
-    """Decodes with ``model``: self-speculatively with a prepared draft, plainly without one.
+    """Decodes with ``model``: self-speculatively with a prepared draft, plainly without one
+    (``Decoder(model)``; ``Decoder.for_policy(model)`` prepares ``auto``'s draft).
 
     ``draft`` (``drafts.prepare_draft(model, policy)``, or ``Decoder.for_policy``) is the only
     thing the loop asks about drafting; it serves any number of ``decode`` calls, and what it
@@ -100,7 +102,7 @@ class Decoder:
     def for_policy(
         cls,
         model: nn.Module,
-        policy: SkipPolicy | str | None,
+        policy: SkipPolicy | str | None = AUTO,
         vocab_rows: torch.Tensor | None = None,
         threads: int | str = "auto",
         certified_head: bool | None = None,
@@ -108,12 +110,15 @@ class Decoder:
         progress: bool = False,
         costs: DraftCosts | None = None,
     ) -> Decoder:
-        """A decoder with ``policy``'s draft prepared for ``model`` (plain decoding without one).
-        ``policy`` may be a ``--policy`` value: ``"auto"``, ``"on-the-fly"``, a file's path. An
-        ``auto`` policy is priced by ``costs``, a calibration of this machine prepared apart
+        """A decoder with ``policy``'s draft prepared for ``model``. ``policy`` may be a
+        ``--policy`` value: ``"auto"`` (the default, as on the command line), ``"on-the-fly"``, a
+        file's path, or ``"plain"`` (or None) for plain decoding. An ``auto`` policy is priced by
+        ``costs``, a calibration of this machine prepared apart
         (``engine.calibration.prepare_calibration``); without one it is prepared here first,
         measured or read from the cache, and then handed to the draft."""
-        if isinstance(policy, str):
+        if policy == PLAIN:
+            policy = None
+        elif isinstance(policy, str):
             policy = load_policy(policy, next(model.parameters()).device, "policy=")[1]
         models = models if models is not None else DraftModels(model)
         if costs is None:
@@ -137,6 +142,14 @@ class Decoder:
         """Per cache layer, its sliding window (a layer exit adapter adds one of its own)."""
         return adapters.sliding_windows(self.model) if self.draft is None else self.draft.cache_windows()
 
+    def _settings(self, settings: DecodeSettings) -> DecodeSettings:
+        """``settings`` checked, their EOS ids resolved: None stops at the model's own, as HF's
+        ``generate`` does (its generation config's ``eos_token_id``)."""
+        settings.validate()
+        if settings.eos_token_ids is not None:
+            return settings
+        return replace(settings, eos_token_ids=eos_token_ids(self.model))
+
     def _drafter(self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None) -> Drafter:
         if self.draft is None:
             return NoDrafter()
@@ -155,7 +168,8 @@ class Decoder:
         logits_hook: LogitsHook | None = None,
         stop_check: StopCheck | None = None,
     ) -> tuple[list[int], GenerationStats]:
-        """Generate up to ``settings.max_new_tokens`` after ``input_ids``. Returns (new tokens, stats).
+        """Generate up to ``settings.max_new_tokens`` after ``input_ids``, stopping at an EOS id
+        (``DecodeSettings.eos_token_ids``). Returns (new tokens, stats).
 
         ``cache_observer(cache, committed)`` is called after every step (tests check lengths);
         ``drafter`` replaces the prepared draft's. ``logits_hook`` processes the full model's
@@ -165,7 +179,7 @@ class Decoder:
         with self.threads.session():  # the caller's thread count comes back afterwards
             clock = DeviceClock(self.device)
             start = clock.now()  # everything this call does is timed, set-up included
-            settings.validate()
+            settings = self._settings(settings)
             prompt = prompt_ids(input_ids)
             check_fits(self.model, len(prompt), settings.max_new_tokens)
             output = TokenOutput(prompt, settings, tokenizer, on_tokens, stop_check)
@@ -211,7 +225,7 @@ class Decoder:
         """Generate after each of ``prompts`` together (``engine.batch``): one verify forward per step
         for all rows. Returns (new tokens, stats) per prompt, in order; each row's output is what it
         would be alone. With a seed, row ``i`` samples from its own generator seeded ``seed + i``."""
-        settings.validate()
+        settings = self._settings(settings)
         check_batch(prompts)
         ids = [prompt_ids(prompt) for prompt in prompts]
         # Every row before any decodes (a batch's row i is "prompt i + 1", as the CLI counts them).
@@ -287,7 +301,7 @@ class Decoder:
 def decode(
     model: nn.Module,
     input_ids: Sequence[int] | torch.Tensor,
-    policy: SkipPolicy | None,
+    policy: SkipPolicy | str | None,
     settings: DecodeSettings,
     *,
     tokenizer: object | None = None,
@@ -295,7 +309,8 @@ def decode(
     vocab_rows: torch.Tensor | None = None,
     cache_observer: CacheObserver | None = None,
 ) -> tuple[list[int], GenerationStats]:
-    """One generation: self-speculative with ``policy``, plain without. Returns (new tokens, stats).
+    """One generation from token ids: self-speculative with ``policy`` (a ``Decoder.for_policy``
+    value), plain with ``"plain"`` or None. Returns (new tokens, stats).
 
     Prepares the draft on every call; to decode many prompts with one policy, build a
     ``Decoder`` once and call its ``decode``.
@@ -305,47 +320,11 @@ def decode(
     )
 
 
-def decode_autoregressive(
-    model: nn.Module,
-    input_ids: Sequence[int] | torch.Tensor,
-    settings: DecodeSettings,
-    *,
-    tokenizer: object | None = None,
-    on_tokens: TokenCallback | None = None,
-) -> tuple[list[int], GenerationStats]:
-    """Plain decoding: one full forward per token. Returns (new tokens, stats)."""
-    return decode(model, input_ids, None, settings, tokenizer=tokenizer, on_tokens=on_tokens)
-
-
-def decode_speculative(
-    model: nn.Module,
-    input_ids: Sequence[int] | torch.Tensor,
-    policy: SkipPolicy,
-    settings: DecodeSettings,
-    *,
-    tokenizer: object | None = None,
-    on_tokens: TokenCallback | None = None,
-    vocab_rows: torch.Tensor | None = None,
-    cache_observer: CacheObserver | None = None,
-) -> tuple[list[int], GenerationStats]:
-    """Self-speculative decoding with ``policy``. Returns (new tokens, stats)."""
-    return decode(
-        model,
-        input_ids,
-        policy,
-        settings,
-        tokenizer=tokenizer,
-        on_tokens=on_tokens,
-        vocab_rows=vocab_rows,
-        cache_observer=cache_observer,
-    )
-
-
 def generate(
     model: nn.Module,
     tokenizer: object,
     prompt: str | Sequence[str],
-    policy: SkipPolicy | str | None = None,
+    policy: SkipPolicy | str | None = AUTO,
     *,
     max_new_tokens: int = 128,
     chat: bool = False,
@@ -355,7 +334,9 @@ def generate(
     stream: TokenCallback | None = None,
     decoder: Decoder | None = None,
 ) -> GenerationResult | list[GenerationResult]:
-    """Generate from text: self-speculatively with ``policy``, plainly without one.
+    """Generate from text, self-speculatively with ``policy``: ``"auto"`` by default (as the command
+    line and the plug-in), a ``SkipPolicy``, or any ``--policy`` value; ``"plain"`` (or None) decodes
+    plainly. Stops at the model's or the tokenizer's EOS.
 
     Greedy unless ``sampling`` is given. ``stream`` receives token ids as they are accepted.
     Pass a ``decoder`` (``Decoder.for_policy(model, policy)``) to reuse its prepared draft across
@@ -369,26 +350,31 @@ def generate(
         eos_token_ids=eos_token_ids(model, tokenizer),
         stop_strings=tuple(stop_strings),
     )
-    texts = None if isinstance(prompt, str) else _texts(prompt)  # checked before a draft is prepared
+    one = isinstance(prompt, str)
+    texts = [prompt] if one else _texts(prompt)
+    check_batch(texts)
+    if stream is not None and not one:
+        raise LayerskipError("stream= takes one prompt; pass a string, or drop stream= for a list")
+    # Every refusal of the input comes before a draft is prepared: auto's may calibrate first.
+    settings.validate()
+    ids = [encode_prompt(tokenizer, text, chat) for text in texts]
+    for index, row in enumerate(ids):
+        check_fits(model, len(row), max_new_tokens, "the prompt" if one else f"prompt {index + 1}")
     decoder = decoder or Decoder.for_policy(model, policy)
-    if texts is not None:
-        if stream is not None:
-            raise LayerskipError("stream= takes one prompt; pass a string, or drop stream= for a list")
-        ids = [encode_prompt(tokenizer, text, chat) for text in texts]
+    if one:
+        results = [decoder.decode(ids[0], settings, tokenizer=tokenizer, on_tokens=stream)]
+    else:
         results = decoder.decode_batch(ids, settings, tokenizer=tokenizer)
-        return [
-            GenerationResult(
-                tokens=tokens,
-                text=tokenizer.decode(tokens, skip_special_tokens=True),
-                prompt_tokens=len(row),
-                stats=stats,
-            )
-            for row, (tokens, stats) in zip(ids, results, strict=True)
-        ]
-    ids = encode_prompt(tokenizer, prompt, chat)
-    tokens, stats = decoder.decode(ids, settings, tokenizer=tokenizer, on_tokens=stream)
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    return GenerationResult(tokens=tokens, text=text, prompt_tokens=len(ids), stats=stats)
+    outputs = [
+        GenerationResult(
+            tokens=tokens,
+            text=tokenizer.decode(tokens, skip_special_tokens=True),
+            prompt_tokens=len(row),
+            stats=stats,
+        )
+        for row, (tokens, stats) in zip(ids, results, strict=True)
+    ]
+    return outputs[0] if one else outputs
 
 
 def _texts(prompts: object) -> list[str]:

@@ -26,7 +26,9 @@ class DecodeSettings:
     max_new_tokens: int = 128
     sampling: Sampling | None = None  # None = greedy
     seed: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
+    # None: stop at the model's own EOS ids (its generation config's, as HF's generate does),
+    # resolved by the Decoder; () never stops before max_new_tokens.
+    eos_token_ids: tuple[int, ...] | None = None
     stop_strings: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -48,6 +50,8 @@ class TokenOutput:
         self.history = list(prompt)
         self.prompt_length = len(prompt)
         self.settings = settings
+        assert settings.eos_token_ids is not None, "the Decoder resolves the model's EOS ids first"
+        self.eos_token_ids: tuple[int, ...] = settings.eos_token_ids
         self.tokenizer = tokenizer
         self.on_tokens = on_tokens
         self.stop_check = stop_check
@@ -73,7 +77,7 @@ class TokenOutput:
             # Asked after every token, whatever else ends the generation there: plain generate asks
             # its stopping criteria so, and a criterion may keep count.
             stopped = self.stop_check is not None and self.stop_check(self.history)
-            if token in self.settings.eos_token_ids or self.remaining <= 0 or self._hit_stop_string() or stopped:
+            if token in self.eos_token_ids or self.remaining <= 0 or self._hit_stop_string() or stopped:
                 self.done = True
                 break
         if kept and self.on_tokens is not None:

@@ -27,8 +27,9 @@ def encode_prompt(tokenizer: object, prompt: str, chat: bool) -> list[int]:
     return ids
 
 
-def eos_token_ids(model: nn.Module, tokenizer: object) -> tuple[int, ...]:
-    """Every token that ends a generation: the generation config's EOS ids and the tokenizer's."""
+def eos_token_ids(model: nn.Module, tokenizer: object | None = None) -> tuple[int, ...]:
+    """Every token that ends a generation: the generation config's EOS ids (what HF's ``generate``
+    stops at) and, when one is given, the tokenizer's."""
     ids: set[int] = set()
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(configured, int):

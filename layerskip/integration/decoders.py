@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from layerskip.drafts.policy import SkipPolicy
-from layerskip.drafts.policy_spec import load_policy
+from layerskip.drafts.policy_spec import PLAIN, load_policy
 from layerskip.engine.decoding import Decoder
 from layerskip.errors import LayerskipError
 
@@ -40,9 +40,11 @@ def _spec_key(spec: PolicySpec) -> tuple[Any, ...]:
     return ("spec", text, str(path.resolve()) if version else "", version)
 
 
-def _resolve(spec: PolicySpec, model: nn.Module) -> SkipPolicy:
+def _resolve(spec: PolicySpec, model: nn.Module) -> SkipPolicy | None:
     if isinstance(spec, SkipPolicy):
         return spec
+    if spec == PLAIN:  # no draft: plain decoding on the engine
+        return None
     # The policy-argument syntax is the command line's (--policy), so both accept the same values.
     return load_policy(os.fspath(spec), next(model.parameters()).device, "skip_policy=")[1]
 
@@ -51,8 +53,8 @@ def decoder_for(model: nn.Module, spec: PolicySpec | None) -> Decoder:
     """The prepared decoder of ``model`` for ``spec``; built on first use, then reused."""
     if not isinstance(spec, (SkipPolicy, str, os.PathLike)):
         raise LayerskipError(
-            "layerskip's custom_generate needs skip_policy=: 'auto', a policy file, a SkipPolicy or 'on-the-fly' "
-            f"(got {type(spec).__name__})"
+            "layerskip's custom_generate needs skip_policy=: 'auto', 'plain', a policy file, a SkipPolicy "
+            f"or 'on-the-fly' (got {type(spec).__name__})"
         )
     first = next(model.parameters())
     # Moving or casting the model invalidates a draft copied from its weights.

@@ -24,7 +24,7 @@ from layerskip.drafts.lookup import LookupRunLength, match_lookup
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings
 from layerskip.drafts.skip import AdaptiveStop, top2_confidence
-from layerskip.engine.decoding import DecodeSettings, decode_autoregressive
+from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf import adapters
 
 # (start, stop, known) -> the draft's tokens and confidences at continuation positions start..stop-1
@@ -43,8 +43,10 @@ def build_references(
 ) -> list[Reference]:
     """Greedy continuations of the full model (no EOS stop: every position is a sample)."""
     references = []
+    decoder = Decoder(model)  # plain decoding
+    settings = DecodeSettings(max_new_tokens=new_tokens, eos_token_ids=())
     for prompt in tqdm(prompts, desc="references", disable=not progress):
-        tokens, _ = decode_autoregressive(model, prompt, DecodeSettings(max_new_tokens=new_tokens))
+        tokens, _ = decoder.decode(prompt, settings)
         references.append(Reference(tuple(prompt), tuple(tokens)))
     return references
 
