@@ -813,3 +813,41 @@ def test_cli_prompt_past_the_model_positions(bench_cli, cli_inputs: dict[str, st
     )  # fmt: skip
     assert_bad_input(result, "prompt long", "8 new tokens", "256 positions")
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_processors_go_to_every_method(bench_cli, cli_inputs: dict[str, str], tmp_path: Path) -> None:
+    """Generation arguments that add logits processors reach HF's methods and ours alike: every
+    output still equals HF generate's under the same processors, and the run records them."""
+    config = tmp_path / "generation_config.json"
+    config.write_text(json.dumps({"repetition_penalty": 1.3, "max_new_tokens": 99, "do_sample": False}))
+    out = tmp_path / "processed"
+    result = bench_cli(
+        "--model", cli_inputs["model"], "--prompts", cli_inputs["prompts"], "--methods", "hf-ar,ar,self-spec",
+        "--policy", cli_inputs["policy"], "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--no-chat",
+        "--generation-config", str(config), "--no-repeat-ngram-size", "2", "--suppress-tokens", "5,6",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = json.loads((out / "results.json").read_text())
+    expected = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "suppress_tokens": [5, 6]}
+    assert results["generation"] == expected  # the file's own max_new_tokens and do_sample are the bench's
+    for name in ("ar", "self-spec"):
+        assert results["methods"][name]["overall"]["identical_fraction"] == 1.0, name
+    assert "--generation-config" in results["command"]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--min-new-tokens", "-1"], ["--min-new-tokens must be"]),
+        (["--repetition-penalty", "0"], ["--repetition-penalty must be"]),
+        (["--no-repeat-ngram-size", "0"], ["--no-repeat-ngram-size must be"]),
+        (["--suppress-tokens", "a,b"], ["--suppress-tokens must be token ids"]),
+        (["--generation-config", "missing.json"], ["--generation-config"]),
+    ],
+    ids=["min-new-tokens", "penalty", "ngram", "suppress", "config"],
+)
+def test_cli_processor_arguments_refused_before_any_model_loads(
+    bench_cli, tmp_path: Path, args: list[str], fragments: list[str]
+) -> None:
+    result = bench_cli("--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "o"), *args)
+    assert_bad_input(result, *fragments)

@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 from dataclasses import asdict
+from typing import Any
 
 from layerskip.cli.common import (
     THREADS_HELP,
@@ -84,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--top-p", type=float, metavar="P", help="with --temperature: nucleus mass kept (default 1)")
     parser.add_argument("--top-k", type=int, metavar="K", help="with --temperature: most likely tokens kept (0 = all)")
+    parser.add_argument(
+        "--generation-config",
+        metavar="JSON",
+        help="a JSON object of HF generate arguments that add logits processors (e.g. a model's "
+        "generation_config.json: repetition_penalty, no_repeat_ngram_size, min_new_tokens, bad_words_ids ...), "
+        "given to every method alike; the flags below override its keys",
+    )
+    parser.add_argument("--min-new-tokens", type=int, metavar="N", help="generate's min_new_tokens, every method")
+    parser.add_argument("--repetition-penalty", type=float, metavar="P", help="generate's repetition_penalty")
+    parser.add_argument("--no-repeat-ngram-size", type=int, metavar="N", help="generate's no_repeat_ngram_size")
+    parser.add_argument(
+        "--suppress-tokens", type=str_list, metavar="IDS", help="generate's suppress_tokens: comma-separated token ids"
+    )
     parser.add_argument("--methods", default="hf-ar,ar,self-spec", help=f"comma-separated, from: {', '.join(METHODS)}")
     parser.add_argument(
         "--policy",
@@ -204,6 +218,7 @@ def _main(argv: list[str] | None) -> int:
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     sampling = _sampling(args)
+    args.generation = _generation(args)
     if args.batch_size is not None:  # "," included: refused as naming no size, never the per-prompt run
         if sampling is not None:
             raise LayerskipError("--batch-size measures greedy decoding; drop --temperature, --top-p and --top-k")
@@ -239,6 +254,7 @@ def _main(argv: list[str] | None) -> int:
         tree_ablation=args.tree_ablation,
         sampling=sampling,
         seed=args.seed,
+        generation=args.generation,
     )
     with busy_processes(args.busy_processes):
         rows = run_benchmark(
@@ -261,6 +277,7 @@ def _main(argv: list[str] | None) -> int:
         "max_new_tokens": args.max_new_tokens,
         # None: greedy, every output compared with HF generate's; else how every method sampled.
         "sampled": None if sampling is None else {**asdict(sampling), "seed": args.seed},
+        "generation": args.generation,  # generate arguments every method got (logits processors)
         "threads": list(args.threads),
         "busy_processes": args.busy_processes,
         "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
@@ -292,6 +309,43 @@ def _sampling(args: argparse.Namespace) -> Sampling | None:
         return None
     top_p = 1.0 if args.top_p is None else args.top_p
     return Sampling(args.temperature, args.top_k or 0, top_p)
+
+
+# generate arguments the bench gives every method alike, and what each must be.
+_GENERATION_FLAGS = {
+    "min_new_tokens": ("--min-new-tokens", lambda v: type(v) is int and v >= 0, "a whole number >= 0"),
+    "repetition_penalty": ("--repetition-penalty", lambda v: type(v) in (int, float) and v > 0, "a number > 0"),
+    "no_repeat_ngram_size": ("--no-repeat-ngram-size", lambda v: type(v) is int and v > 0, "a whole number > 0"),
+    "suppress_tokens": ("--suppress-tokens", lambda v: bool(v), "one token id or more"),
+}
+# Keys of a --generation-config file that the bench sets itself (or that are not logits processors).
+_GENERATION_OWN = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_p", "top_k", "eos_token_id"}
+
+
+def _generation(args: argparse.Namespace) -> dict[str, Any]:
+    """The generate arguments every method gets: --generation-config's, then the flags'; checked
+    before any model loads."""
+    generation: dict[str, Any] = {}
+    if args.generation_config:
+        config = load_json(args.generation_config, "--generation-config", "pass a JSON object of generate arguments")
+        generation = {key: value for key, value in config.items() if key not in _GENERATION_OWN}
+    for key in _GENERATION_FLAGS:
+        value = getattr(args, key)
+        if value is not None:
+            generation[key] = value
+    if isinstance(generation.get("suppress_tokens"), (list, tuple)):  # the flag's text, or a file's list
+        try:
+            generation["suppress_tokens"] = [int(t) for t in generation["suppress_tokens"]]
+        except (TypeError, ValueError):
+            raise LayerskipError(
+                f"--suppress-tokens must be token ids (got {generation['suppress_tokens']!r})"
+            ) from None
+    for key, (flag, valid, what) in _GENERATION_FLAGS.items():
+        if key in generation and not valid(generation[key]):
+            raise LayerskipError(f"{flag} must be {what} (got {generation[key]!r})")
+    if "repetition_penalty" in generation:
+        generation["repetition_penalty"] = float(generation["repetition_penalty"])  # HF's processor takes a float
+    return generation
 
 
 def _prompts(args: argparse.Namespace) -> list:
@@ -343,6 +397,7 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
         next(iter(policies.values())),
         repeats=args.batch_repeats,
         progress=not args.no_progress,
+        generation=args.generation,
     )
     env = environment(next(model.parameters()).device)
     results = {
@@ -353,6 +408,7 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
         "model": loaded.name,
         "policy": policy,
         "max_new_tokens": args.max_new_tokens,
+        "generation": args.generation,
         "prompts": {"source": args.prompts, "n": len(prompts)},
         "batches": summarise_batches(figures),
         "runs": figures_as_dicts(figures),

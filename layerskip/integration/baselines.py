@@ -79,10 +79,11 @@ def hf_custom_generate(
     model: nn.Module,
     input_ids: Sequence[int],
     max_new_tokens: int,
-    policy: SkipPolicy,
+    policy: SkipPolicy | str,
     eos_token_ids: Sequence[int] = (),
     sampling: Sampling | None = None,
     seed: int | None = None,
+    **extra: Any,
 ) -> tuple[list[int], GenerationStats]:
     """``model.generate`` through our ``custom_generate`` plug-in, as a user calls it (directory form).
 
@@ -92,6 +93,7 @@ def hf_custom_generate(
     device = next(model.parameters()).device
     ids = torch.tensor([list(input_ids)], device=device)
     kwargs = _generate_arguments(ids, max_new_tokens, eos_token_ids, sampling, seed)
+    kwargs.update(extra)  # generation arguments that add processors, as hf_generate takes them
     out = model.generate(
         ids,
         custom_generate=custom_generate_path(),

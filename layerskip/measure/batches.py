@@ -95,6 +95,7 @@ def batch_runner(
     skip_policy: Any | None,
     sampling: Sampling | None = None,
     seed: int | None = None,
+    generation: dict[str, Any] | None = None,
 ) -> BatchRunner:
     """``(input_ids, attention_mask) -> (sequences, the batch's steps of each kind or None)``
     through ``model.generate``: HF's own loop (``skip_policy`` None) or the self-speculative
@@ -108,6 +109,7 @@ def batch_runner(
         "top_k": None,
         "eos_token_id": list(eos) or None,
         "pad_token_id": pad,
+        **(generation or {}),  # arguments that add logits processors, for both methods alike
     }
     if sampling is not None:
         arguments.update(
@@ -142,13 +144,15 @@ def run_batches(
     skip_policy: Any,
     repeats: int = 2,
     progress: bool = True,
+    generation: dict[str, Any] | None = None,
 ) -> list[BatchFigure]:
-    """Both methods on every (size, layout) batch, interleaved; one figure per method and batch."""
+    """Both methods on every (size, layout) batch, interleaved; one figure per method and batch.
+    ``generation``: HF arguments that add logits processors, given to both methods alike."""
     device = next(model.parameters()).device
     clock = DeviceClock(device)
     runners = {
-        BASELINE: batch_runner(model, max_new_tokens, eos, pad, None),
-        OURS: batch_runner(model, max_new_tokens, eos, pad, skip_policy),
+        BASELINE: batch_runner(model, max_new_tokens, eos, pad, None, generation=generation),
+        OURS: batch_runner(model, max_new_tokens, eos, pad, skip_policy, generation=generation),
     }
     lengths = [len(ids) for ids in prompt_ids]
     warm = pick_batch(lengths, min(2, len(lengths)), "similar")

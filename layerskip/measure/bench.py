@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from layerskip.data import Prompt
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy_spec import PLAIN
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
@@ -136,6 +137,7 @@ def build_methods(
     tree_ablation: bool = False,
     sampling: Sampling | None = None,
     seed: int = 0,
+    generation: dict[str, Any] | None = None,
 ) -> list[Method]:
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
@@ -156,11 +158,16 @@ def build_methods(
 
     ``sampling``: every method samples with it instead of decoding greedily (HF's methods through
     ``generate(do_sample=True, ...)``, ours through ``DecodeSettings.sampling``), each prompt's draws
-    seeded with ``prompt_seed(ids, seed)``."""
+    seeded with ``prompt_seed(ids, seed)``.
+
+    ``generation``: HF ``generate`` arguments that add logits processors (``min_new_tokens``,
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens`` ...), given to every method
+    alike: HF's methods take them directly, ours through the plug-in (``model.generate`` with
+    ``custom_generate``), where HF turns them into processors as it does for plain ``generate``."""
     check_methods(names, bool(policies), assistant is not None)
     if not threads:
         raise LayerskipError("threads needs at least one setting ('auto' or a count)")
-    draws = _Draws(sampling, seed)
+    draws = _Draws(sampling, seed, tuple(sorted((generation or {}).items())))
     args = (model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, tree_ablation, draws)
     methods = _methods_for(*args, threads[0], None)
     for setting in threads[1:]:
@@ -178,10 +185,13 @@ def build_methods(
 
 @dataclass(frozen=True)
 class _Draws:
-    """How a method's tokens are chosen: greedy (``sampling`` None) or sampled, seeded per prompt."""
+    """How a method's tokens are chosen: greedy (``sampling`` None) or sampled, seeded per prompt,
+    and HF generation arguments that add logits processors (``repetition_penalty=1.05`` ...), given
+    to every method alike."""
 
     sampling: Sampling | None = None
     seed: int = 0
+    generation: tuple[tuple[str, Any], ...] = ()
 
     def seed_for(self, ids: Sequence[int]) -> int | None:
         return None if self.sampling is None else prompt_seed(ids, self.seed)
@@ -190,7 +200,9 @@ class _Draws:
 def _hf_runner(model: nn.Module, eos_token_ids: tuple[int, ...], extra: dict[str, Any], draws: _Draws) -> Runner:
     def run(ids: list[int], max_new: int) -> tuple[list[int], None]:
         seed = draws.seed_for(ids)
-        return hf_generate(model, ids, max_new, eos_token_ids, draws.sampling, seed, **extra), None
+        return hf_generate(
+            model, ids, max_new, eos_token_ids, draws.sampling, seed, **dict(draws.generation), **extra
+        ), None
 
     return run
 
@@ -228,6 +240,11 @@ def _methods_for(
     HF's own methods (None: the process's count)."""
 
     def ours(policy: SkipPolicy | None) -> tuple[Runner, float | None]:
+        if draws.generation:
+            # Processors come from HF's own reading of the arguments: through the plug-in, which
+            # hands them to the engine as plain generate would apply them.
+            spec = PLAIN if policy is None else policy
+            return custom(spec, hf_threads=None), _draft_memory(decoder_for(model, spec))
         decoder = Decoder.for_policy(model, policy, threads=threads)
 
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
@@ -236,9 +253,11 @@ def _methods_for(
 
         return run, _draft_memory(decoder)
 
-    def custom(policy: SkipPolicy) -> Runner:
+    def custom(policy: SkipPolicy | str, hf_threads: int | None = hf_threads) -> Runner:
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
-            return hf_custom_generate(model, ids, max_new, policy, eos_token_ids, draws.sampling, draws.seed_for(ids))
+            seed = draws.seed_for(ids)
+            extra = dict(draws.generation)
+            return hf_custom_generate(model, ids, max_new, policy, eos_token_ids, draws.sampling, seed, **extra)
 
         return _with_threads(run, hf_threads)
 
