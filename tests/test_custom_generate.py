@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model, tiny_tokenizer
+from transformers import RepetitionPenaltyLogitsProcessor
 
 import layerskip
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
@@ -389,8 +390,8 @@ def _processed_laws(model, prompt: list[int], processor) -> tuple[torch.Tensor, 
     return p1, p1 @ p2
 
 
-@pytest.mark.parametrize("processed", [False, True], ids=["plain", "history-processor"])
-def test_sampling_follows_the_model(processed: bool) -> None:
+@pytest.mark.parametrize("processed", [False, True, "repetition"], ids=["plain", "history-processor", "repetition"])
+def test_sampling_follows_the_model(processed: bool | str) -> None:
     """As tests/test_sampling.py's end-to-end check, through ``model.generate``; with a processor the
     output must follow the processed distribution, though the draft proposes from unprocessed logits."""
     from transformers import LogitsProcessorList
@@ -400,7 +401,8 @@ def test_sampling_follows_the_model(processed: bool) -> None:
     p1, p2, q2 = _exact_laws(model, prompt)
     extra = {}
     if processed:
-        processor = _history_bias()
+        # A user's processor that reads the history, or the repetition penalty a chat model's config carries.
+        processor = RepetitionPenaltyLogitsProcessor(3.0) if processed == "repetition" else _history_bias()
         unprocessed = p2
         p1, p2 = _processed_laws(model, prompt, processor)
         assert tv(p2, unprocessed) > 2 * E2E_TV_BOUND  # a plug-in that ignored the processor would fail

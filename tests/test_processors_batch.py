@@ -14,11 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import ARCHS, tiny_model, tiny_tokenizer
 from transformers import RepetitionPenaltyLogitsProcessor, SynthIDTextWatermarkingConfig, WatermarkingConfig
 
 import layerskip
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.engine import verify_head
+from layerskip.engine.verify_head import engine_verify_head
 from layerskip.errors import LayerskipError
 
 POLICY = SkipPolicy.skip_layers([1, 2], draft=DraftSettings(max_draft_tokens=3))
@@ -117,3 +119,24 @@ def test_a_watermark_that_counts_its_calls_is_refused(model: torch.nn.Module) ->
     with pytest.raises(LayerskipError, match="SynthID") as caught:
         _ours(model, **_batch("padded"), max_new_tokens=4, watermarking_config=config)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("undecided", [False, True], ids=["certified", "fallback"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_processors_together_on_every_architecture(arch: str, undecided: bool, monkeypatch) -> None:
+    """The sparse processors on the certified head (and, where the certificate cannot decide, on the
+    full row) give generate's tokens on every architecture, on a padded batch."""
+    model = tiny_model(arch)
+    if undecided:
+        monkeypatch.setattr(verify_head, "MAX_CANDIDATES", 0)  # every row falls back to the fp32 head
+    batch = _batch("padded")
+    start = batch["input_ids"].shape[1]
+    unprocessed = model.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    kwargs = CASES["together"](unprocessed[:, start:].tolist(), batch)
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, **{"pad_token_id": PAD, **kwargs})
+    head = engine_verify_head(model)
+    before = head.stats.certified, head.stats.fallbacks
+    assert _ours(model, **batch, **kwargs).tolist() == model.generate(**batch, **kwargs).tolist()
+    certified, fallbacks = head.stats.certified - before[0], head.stats.fallbacks - before[1]
+    # Undecided: every row whose other tokens the edited ones do not already beat outright falls back.
+    assert fallbacks > 0 if undecided else certified > 0

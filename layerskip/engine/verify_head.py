@@ -83,10 +83,6 @@ class VerifyHead:
             self.row_norms = torch.linalg.vector_norm(self.weight, dim=1)  # [V] fp32
             self.max_row_norm = float(self.row_norms.max())
 
-    @property
-    def nbytes(self) -> int:
-        return self.low.numel() * 2 + self.row_norms.numel() * 4 if self.certified else 0
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[q, H] -> [q, V]``, as the model's forward computes them (fp32 for an fp32 model)."""
         return adapters.logits_from_hidden(self.model, hidden)
@@ -148,12 +144,15 @@ class VerifyHead:
         edited_values = torch.zeros(0)
         floor = -math.inf  # a value some token surely reaches
         if edits is not None and (edits.tokens or edits.masked):
-            if self.softcap:  # the rows are compared before the cap, the edits act after it
-                return None
             edited = torch.tensor(edits.tokens, dtype=torch.long)
             edited_values = edits.apply(self._exact(edited, x))  # exact, as the processors compute them
             if edited.numel() and bool(torch.isfinite(edited_values).any()):
                 floor = float(edited_values.max())
+                if self.softcap:  # the row is compared before the cap, the edits act after it: uncap
+                    if abs(floor) >= self.softcap * (1 - 1e-6):
+                        return None
+                    floor = self.softcap * math.atanh(floor / self.softcap)
+                    floor -= 1e-6 * (1 + abs(floor))  # the inverse's own rounding: only widens the candidates
             # The other tokens keep their logits: drop the edited and the masked ones from the row.
             row = row.index_fill(0, torch.tensor([*edits.tokens, *edits.masked], dtype=torch.long), -math.inf)
             top = float(row.max())
