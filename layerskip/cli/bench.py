@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         "generation_config.json: repetition_penalty, no_repeat_ngram_size, min_new_tokens, bad_words_ids ...), "
         "given to every method alike; the flags below override its keys",
     )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every method writes --max-new-tokens tokens (no method stops at the model's EOS): "
+        "figures of equal length, with no processor involved",
+    )
     parser.add_argument("--min-new-tokens", type=int, metavar="N", help="generate's min_new_tokens, every method")
     parser.add_argument("--repetition-penalty", type=float, metavar="P", help="generate's repetition_penalty")
     parser.add_argument("--no-repeat-ngram-size", type=int, metavar="N", help="generate's no_repeat_ngram_size")
@@ -246,7 +252,7 @@ def _main(argv: list[str] | None) -> int:
     methods = build_methods(
         model,
         names,
-        eos_token_ids(model, tokenizer),
+        _eos(model, tokenizer, args.ignore_eos),
         policies,
         assistant,
         ablate=args.ablate,
@@ -278,6 +284,7 @@ def _main(argv: list[str] | None) -> int:
         # None: greedy, every output compared with HF generate's; else how every method sampled.
         "sampled": None if sampling is None else {**asdict(sampling), "seed": args.seed},
         "generation": args.generation,  # generate arguments every method got (logits processors)
+        "ignore_eos": args.ignore_eos,
         "threads": list(args.threads),
         "busy_processes": args.busy_processes,
         "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
@@ -348,6 +355,16 @@ def _generation(args: argparse.Namespace) -> dict[str, Any]:
     return generation
 
 
+def _eos(model: Any, tokenizer: Any, ignore: bool) -> tuple[int, ...]:
+    """The EOS ids every method stops at; none with ``ignore``. HF's ``generate`` falls back to the
+    model's generation config when given none, so the loaded model's own is cleared too (the bench
+    loaded it, and nothing else uses it)."""
+    if not ignore:
+        return eos_token_ids(model, tokenizer)
+    model.generation_config.eos_token_id = None
+    return ()
+
+
 def _prompts(args: argparse.Namespace) -> list:
     """The prompts the run's options select (``--prompts``, ``--n-prompts``, ``--per-category`` ...)."""
     return load_prompts(
@@ -383,7 +400,7 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     for prompt, ids in zip(prompts, prompt_ids):
         check_fits(model, len(ids), args.max_new_tokens, f"prompt {prompt.id}")
-    eos = eos_token_ids(model, tokenizer)
+    eos = _eos(model, tokenizer, args.ignore_eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     figures = run_batches(
         model,
@@ -409,6 +426,7 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
         "policy": policy,
         "max_new_tokens": args.max_new_tokens,
         "generation": args.generation,
+        "ignore_eos": args.ignore_eos,
         "prompts": {"source": args.prompts, "n": len(prompts)},
         "batches": summarise_batches(figures),
         "runs": figures_as_dicts(figures),
