@@ -7,13 +7,15 @@ record ``Machine.to_dict()`` in a policy's provenance, the benchmark records it 
 environment, and ``generate``/``bench`` compare it with the machine at hand.
 
 On Linux the CPU is read from ``/proc/cpuinfo`` (``lscpu``'s "Model name" and flags); elsewhere
-``platform.processor()`` names it and no flags are known.
+``platform.processor()`` names it and no flags are known. ``code_version`` names the code beside
+the machine: the git commit of the checkout the package runs from, and whether it had changes.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,9 @@ from typing import Any
 import torch
 
 CPUINFO = Path("/proc/cpuinfo")
+# The checkout the package runs from: its parent holds ``layerskip/`` (a package installed elsewhere is no checkout).
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+GIT_TIMEOUT_S = 5.0
 # Flags that decide which kernels run fast here: AVX2/FMA (fp32 and int4 matmuls), AVX-512 and
 # its VNNI/BF16 extensions, AMX tiles (bf16 and int8 matmuls), and their ARM counterparts.
 KERNEL_FLAGS = (
@@ -138,3 +143,36 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         return os.cpu_count() or 0
+
+
+def code_version(root: Path = SOURCE_ROOT) -> dict[str, Any]:
+    """The code that ran, for a result file: ``{"commit": short hash, "dirty": bool}``.
+
+    ``commit`` is ``git rev-parse --short HEAD`` of ``root`` when ``root`` is the top of a git
+    checkout (the package run from its repository); ``dirty`` says whether tracked files had
+    uncommitted changes then. Both are None where git is missing, slow, or ``root`` is no checkout
+    of its own (an installed package, or one inside another project's repository): never raises.
+    """
+    unknown: dict[str, Any] = {"commit": None, "dirty": None}
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}  # a status refreshes no index lock
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(root), *args],
+                capture_output=True,
+                text=True,
+                timeout=GIT_TIMEOUT_S,
+                env=env,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    found = git("rev-parse", "--show-toplevel", "--short", "HEAD")
+    lines = (found or "").splitlines()  # the top folder, then the hash
+    if len(lines) != 2 or Path(lines[0]).resolve() != root.resolve():
+        return unknown
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": lines[1], "dirty": None if status is None else bool(status.strip())}

@@ -71,30 +71,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def accept_greedy(drafted: list[int], targets: list[int]) -> tuple[int, int]:
-    """Greedy acceptance of a chain from ``targets``, the full model's token after each block
-    position (k+1 of them): (drafts accepted n, the full model's own token after them). A chain is
-    a tree with one branch: this is ``accept_tree_greedy`` on one."""
-    path, token = accept_tree_greedy(drafted, list(range(-1, len(drafted) - 1)), targets)
-    return len(path), token
-
-
-def verify_sampled(
-    drafted: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """Standard speculative rejection sampling of a chain, as ``verify_tree_sampled`` runs it on a
-    tree with one branch.
-
-    drafted: k proposed tokens; p: ``[k+1, V]`` target probabilities at each block position;
-    q: ``[k, V]`` the draft's proposal probabilities. Returns (number accepted n, next token):
-    token i is kept with probability min(1, p_i/q_i); at the first rejection the next token is
-    drawn from normalise(max(0, p - q)); if all k are kept it is drawn from p[k].
-    """
-    attempts = [Attempt(node - 1, node, Draw(node)) for node in range(len(drafted))]
-    path, token = verify_tree_sampled(drafted, attempts, p, q, generator)
-    return len(path), token
-
-
 # -- token trees -----------------------------------------------------------------------------------
 #
 # A tree block is ``[pending, node 0, ..., node n-1]``: node i sits at block position i + 1 and
@@ -161,11 +137,6 @@ def accept_tree_greedy(tokens: list[int], parents: list[int], targets: list[int]
     return path, targets[node + 1]
 
 
-def verify_tree_greedy(tokens: list[int], parents: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
-    """``accept_tree_greedy`` from the full model's logits ``[n+1, V]`` at each block position."""
-    return accept_tree_greedy(tokens, parents, logits.argmax(dim=-1).tolist())
-
-
 def proposal_distribution(
     proposal: Draw, token: int, q: torch.Tensor | None, drawn: list[int], like: torch.Tensor
 ) -> torch.Tensor:
@@ -204,7 +175,7 @@ def verify_tree_sampled(
     min(1, r(x)/q_x(x)), where q_x is the distribution x was drawn from (``proposal_distribution``);
     on rejection r <- norm(max(0, r - q_x)) and the next attempt is tried. An accepted child
     becomes the node; when none is accepted the next token is drawn from r. The output follows p
-    exactly. A chain (one independent attempt per node) is ``verify_sampled``.
+    exactly. On a chain (one independent attempt per node) this is the standard chain rule.
 
     Returns (accepted path as node indices, next token).
     """

@@ -40,7 +40,7 @@ from layerskip.fileio import check_output_dir, write_json_atomic, write_text_ato
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
-from layerskip.machine import this_machine
+from layerskip.machine import code_version, this_machine
 from layerskip.measure.latency import copy_bandwidth, draft_bytes_read, draft_step_breakdown
 
 OUTPUT_FILES = ("draft_cost.json", "draft_cost.md")
@@ -192,6 +192,7 @@ def _main(argv: list[str] | None) -> int:
         "dtype": args.dtype,
         "device": str(next(model.parameters()).device),
         "machine": this_machine(next(model.parameters()).device).describe(),
+        **code_version(),  # "commit", "dirty": the code that measured
         "plain_step_ms": plain * 1000,
         "plain_step_bandwidth_floor_ms": 1000 * plain_bytes / bandwidth,
         "copy_bandwidth_gb_s": bandwidth / 1e9,

@@ -30,6 +30,7 @@ from layerskip.fileio import check_output_dir, write_json_atomic, write_text_ato
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
+from layerskip.machine import code_version
 from layerskip.measure.agreement import build_references, early_exit_frontier
 
 OUTPUT_FILES = ("early_exit.json", "early_exit.csv", "early_exit.md")
@@ -110,6 +111,7 @@ def _main(argv: list[str] | None) -> int:
         "model": loaded.name,
         "dtype": args.dtype,
         "device": str(next(model.parameters()).device),
+        **code_version(),  # "commit", "dirty": the code that measured
         "precision": precision,
         "prompts": len(prompts),
         "reference_tokens": args.reference_tokens,

@@ -20,6 +20,7 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.machine import code_version
 from layerskip.measure.profiling import csv_text, forward_costs, markdown, profile_configs, profile_report
 
 OUTPUT_FILES = ("profile.json", "profile.md", "profile.csv")
@@ -68,6 +69,7 @@ def _main(argv: list[str] | None) -> int:
         dtype=args.dtype,
         device=str(next(model.parameters()).device),
         prompts={"source": args.prompts, "n": len(prompts)},
+        **code_version(),  # "commit", "dirty": the code that measured
     )
     out = Path(args.out)
     text = markdown(report)

@@ -36,7 +36,7 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from layerskip.machine import this_machine
+from layerskip.machine import code_version, this_machine
 from layerskip.measure.tree_ceiling import RecordingDrafter, TreeCeiling
 
 OUTPUT_FILES = ("tree_ceiling.json", "tree_ceiling.md")
@@ -139,6 +139,7 @@ def _main(argv: list[str] | None) -> int:
         "dtype": args.dtype,
         "device": str(device),
         "machine": this_machine(device).describe(),
+        **code_version(),  # "commit", "dirty": the code that measured
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "draft_precision": s.precision,

@@ -1,16 +1,14 @@
-"""What a search computes before its first trial, cached between runs.
+"""What a search computes before its first trial, cached between runs (``layerskip.result_cache``:
+JSON files, each written atomically).
 
-Two entries in the ``search`` result cache (``layerskip.engine.result_cache``, auto's calibration's
-mechanism: JSON files under ``$LAYERSKIP_SEARCH_CACHE`` or ``<model cache>/search``, each written
-atomically):
-
-references-<key>.json  the full model's greedy references (and, once computed, the ranked
-                       space's sublayer order), keyed by the model (shape fingerprint and a
-                       sample of its weight values), the prompt token ids, reference length,
+references-<key>.json  in the ``search`` cache (``$LAYERSKIP_SEARCH_CACHE`` or ``<model
+                       cache>/search``): the full model's greedy references (and, once computed,
+                       the ranked space's sublayer order), keyed by the model (shape fingerprint
+                       and a sample of its weight values), the prompt token ids, reference length,
                        device, dtype, torch and transformers versions;
-latency-<key>.json     the measured plain-step and verify-block seconds, keyed by all that, the
-                       timing context, block lengths, repeats, torch threads and the machine
-                       record (``layerskip.machine.this_machine``).
+latency-<key>.json     in the ``calibration`` cache: the plain-step and verify-block seconds
+                       ``auto`` prices its drafts with too, keyed by the model and the machine
+                       (``layerskip.engine.calibration.machine_latency``).
 
 An entry is used only when its stored key equals the run's whole key; one that cannot be read or
 does not match is ignored with a warning, rebuilt and replaced. Latency is machine-state
@@ -21,24 +19,21 @@ repeated plain-step timings spread widely (a busy machine) is warned about and n
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from layerskip.drafts.costs import DraftCosts
-from layerskip.engine.latency import PLAIN_REPEATS, VERIFY_PATH, VERIFY_REPEATS, Latency
-from layerskip.engine.result_cache import ResultCache, cache_env, model_key
+from layerskip.engine.calibration import machine_latency
+from layerskip.engine.latency import Latency
 from layerskip.hf import adapters
-from layerskip.machine import this_machine
 from layerskip.measure.agreement import Reference
+from layerskip.result_cache import ResultCache, cache_env, model_key
 from layerskip.search.log import Log, to_stderr
 
 FORMAT = 1
-CACHE = "search"  # the result cache that holds a search's references and latency
+CACHE = "search"  # the result cache that holds a search's references
 CACHE_ENV = cache_env(CACHE)
 
 
@@ -46,21 +41,16 @@ class CalibrationCache:
     """The references, sublayer order and latency of one model on this device, cached on disk.
 
     ``read=False`` (``--no-cache``) measures everything again; fresh results still replace the
-    cached ones. ``enabled=False`` neither reads nor writes.
+    cached ones.
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        root: str | os.PathLike[str] | None = None,
-        read: bool = True,
-        enabled: bool = True,
-        log: Log = to_stderr,
+        self, model: nn.Module, root: str | os.PathLike[str] | None = None, read: bool = True, log: Log = to_stderr
     ) -> None:
+        self.model = model
         self.files = ResultCache(CACHE, root, "search cache", log)
         self.root = self.files.root
         self.read = read
-        self.enabled = enabled
         self.log = log
         self.identity: dict[str, Any] = {"format": FORMAT, **model_key(model)}
         # Every sublayer of the model, as a cached order must list them (not part of the key: the
@@ -73,7 +63,7 @@ class CalibrationCache:
         return self.files.path(kind, key)
 
     def _load(self, kind: str, key: dict[str, Any], check: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
-        if not (self.enabled and self.read):
+        if not self.read:
             return None
 
         def checked(data: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +73,7 @@ class CalibrationCache:
         return self.files.load(kind, key, checked)
 
     def _store(self, kind: str, key: dict[str, Any], payload: dict[str, Any]) -> None:
-        problem = self.files.store(kind, key, payload) if self.enabled else None
+        problem = self.files.store(kind, key, payload)
         if problem is not None:  # read-only, or a FIFO in its place: costs time, never the search
             self.log(f"warning: {problem}")
 
@@ -156,55 +146,13 @@ class CalibrationCache:
         self._store("references", key, payload)
 
     # -- latency --------------------------------------------------------------------------------------------------
-    def _latency_key(self, context: Sequence[int], blocks: Sequence[int]) -> dict[str, Any]:
-        return {
-            **self.identity,
-            "kind": "latency",
-            "context": list(map(int, context)),
-            "blocks": list(blocks),
-            "repeats": [PLAIN_REPEATS, VERIFY_REPEATS],
-            "verify": VERIFY_PATH,
-            "threads": torch.get_num_threads(),
-            "host": platform.node(),
-            "machine": this_machine(self.identity["device"]).to_dict(),
-        }
-
-    def latency(self, context: Sequence[int], blocks: Sequence[int]) -> Latency | None:
-        key = self._latency_key(context, blocks)
-
-        def check(data: dict[str, Any]) -> None:
-            # The checks a cached calibration of auto gets: finite positive seconds, exactly these blocks.
-            DraftCosts.from_dict(
-                {"plain_step": data["plain_step_seconds"], "verify": data["verify_seconds"], "draft_step": {"0": 1.0}},
-                blocks=[1, *blocks],
+    def latency(self, blocks: Sequence[int], progress: bool) -> Latency:
+        """The plain step and verify curve over ``blocks`` at least: ``auto``'s, measured once per
+        model and machine (``machine_latency``), measured again with ``read=False``."""
+        latency = machine_latency(self.model, blocks, read=self.read, progress=progress, warn=self.log)
+        if latency.cached_from is not None:
+            self.log(
+                f"using cached calibration (latency measured {latency.measured_at or '?'}) from "
+                f"{latency.cached_from}; --no-cache measures it again"
             )
-            if not all(isinstance(t, (int, float)) for t in data.get("plain_timings", [])):
-                raise ValueError("plain timings are not numbers")
-
-        data = self._load("latency", key, check)
-        if data is None:
-            return None
-        path = self.path("latency", key)
-        self.log(
-            f"using cached calibration (latency measured {data.get('measured_at', '?')}) from {path}; "
-            "--no-cache measures it again"
-        )
-        return Latency(
-            float(data["plain_step_seconds"]),
-            {int(b): float(s) for b, s in data["verify_seconds"].items()},
-            [float(t) for t in data.get("plain_timings", [])],
-            None,
-            str(data.get("measured_at", "")),
-            str(path),
-        )
-
-    def store_latency(self, context: Sequence[int], blocks: Sequence[int], latency: Latency) -> None:
-        if latency.warning is not None:
-            return  # measured on a busy machine: used by this run only
-        payload = {
-            "plain_step_seconds": latency.plain_step_seconds,
-            "verify_seconds": {str(b): s for b, s in latency.verify_seconds.items()},
-            "plain_timings": latency.plain_timings,
-            "measured_at": latency.measured_at,
-        }
-        self._store("latency", self._latency_key(context, blocks), payload)
+        return latency

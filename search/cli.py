@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from layerskip.cli.common import add_prompt_arguments, float_list, int_list, model_parser, run_cli, str_list
+from layerskip.engine.calibration import CACHE_ENV as CALIBRATION_CACHE_ENV
 from layerskip.search.api import run_study
 from layerskip.search.calibration_cache import CACHE_ENV
 from layerskip.search.confirmation import MIN_ROUNDS
 from layerskip.search.objective import OBJECTIVES
 from layerskip.search.phases import default_study_name
-from layerskip.search.settings import DEFAULTS, PRESETS, SETTINGS, flag, preset_values, resolve_settings
+from layerskip.search.settings import DEFAULTS, PRESETS, SETTINGS, flag, preset_values
 
 
 def _as_flags(values: dict[str, Any]) -> str:
@@ -59,15 +60,6 @@ def given_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, dict[st
     typed.set_defaults(dtype=argparse.SUPPRESS, device=argparse.SUPPRESS)  # the model options name their defaults
     given = {name: value for name, value in vars(typed.parse_args(argv)).items() if name in SETTINGS}
     return args, {name: value for name, value in given.items() if value != argparse.SUPPRESS}
-
-
-def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    """The command line, with a ``--preset``'s values where no flag was given (``args.preset_record``
-    says which values the preset set and which flags overrode it; the study records it)."""
-    args, given = given_arguments(argv)
-    settings, record = resolve_settings(args.preset, given)
-    resolved = {name: getattr(settings, name) for name in SETTINGS}
-    return argparse.Namespace(**{**vars(args), **resolved, "preset_record": record})
 
 
 def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
@@ -221,10 +213,11 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-cache",
         action="store_true",
-        help="build the references and measure latency again instead of reusing them. Both are cached "
-        f"(under ${CACHE_ENV}, default <model cache>/search) per model, prompts, settings, device, dtype and "
-        "torch version; cached latency is reused as measured, so pass this when the machine's state has "
-        "changed (a calibration measured on a busy machine is never cached). Fresh results replace the cached ones",
+        help="build the references and measure latency again instead of reusing them. The references are "
+        f"cached (under ${CACHE_ENV}, default <model cache>/search) per model, prompts, settings, device, dtype "
+        f"and torch version; the latency with auto's calibration (under ${CALIBRATION_CACHE_ENV}) per model, "
+        "dtype, device and machine; cached latency is reused as measured, so pass this when the machine's state "
+        "has changed (a calibration measured on a busy machine is never cached). Fresh results replace the cached ones",
     )
 
 

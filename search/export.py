@@ -23,7 +23,7 @@ from layerskip.drafts.policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.search.draft_timing import shared_timing_counts
 from layerskip.search.space import exportable, trial_policy
-from layerskip.search.study import confirmation_window, confirmations
+from layerskip.search.study import CODE_ATTR, confirmation_window, confirmations
 
 CHEAP_FIGURES = (
     "acceptance",
@@ -101,6 +101,9 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
     machine = trial.user_attrs.get("machine") or attrs.get("machine")
     if machine:
         provenance["machine"] = machine
+    code = trial.user_attrs.get(CODE_ATTR)  # the commit that measured the trial (None outside a git checkout)
+    if isinstance(code, dict):
+        provenance.update(commit=code.get("commit"), dirty=code.get("dirty"))
     if attrs.get("preset"):
         provenance["preset"] = attrs["preset"]
     window = confirmation_window(study)

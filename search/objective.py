@@ -22,6 +22,7 @@ from torch import nn
 from layerskip.drafts.builder import DraftModels, head_rows
 from layerskip.drafts.costs import block_cost
 from layerskip.drafts.policy import SkipPolicy
+from layerskip.engine.calibration import own_text
 from layerskip.engine.latency import draft_step_seconds, measure_latency
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference, TeacherForcedDraft, build_references, simulate_greedy
@@ -42,7 +43,7 @@ class Calibration:
     references: list[Reference]
     plain_step_seconds: float  # one full forward of one token: the unit of cost
     verify_seconds: dict[int, float]  # block length -> seconds of one full forward over it
-    latency_context: list[int]
+    latency_context: list[int]  # the tokens the latency was timed after: drafts are timed after them too
     eos_token_ids: tuple[int, ...] = ()
     description: dict[str, Any] = field(default_factory=dict)
 
@@ -66,8 +67,9 @@ def prepare_calibration(
     cache: CalibrationCache | None = None,
 ) -> Calibration:
     """References and measured latency for the cheap score; with ``cache``, reused from (and saved
-    to) disk when every input they depend on is the same. ``description["latency"]`` records how
-    the costs were measured (and a busy-machine warning, printed here too)."""
+    to) disk when every input they depend on is the same (the latency is ``auto``'s, keyed by model
+    and machine). ``description["latency"]`` records how the costs were measured (and a
+    busy-machine warning, printed here too)."""
     with phase("references", progress) as info:
         references = cache.references(prompts, reference_tokens) if cache is not None else None
         if references is None:
@@ -77,29 +79,29 @@ def prepare_calibration(
             info["detail"] = f"{len(prompts)} prompts x {reference_tokens} tokens built"
         else:
             info["detail"] = f"{len(prompts)} prompts, cached"
-    # Time on a realistic context: the longest prompt with its continuation.
-    longest = max(references, key=lambda r: len(r.prompt))
-    context = [*longest.prompt, *longest.continuation]
     # Every block length a step may verify (partial drafts, k + 1, lookup runs, padded blocks):
     # on CPU the cost is not monotone in length (a 2-3-row matmul can cost more than a 4-row
     # one), so no length is interpolated.
     largest = max(9, *(k + 1 for k in draft_token_choices), max_block)
     blocks = list(range(2, largest + 1))
     with phase("latency calibration", progress) as info:
-        latency = cache.latency(context, blocks) if cache is not None else None
-        if latency is None:
-            latency = measure_latency(model, context, blocks, progress)
-            if latency.warning is not None:
-                print(latency.warning, file=sys.stderr)
-            if cache is not None:
-                cache.store_latency(context, blocks, latency)
-            plain_ms = 1000 * latency.plain_step_seconds
-            info["detail"] = f"plain step {plain_ms:.2f} ms, {len(blocks)} block lengths measured"
+        if cache is not None:
+            latency = cache.latency(blocks, progress)
         else:
-            info["detail"] = f"plain step {1000 * latency.plain_step_seconds:.2f} ms, cached"
+            latency = measure_latency(model, own_text(model), blocks, progress)
+        if latency.warning is not None:  # only a fresh measurement has one: a busy one is never cached
+            print(latency.warning, file=sys.stderr)
+        measured = "cached" if latency.cached_from else f"{len(latency.verify_seconds)} block lengths measured"
+        info["detail"] = f"plain step {1000 * latency.plain_step_seconds:.2f} ms, {measured}"
     description = {**(description or {}), "latency": latency.describe()}
     return Calibration(
-        prompts, references, latency.plain_step_seconds, latency.verify_seconds, context, eos_token_ids, description
+        prompts,
+        references,
+        latency.plain_step_seconds,
+        latency.verify_seconds,
+        latency.context,
+        eos_token_ids,
+        description,
     )
 
 

@@ -29,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.machine import Machine
+from layerskip.machine import Machine, code_version
 from layerskip.search.confirmation import Confirmation, decide
 from layerskip.search.space import exportable, trial_policy
 
@@ -39,6 +39,7 @@ WINDOW_ATTR = "confirmation_window"  # the last window of finalists measured tog
 HEARTBEAT_SECONDS = 30
 WORKER_ATTR = "worker"  # "host:pid" of the process running a trial
 MACHINE_ATTR = "machine"  # study and trial attribute: the machine costs were measured on (layerskip.machine)
+CODE_ATTR = "code"  # trial attribute: the git commit of the code that measured it (layerskip.machine.code_version)
 SERVER_SCHEMES = ("postgresql://", "postgresql+psycopg2://", "postgresql+psycopg://", "mysql://", "mysql+pymysql://")
 
 
@@ -277,11 +278,14 @@ def counted_trials_safe(storage: optuna.storages.BaseStorage, study_name: str) -
 
 
 def recording_machine(objective: Callable[[Any], Any], here: Machine) -> Callable[[Any], Any]:
-    """The objective, with each trial recording the machine its costs are measured on: an exported
-    policy says it was tuned there (workers of one study may run on different machines)."""
+    """The objective, with each trial recording the machine its costs are measured on and the code
+    that measured them: an exported policy says it was tuned there (workers of one study may run on
+    different machines, from different commits)."""
+    code = code_version()
 
     def measured_here(trial: Any) -> Any:  # an optuna.Trial
         trial.set_user_attr(MACHINE_ATTR, here.to_dict())
+        trial.set_user_attr(CODE_ATTR, code)
         return objective(trial)
 
     return measured_here

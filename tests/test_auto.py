@@ -108,7 +108,8 @@ def test_a_damaged_cache_entry_is_measured_again(tmp_path: Path, monkeypatch: py
 
 
 def _damage_costs(change: str) -> Callable[[dict], None]:
-    """A change to a cached entry's costs (``{"verify": ..., "draft_step": ...}``) by name."""
+    """A change to a cached entry's costs (``{"verify": ..., "draft_step": ...}``) by name: the
+    plain step and verify curve in the latency entry, the rest in the costs entry."""
     changes: dict[str, Callable[[dict], None]] = {
         "verify-block-0": lambda costs: costs.update(verify={"0": 0.05}),
         "verify-blocks-negative": lambda costs: costs.update(verify={"-3": 0.05, "-1": 0.01}),
@@ -146,6 +147,7 @@ DAMAGES = [
     "batch-rows-not-in-key",
     "zero-batch-draft",
 ]
+CURVE_DAMAGES = {damage for damage in DAMAGES if "verify" in damage or "plain-step" in damage} | {"cost-is-a-string"}
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -159,9 +161,10 @@ def test_cached_costs_are_checked_against_their_key_and_measured_again(
     model = _model("llama")
     policy = SkipPolicy.auto_choice()
     calibration.calibrate(model, policy, DraftModels(model), root=tmp_path)
-    (entry,) = tmp_path.glob("costs-*.json")
+    curve = damage in CURVE_DAMAGES
+    (entry,) = tmp_path.glob("latency-*.json" if curve else "costs-*.json")
     data = json.loads(entry.read_text())
-    _damage_costs(damage)(data["costs"])
+    _damage_costs(damage)(data if curve else data["costs"])
     entry.write_text(json.dumps(data))  # inf and nan as JSON's Infinity and NaN, which Python reads back
     again = calibration.calibrate(model, policy, DraftModels(model), root=tmp_path)
     assert again.info["cached"] is False
@@ -177,9 +180,9 @@ def test_auto_generates_after_a_cache_that_would_divide_by_zero(
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
     model = _model("llama")
     Decoder.for_policy(model, SkipPolicy.auto_choice())
-    (entry,) = tmp_path.glob("costs-*.json")
+    (entry,) = tmp_path.glob("latency-*.json")
     data = json.loads(entry.read_text())
-    data["costs"]["verify"] = {"0": 0.05}
+    data["verify"] = {"0": 0.05}
     entry.write_text(json.dumps(data))
     decoder = Decoder.for_policy(model, SkipPolicy.auto_choice())
     tokens, stats = decoder.decode(_repetitive_prompt(), DecodeSettings(max_new_tokens=12))

@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 from compare import assert_same_tokens, chain_rule_as_tree, hf_greedy
+from oracles import is_bypassed
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, always_accept, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
@@ -140,7 +141,7 @@ def test_batch_rows_match_hf_alone(arch: str, policy_name: str, rotate_kinds: Ro
     for r, ((tokens, stats), (ref, logits)) in enumerate(zip(results, _references(arch), strict=True)):
         assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} {policy_name} row {r}")
         assert stats.new_tokens == NEW_TOKENS
-    assert not adapters.is_bypassed(_model(arch))
+    assert not is_bypassed(_model(arch))
     kinds = set(rotate_kinds.ran)
     assert "plain" in kinds
     if decoder.draft is not None:

@@ -290,26 +290,20 @@ def test_bf16_bench_classes_every_method_hf_pld_included(monkeypatch: pytest.Mon
     """In bf16 each method's figures count identical / rounding / defect, HF's prompt lookup
     included; a method with a real defect (a draft accepted past the first mismatch) is counted
     a defect, the same policy run correctly is not."""
+    from oracles import one_past_the_mismatch
+
     from layerskip.engine import verifiers
-    from layerskip.sampling import accept_greedy
 
     model = tiny_model("mistral").to(torch.bfloat16)  # sliding window 4; the prompts of test_divergence
     prompt_ids = [random_prompt(seed=0), random_prompt(seed=2)]
     policy = _policy()
     methods = build_methods(model, ["hf-ar", "self-spec", "hf-pld"], (), {"p": policy})
 
-    def one_past(drafted: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
-        accepted, token = accept_greedy(drafted, targets)  # a chain policy: its path is its prefix
-        if accepted < len(drafted):
-            accepted += 1
-            token = targets[accepted]
-        return list(range(accepted)), token
-
     sloppy = build_methods(model, ["self-spec"], (), {"p": policy})[1].run
 
     def defective(ids: list[int], max_new: int):
         with monkeypatch.context() as patch:
-            patch.setattr(verifiers, "accept_tree_greedy", one_past)
+            patch.setattr(verifiers, "accept_tree_greedy", one_past_the_mismatch)
             return sloppy(ids, max_new)
 
     methods.append(Method("sloppy", defective, policy))

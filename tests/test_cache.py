@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracles import layer_lengths
 from tiny_models import LAYERS, random_prompt, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
@@ -31,7 +32,7 @@ def test_every_layer_holds_exactly_the_committed_tokens_after_every_step(arch: s
     def observe(cache: RollbackCache, committed: int) -> None:
         assert isinstance(cache, RollbackCache)
         assert len(cache.layers) == adapters.num_layers(model)
-        seen.append((cache.layer_lengths(), committed))
+        seen.append((layer_lengths(cache), committed))
         for layer in cache.layers:  # the views the attention reads agree with the length
             assert layer.keys.shape[-2] == layer.length == layer.values.shape[-2]
 
@@ -133,20 +134,20 @@ def test_layer_first_update_larger_than_min_capacity() -> None:
 def test_cache_rollback_and_lengths() -> None:
     cache = RollbackCache([None, 4, None])
     assert [layer.sliding_window for layer in cache.layers] == [None, 4, None]
-    assert cache.get_seq_length() == 0 and cache.layer_lengths() == [0, 0, 0]
+    assert cache.get_seq_length() == 0 and layer_lengths(cache) == [0, 0, 0]
     for i, layer in enumerate(cache.layers):
         layer.update(_kv(length=5 + i), _kv(length=5 + i))
     # Every length the model asks for is the longest layer's.
-    assert cache.layer_lengths() == [5, 6, 7]
+    assert layer_lengths(cache) == [5, 6, 7]
     assert cache.length == cache.get_seq_length() == cache.get_seq_length(0) == 7
     assert cache.get_mask_sizes(3, 0) == (10, 0)
     assert cache.get_query_offset(0) == 7
     cache.rollback(5)
-    assert cache.layer_lengths() == [5, 5, 5]
+    assert layer_lengths(cache) == [5, 5, 5]
     cache.crop(-2)
-    assert cache.layer_lengths() == [3, 3, 3]
+    assert layer_lengths(cache) == [3, 3, 3]
     cache.crop(2)
-    assert cache.layer_lengths() == [2, 2, 2]
+    assert layer_lengths(cache) == [2, 2, 2]
 
 
 def test_cache_rollback_to_a_longer_length_raises() -> None:
@@ -157,7 +158,7 @@ def test_cache_rollback_to_a_longer_length_raises() -> None:
         cache.rollback(3)  # layer 1 holds only 2
     cache.layers[1].update(_kv(length=2), _kv(length=2))
     cache.rollback(3)
-    assert cache.layer_lengths() == [3, 3]
+    assert layer_lengths(cache) == [3, 3]
 
 
 def test_cache_drives_a_model_forward() -> None:
@@ -170,7 +171,7 @@ def test_cache_drives_a_model_forward() -> None:
         model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
         model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)  # to be rolled back
         cache.rollback(8)
-        assert cache.layer_lengths() == [8] * LAYERS
+        assert layer_lengths(cache) == [8] * LAYERS
         tail = model(
             input_ids=ids[:, 8:], past_key_values=cache, use_cache=True, position_ids=torch.arange(8, 12)[None]
         ).logits[0]

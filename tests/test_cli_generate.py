@@ -168,22 +168,16 @@ def test_compare_names_the_divergence_and_its_class(
 ) -> None:
     """--compare on a bf16 run whose verify keeps one draft past the first mismatch (an injected
     defect): the line and the JSON give the position, both tokens and the class, checked in fp32."""
-    from layerskip.engine import verifiers
-    from layerskip.sampling import accept_greedy
+    from oracles import one_past_the_mismatch
 
-    def one_past(drafted: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
-        accepted, token = accept_greedy(drafted, targets)  # a chain policy: its path is its prefix
-        if accepted < len(drafted):
-            accepted += 1
-            token = targets[accepted]
-        return list(range(accepted)), token
+    from layerskip.engine import verifiers
 
     save_checkpoint(tiny_model("mistral"), tmp_path / "tiny-mistral")
     policy = _policy_file(tmp_path, SkipPolicy(skip_attention=(0, 2), draft=DraftSettings(max_draft_tokens=4)))
     args = ["--model", str(tmp_path / "tiny-mistral"), "--dtype", "bfloat16", "--policy", policy, "--compare"]
     args += ["--prompt", "w5 w9 hello w3 w3 world", "--max-new-tokens", "16"]
     assert json.loads(generate_in_process(capsys, *args, "--json").stdout)["divergence"] is None  # correct: identical
-    monkeypatch.setattr(verifiers, "accept_tree_greedy", one_past)
+    monkeypatch.setattr(verifiers, "accept_tree_greedy", one_past_the_mismatch)
     result = generate_in_process(capsys, *args)
     assert result.returncode == 0, result.stderr
     assert "identical: False (first divergence at new token 1: ours 'w45' (id 47), HF " in result.stderr

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from oracles import one_past_the_mismatch
 from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.model import DraftModel
@@ -24,8 +25,8 @@ from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf.cache import RollbackCache
 from layerskip.integration.baselines import hf_generate
 from layerskip.measure import divergence as divergence_module
-from layerskip.measure.divergence import DEFECT, ROUNDING, DivergenceCheck, first_divergence, half_ulp
-from layerskip.sampling import accept_greedy
+from layerskip.measure.divergence import DEFECT, ROUNDING, Divergence, DivergenceCheck, first_divergence, half_ulp
+from layerskip.sampling import accept_tree_greedy
 
 NEW_TOKENS = 16
 PROMPTS = [random_prompt(seed=0), random_prompt(seed=2)]
@@ -46,17 +47,14 @@ def _decode(model: torch.nn.Module, policy: SkipPolicy | None, prompt: list[int]
     return Decoder.for_policy(model, policy, threads=1).decode(prompt, DecodeSettings(NEW_TOKENS))[0]
 
 
+def _classify(
+    check: DivergenceCheck, prompt: Sequence[int], tokens: Sequence[int], reference: Sequence[int]
+) -> Divergence | None:
+    """The class of ``tokens``' first divergence from ``reference`` after ``prompt`` (None if identical)."""
+    return check.classify_many(prompt, reference, {"method": tokens})["method"]
+
+
 # -- the defects ---------------------------------------------------------------------------------------
-
-
-def _one_past_the_mismatch(drafted: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
-    """Greedy acceptance that also keeps the first draft token the full model rejected (chain
-    policies: the accepted path is a prefix)."""
-    accepted, token = accept_greedy(drafted, targets)
-    if accepted < len(drafted):
-        accepted += 1
-        token = targets[accepted]
-    return list(range(accepted)), token
 
 
 def _rollback_one_short(cache: RollbackCache, length: int) -> None:
@@ -89,15 +87,14 @@ def _read_the_draft_logits(patch: pytest.MonkeyPatch) -> None:
 
     def verify(drafted: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
         mixed = [*draft_choices[len(draft_choices) - len(drafted) :], targets[len(drafted)]] if drafted else targets
-        accepted, token = accept_greedy(drafted, mixed)
-        return list(range(accepted)), token
+        return accept_tree_greedy(drafted, parents, mixed)
 
     patch.setattr(DraftModel, "logits", recording)
     patch.setattr(verifiers, "accept_tree_greedy", verify)
 
 
 INJECT = {
-    "accepted past the mismatch": lambda patch: patch.setattr(verifiers, "accept_tree_greedy", _one_past_the_mismatch),
+    "accepted past the mismatch": lambda patch: patch.setattr(verifiers, "accept_tree_greedy", one_past_the_mismatch),
     "cache rolled back one short": lambda patch: (
         patch.setattr(RollbackCache, "rollback", _rollback_one_short),
         patch.setattr(RollbackCache, "keep_path", _keep_one_row_too_many),
@@ -198,7 +195,7 @@ def test_a_genuine_bf16_near_tie_is_classed_rounding(model: torch.nn.Module) -> 
     runner_up = other if reference[position] == chosen else chosen
     tokens = [*reference[:position], runner_up]
     with DivergenceCheck(tied) as check:
-        found = check.classify(prompt, tokens, reference)
+        found = _classify(check, prompt, tokens, reference)
     assert found is not None and found.position == position
     assert found.verdict == ROUNDING, found
     assert abs(found.fp32_gap) < 1e-3 < found.error_bound, found  # a real near-tie, below bf16's resolution
@@ -228,9 +225,9 @@ def test_fp32_runs_are_identical_and_an_fp32_defect_is_a_defect() -> None:
     reference = hf_generate(model, prompt, NEW_TOKENS)
     with DivergenceCheck(model) as check:
         for policy in (None, SKIP, LOOKUP):
-            assert check.classify(prompt, _decode(model, policy, prompt), reference) is None
+            assert _classify(check, prompt, _decode(model, policy, prompt), reference) is None
         tokens = _defective_run(model, SKIP, prompt, "accepted past the mismatch")
-        found = check.classify(prompt, tokens, reference)
+        found = _classify(check, prompt, tokens, reference)
         assert check._fp32 is None  # an fp32 model is its own fp32 copy
     assert found is not None and found.verdict == DEFECT and found.dtype == "float32"
     assert found.error_bound < 1e-4 < found.fp32_gap  # fp32's own rounding is ~1e-7 of these logits
@@ -242,13 +239,13 @@ def test_fp32_runs_are_identical_and_an_fp32_defect_is_a_defect() -> None:
 def test_a_length_difference_is_a_defect_without_any_forward(model: torch.nn.Module) -> None:
     reference = [5, 6, 7, 8]
     with DivergenceCheck(model) as check:
-        shorter = check.classify([1, 2, 3], [5, 6], reference)
-        longer = check.classify([1, 2, 3], [*reference, 9], reference)
+        shorter = _classify(check, [1, 2, 3], [5, 6], reference)
+        longer = _classify(check, [1, 2, 3], [*reference, 9], reference)
         assert check._fp32 is None  # no token competed: nothing was computed
     assert shorter.position == 2 and shorter.method_token is None and shorter.verdict == DEFECT
     assert longer.position == 4 and longer.reference_token is None and longer.verdict == DEFECT
     assert "ended" in shorter.reason and shorter.fp32_gap is None
-    assert check.classify([1, 2, 3], reference, reference) is None
+    assert _classify(check, [1, 2, 3], reference, reference) is None
 
 
 def test_the_fp32_copy_is_made_once_and_the_model_is_left_as_it_was(
@@ -268,7 +265,7 @@ def test_the_fp32_copy_is_made_once_and_the_model_is_left_as_it_was(
     with DivergenceCheck(model) as check:
         outputs = {"a": wrong, "b": [*reference[:4], (reference[4] + 1) % model.config.vocab_size]}
         found = check.classify_many(prompt, reference, outputs)
-        again = check.classify(prompt, wrong, reference)
+        again = _classify(check, prompt, wrong, reference)
         assert next(check._fp32.parameters()).dtype == torch.float32
     assert check._fp32 is None and len(copies) == 1  # made lazily, once, freed on exit
     assert [found["a"].position, found["b"].position, again.position] == [2, 4, 2]

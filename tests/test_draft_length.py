@@ -10,6 +10,7 @@ import pytest
 import torch
 from cli_helpers import assert_bad_input, run_script
 from compare import assert_same_tokens, hf_greedy
+from oracles import layer_lengths
 from test_replay import list_predictor
 from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import random_prompt, save_checkpoint, tiny_model
@@ -131,12 +132,12 @@ def test_greedy_identical_with_varying_draft_lengths(arch: str, monkeypatch: pyt
     lengths: list[tuple[list[int], int]] = []
 
     def observe(cache: RollbackCache, committed: int) -> None:
-        lengths.append((cache.layer_lengths(), committed))
+        lengths.append((layer_lengths(cache), committed))
 
     policy = SkipPolicy(skip_attention=(1,), skip_mlp=(3,), draft=BY_COST)
     tokens, stats = decode(model, prompt, policy, DecodeSettings(40), cache_observer=observe)
     assert_same_tokens(tokens, reference, ref_logits=logits, label=f"{arch} by cost")
-    assert all(layer_lengths == [committed] * len(layer_lengths) for layer_lengths, committed in lengths)
+    assert all(held == [committed] * len(held) for held, committed in lengths)
     drafted_per_step = {length - 1 for length in stats.block_histogram}
     assert len(drafted_per_step) > 1, "draft lengths never varied"
     assert stats.accepted > 0

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from layerskip import fileio
-from layerskip.engine.result_cache import ResultCache
 from layerskip.errors import LayerskipError
 from layerskip.hf import models
+from layerskip.result_cache import ResultCache
 
 USER_BYTES = b"the user's own file\n"
 KINDS = ["file", "folder", "dangling", "loop"]

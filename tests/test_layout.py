@@ -18,6 +18,7 @@ ORDER = [
     "layerskip.stats",
     "layerskip.machine",
     "layerskip.hf",
+    "layerskip.result_cache",
     "layerskip.drafts",
     "layerskip.engine",
     "layerskip.integration",

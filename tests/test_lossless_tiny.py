@@ -14,6 +14,7 @@ import inspect
 import pytest
 import torch
 from compare import assert_same_tokens, hf_greedy, mismatch_message
+from oracles import is_bypassed
 from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model, tiny_tokenizer
 
 from layerskip.drafts.model import DraftModel
@@ -99,7 +100,7 @@ def test_speculative_matches_hf(arch: str, policy_name: str) -> None:
     )
     _check(arch, tokens, policy_name)
     assert streamed == tokens
-    assert not adapters.is_bypassed(model)
+    assert not is_bypassed(model)
     # Bookkeeping: every step is the prefill or one verify; tau = tokens per full forward.
     assert stats.new_tokens == NEW_TOKENS
     assert sum(stats.accept_histogram.values()) == stats.steps
@@ -205,10 +206,10 @@ def test_bypass_is_restored_after_an_exception(arch: str) -> None:
     before = _logits(model)
     with pytest.raises(RuntimeError, match="boom"):
         with adapters.bypass(model, attention=[0, 1], mlp=[2, 3]):
-            assert adapters.is_bypassed(model)
+            assert is_bypassed(model)
             changed = _logits(model)
             raise RuntimeError("boom")
-    assert not adapters.is_bypassed(model)
+    assert not is_bypassed(model)
     assert not torch.equal(changed, before)  # the bypass did something
     torch.testing.assert_close(_logits(model), before, rtol=0, atol=0)
 
@@ -218,7 +219,7 @@ def test_bypass_with_a_bad_index_restores_what_it_patched() -> None:
     with pytest.raises(IndexError):
         with adapters.bypass(model, attention=[0, 1, 99]):
             pass
-    assert not adapters.is_bypassed(model)
+    assert not is_bypassed(model)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # the lean draft step (patches nothing), HF's forward (patches)
@@ -230,14 +231,14 @@ def test_bypass_is_restored_when_drafting_fails(arch: str, monkeypatch: pytest.M
     def failing(self: DraftModel, *args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         if len(calls) == 3:
-            assert adapters.is_bypassed(model) == (self.lean is None)
+            assert is_bypassed(model) == (self.lean is None)
             raise RuntimeError("draft failed")
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(DraftModel, "logits", failing)
     with pytest.raises(RuntimeError, match="draft failed"):
         decode(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(max_new_tokens=NEW_TOKENS))
-    assert not adapters.is_bypassed(model)
+    assert not is_bypassed(model)
     monkeypatch.undo()
     tokens, _ = decode(model, random_prompt(), POLICIES["mixed-k8"], DecodeSettings(NEW_TOKENS))
     _check(arch, tokens, "after a failed decode")

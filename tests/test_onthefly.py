@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from compare import assert_same_tokens, hf_greedy
+from oracles import is_bypassed, layer_lengths
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
@@ -54,15 +55,15 @@ def test_greedy_matches_hf_while_the_skip_set_changes(arch: str) -> None:
     lengths: list[tuple[list[int], int]] = []
 
     def observe(cache: RollbackCache, committed: int) -> None:
-        lengths.append((cache.layer_lengths(), committed))
+        lengths.append((layer_lengths(cache), committed))
 
     tokens, stats = decoder.decode(random_prompt(), DecodeSettings(NEW_TOKENS), cache_observer=observe)
     assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} on-the-fly")
     assert stats.skip_changes >= 2 and len(stats.skip_sets) >= 2  # it really re-chose mid-generation
     assert 0 < sum(stats.skip_sets.values()) <= stats.steps - 1  # skip-drafted verifies (no prefill)
-    for step, (layer_lengths, committed) in enumerate(lengths):
-        assert layer_lengths == [committed] * len(layer_lengths), f"step {step}: {layer_lengths} vs {committed}"
-    assert not adapters.is_bypassed(model)
+    for step, (held, committed) in enumerate(lengths):
+        assert held == [committed] * len(held), f"step {step}: {held} vs {committed}"
+    assert not is_bypassed(model)
     assert _hooks(model) == hooks  # every hook removed
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from compare import assert_same_tokens
+from oracles import is_bypassed
 
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import check_policy_fits
@@ -72,7 +73,7 @@ def test_speculative_matches_hf_generate(smollm2, reference, prompt_id: str, pol
     tokens, stats = decode(smollm2.model, ids, policy, DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=eos))
     assert_same_tokens(tokens, ref, model=smollm2.model, prompt=ids, label=f"{prompt_id} {policy_name}")
     assert stats.accepted > 0
-    assert not adapters.is_bypassed(smollm2.model)
+    assert not is_bypassed(smollm2.model)
 
 
 def test_autoregressive_matches_hf_generate(smollm2, reference) -> None:

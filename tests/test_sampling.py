@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 from compare import chain_rule_as_tree
+from oracles import engine_chain_verify, is_bypassed
 from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.auto import AutoDrafter
@@ -21,7 +22,7 @@ from layerskip.engine import verifiers
 from layerskip.engine.decoding import Decoder, DecodeSettings, decode
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.sampling import Sampling, sample, verify_sampled
+from layerskip.sampling import Sampling, sample
 from layerskip.stats import GenerationStats
 
 V = 8
@@ -94,7 +95,7 @@ def test_rejection_sampling_outputs_the_target_distribution(name: str) -> None:
     target, draft = _logit_pair(seed=list(SAMPLINGS).index(name))
     p = sampling.probs(torch.cat([target, target[:1]]))  # [3, V]: positions 0, 1 and the bonus one
     q = sampling.probs(draft)  # [2, V]
-    first, second = _output_distributions(verify_sampled, p, q, seed=1)
+    first, second = _output_distributions(engine_chain_verify, p, q, seed=1)
     assert tv(first, p[0]) < TV_BOUND, (first, p[0])
     assert tv(second, p[1]) < TV_BOUND, (second, p[1])
     # The same check catches a sampler that keeps every draft token.
@@ -111,7 +112,7 @@ def test_broken_acceptance_rules_fail_the_same_bound() -> None:
     for broken in (always_accept, resample_from_p):
         first, _ = _output_distributions(broken, p, q, seed=1, draws=5_000)
         assert tv(first, p[0]) > 2 * TV_BOUND, broken.__name__
-    first, _ = _output_distributions(verify_sampled, p, q, seed=1, draws=5_000)
+    first, _ = _output_distributions(engine_chain_verify, p, q, seed=1, draws=5_000)
     assert tv(first, p[0]) < 2 * TV_BOUND
 
 
@@ -123,7 +124,11 @@ def test_one_hot_proposals_from_prompt_lookup() -> None:
     q = torch.zeros(2, V)
     q[0, int(p[0].argmax())] = 1.0  # accepted with probability p[0].max(), else residual sampling
     q[1, int(p[1].argsort()[V // 2])] = 1.0  # a middling token: mostly rejected
-    first, second = _output_distributions(verify_sampled, p, q, seed=2)
+
+    def lookup(drafted: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None):
+        return engine_chain_verify(drafted, p, None, generator)  # the engine's lookup chain carries no q
+
+    first, second = _output_distributions(lookup, p, q, seed=2)
     assert tv(first, p[0]) < TV_BOUND
     assert tv(second, p[1]) < TV_BOUND
     broken, _ = _output_distributions(resample_from_p, p, q, seed=2, draws=5_000)
@@ -132,7 +137,7 @@ def test_one_hot_proposals_from_prompt_lookup() -> None:
 
 def test_verify_with_no_draft_samples_from_p() -> None:
     p = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
-    assert verify_sampled([], p, None, torch.Generator().manual_seed(0)) == (0, 2)
+    assert engine_chain_verify([], p, None, torch.Generator().manual_seed(0)) == (0, 2)
 
 
 def test_verify_identical_draft_is_always_accepted() -> None:
@@ -140,7 +145,7 @@ def test_verify_identical_draft_is_always_accepted() -> None:
     probs = Sampling().probs(torch.randn(4, V, generator=g))
     for _ in range(200):
         drafted = sample(probs[:3], g).tolist()
-        accepted, _ = verify_sampled(drafted, probs, probs[:3], g)
+        accepted, _ = engine_chain_verify(drafted, probs, probs[:3], g)
         assert accepted == 3
 
 
@@ -276,7 +281,7 @@ def test_sampled_decode_returns_the_budget_and_is_reproducible(policy: SkipPolic
     settings = DecodeSettings(max_new_tokens=max_new_tokens, sampling=Sampling(temperature=0.9, top_p=0.95), seed=7)
     tokens, stats = decode(model, prompt, policy, settings)
     assert len(tokens) == stats.new_tokens == max_new_tokens
-    assert not adapters.is_bypassed(model)
+    assert not is_bypassed(model)
     again, _ = decode(model, prompt, policy, settings)
     assert again == tokens
     plain, _ = decode(model, prompt, None, settings)

@@ -1,7 +1,8 @@
 """The search's start-up cache (references, sublayer order, latency) and its busy-machine warning.
 
 Each test runs ``layerskip-search`` in this process on the tiny random Llama with its own cache
-directory; ``build_references`` and ``measure_latency`` are wrapped to count how often they run.
+directory (the search's and ``auto``'s calibration cache in one); ``build_references`` and
+``measure_latency`` are wrapped to count how often they run.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from pathlib import Path
 
 import pytest
 from search_fixtures import load_study, ok, search_in_process
+from tiny_models import tiny_model
 
+import layerskip.engine.calibration as engine_calibration
 import layerskip.engine.latency as engine_latency
 import layerskip.search.calibration_cache as calibration_cache
 import layerskip.search.objective as objective
+from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.policy import SkipPolicy
 
 
@@ -24,6 +28,7 @@ from layerskip.drafts.policy import SkipPolicy
 def counted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, int]:
     """A private cache directory, a quiet machine, and counts of references built and latency measured."""
     monkeypatch.setenv(calibration_cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(engine_calibration.CACHE_ENV, str(tmp_path / "cache"))  # where the latency lives
     monkeypatch.setattr(engine_latency, "BUSY_SPREAD", float("inf"))  # a busy test machine still caches
     counts = {"references": 0, "latency": 0}
 
@@ -35,7 +40,8 @@ def counted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, int]:
         return wrapper
 
     monkeypatch.setattr(objective, "build_references", counting("references", objective.build_references))
-    monkeypatch.setattr(objective, "measure_latency", counting("latency", objective.measure_latency))
+    measure = counting("latency", engine_calibration.measure_latency)
+    monkeypatch.setattr(engine_calibration, "measure_latency", measure)
     return counts
 
 
@@ -103,15 +109,22 @@ def test_progress_lines_name_each_phase(capsys, counted, tiny_llama: Path, tmp_p
 
 
 @pytest.mark.parametrize(
-    ("change", "rebuilds_references"),
-    [(["--reference-tokens", "6"], True), (["--n-prompts", "3"], True), (["--draft-tokens", "2,3,12"], False)],
+    ("change", "rebuilds_references", "longer_curve"),
+    [
+        (["--reference-tokens", "6"], True, False),
+        (["--n-prompts", "3"], True, False),
+        (["--draft-tokens", "2,3,8"], False, False),
+        (["--draft-tokens", "2,3,12"], False, True),  # verifies of 10 to 13 tokens: not on the cached curve
+    ],
 )
-def test_other_inputs_miss_the_cache(search, counted, tmp_path: Path, change: list[str], rebuilds_references) -> None:
+def test_other_inputs_miss_the_cache(search, counted, change: list[str], rebuilds_references, longer_curve) -> None:
+    """References follow the prompts; the latency only the model and machine, so it is measured
+    again only for blocks longer than it holds."""
     search()
     changed = search(*change)
-    assert counted == {"references": 1 + rebuilds_references, "latency": 2}
+    assert counted == {"references": 1 + rebuilds_references, "latency": 1 + longer_curve}
     assert ("using cached references" in changed.stderr) == (not rebuilds_references)
-    assert "using cached calibration" not in changed.stderr
+    assert ("using cached calibration" in changed.stderr) == (not longer_curve)
 
 
 def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(search, counted, tmp_path: Path) -> None:
@@ -120,13 +133,13 @@ def test_a_damaged_cache_entry_is_rebuilt_with_a_warning(search, counted, tmp_pa
     [latency] = cache_files(tmp_path, "latency")
     references.write_text('{"key": {"truncated": ')
     data = json.loads(latency.read_text())
-    data["verify_seconds"] = {"2": -1.0}
+    data["verify"] = {"2": -1.0}
     latency.write_text(json.dumps(data))
 
     result = search()
     assert counted == {"references": 2, "latency": 2}
     assert f"warning: ignoring damaged search cache {references}" in result.stderr
-    assert f"warning: ignoring damaged search cache {latency}" in result.stderr
+    assert f"warning: ignoring damaged calibration cache {latency}" in result.stderr
     assert json.loads(references.read_text())["references"]  # replaced by a whole entry
     assert search() and counted == {"references": 2, "latency": 2}
 
@@ -142,7 +155,7 @@ def test_a_cache_entry_that_no_reader_should_take_is_passed_by(search, counted, 
     [latency] = cache_files(tmp_path, "latency")
     if kind == "latency-infinite":
         data = json.loads(latency.read_text())
-        data["plain_step_seconds"] = float("inf")
+        data["plain_step"] = float("inf")
         latency.write_text(json.dumps(data))
         assert "using cached calibration" not in search().stderr and counted["latency"] == 2
         return
@@ -191,6 +204,21 @@ def test_a_cached_sublayer_order_is_checked_against_the_model(
     study = load_study(f"sqlite:///{tmp_path / 's1.db'}", "t")
     states = [t.state.name for t in study.trials]
     assert "FAIL" not in states and states.count("COMPLETE") + states.count("PRUNED") == 2, states
+
+
+def test_auto_and_the_search_measure_one_latency_between_them(counted) -> None:
+    """The plain and verify curve ``auto`` calibrates is the one the search's cache reads, and the
+    other way round: each model is timed once, whichever comes first."""
+    quiet = calibration_cache.CalibrationCache
+    first, second = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    costs = engine_calibration.calibrate(first, SkipPolicy.auto_choice(), DraftModels(first))
+    latency = quiet(first, log=lambda line: None).latency(range(2, 10), progress=False)
+    assert counted["latency"] == 1 and latency.cached_from and latency.verify_seconds == costs.verify
+
+    latency = quiet(second, log=lambda line: None).latency(range(2, 10), progress=False)
+    costs = engine_calibration.calibrate(second, SkipPolicy.auto_choice(), DraftModels(second))
+    assert counted["latency"] == 2 and costs.info["cached"] is False  # its draft steps were timed, not its curve
+    assert costs.verify == latency.verify_seconds and costs.plain_step == latency.plain_step_seconds
 
 
 def test_no_cache_rebuilds_and_refreshes(search, counted, tmp_path: Path) -> None:

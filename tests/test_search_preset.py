@@ -12,23 +12,30 @@ from search_fixtures import generate_in_process, load_study, ok, search_in_proce
 
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.machine import this_machine
-from layerskip.search.cli import parse_arguments, preset_values
+from layerskip.search.cli import given_arguments, preset_values
 from layerskip.search.phases import default_study_name
+from layerskip.search.settings import SearchSettings, resolve_settings
+
+
+def _resolved(argv: list[str]) -> tuple[SearchSettings, dict | None]:
+    """What a command line runs with, as the command does it: its flags, then ``run_study``'s resolving."""
+    args, given = given_arguments(argv)
+    return resolve_settings(args.preset, given)
 
 
 def test_the_preset_sets_its_values_and_flags_override_them() -> None:
-    plain = parse_arguments([])
-    assert plain.preset_record is None and plain.n_trials == 60 and plain.draft_precision == ("model",)
-    quick = parse_arguments(["--preset", "quick"])
+    plain, record = _resolved([])
+    assert record is None and plain.n_trials == 60 and plain.draft_precision == ("model",)
+    quick, record = _resolved(["--preset", "quick"])
     values = preset_values("quick", torch.device("cpu"))
     assert {dest: getattr(quick, dest) for dest in values} == values
     assert quick.draft_precision == ("int4",) and quick.require_skip_draft and quick.timeout == 150
-    assert quick.preset_record["overridden"] == []
-    mine = parse_arguments(["--preset", "quick", "--n-trials", "10", "--lookup", "0", "--no-require-skip-draft"])
+    assert record["overridden"] == []
+    mine, record = _resolved(["--preset", "quick", "--n-trials", "10", "--lookup", "0", "--no-require-skip-draft"])
     assert (mine.n_trials, mine.lookup, mine.require_skip_draft) == (10, (0,), False)
     assert mine.draft_vocab == (4096, 16384)  # not given: the preset's
-    assert mine.preset_record["overridden"] == ["--n-trials", "--lookup", "--require-skip-draft"]
-    assert mine.preset_record["values"]["--lookup"] == [0, 3]  # what the preset would have set, as JSON
+    assert record["overridden"] == ["--n-trials", "--lookup", "--require-skip-draft"]
+    assert record["values"]["--lookup"] == [0, 3]  # what the preset would have set, as JSON
 
 
 def test_on_a_gpu_the_draft_keeps_the_models_weights() -> None:

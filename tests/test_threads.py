@@ -69,7 +69,7 @@ def test_bad_thread_settings_are_refused(bad: object) -> None:
 def test_no_thread_setting_on_a_gpu_and_none_to_tune_on_one_core() -> None:
     assert not ThreadTuner("auto", torch.device("cuda")).enabled
     torch.set_num_threads(1)
-    assert not ThreadTuner("auto", torch.device("cpu")).tuning
+    assert ThreadTuner("auto", torch.device("cpu")).phases["verify"].candidates == (1,)
 
 
 def test_the_callers_thread_count_comes_back_even_after_an_error() -> None:

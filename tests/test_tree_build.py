@@ -14,6 +14,7 @@ from layerskip.drafts.branching import (
 )
 from layerskip.drafts.lookup import LookupMatch, match_lookup, match_lookups
 from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder
+from layerskip.hf.tree import block_depths, block_visibility
 from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Draw, accept_tree_greedy
 
 
@@ -39,16 +40,13 @@ def test_candidates_merge_on_shared_prefixes_in_depth_first_order() -> None:
     #  3   7
     assert tree.tokens == [1, 2, 3, 7, 4, 5, 6]
     assert tree.parents == [ROOT, 0, 1, 1, 0, ROOT, 5]
-    assert tree.depths == [1, 2, 3, 3, 2, 1, 2]
+    assert block_depths(tree.parents) == [0, 1, 2, 3, 3, 2, 1, 2]  # the root, then each node
     assert tree.children() == [0, 5] and tree.children(1) == [2, 3]
-    assert [a.node for a in tree.attempts_at(1)] == [2, 3] and not tree.is_chain
+    assert [a.node for a in tree.attempts if a.parent == 1] == [2, 3] and not tree.is_chain
     assert tree_from_candidates([[1, 2, 3], [1, 2]], budget=5).is_chain
-    assert tree.leaves() == [2, 3, 4, 6]
     assert tree.path(3) == [0, 1, 3] and tree.path_tokens(3) == [1, 2, 7] and tree.path(ROOT) == []
-    assert tree.block_ids(99).tolist() == [[99, 1, 2, 3, 7, 4, 5, 6]]
-    assert tree.positions(10) == [10, 11, 12, 13, 13, 12, 11, 12]
     assert TokenTree.block_rows([0, 1, 3]) == [0, 1, 2, 4]
-    visible = tree.visibility()
+    visible = block_visibility(tree.parents)
     assert visible[4].tolist() == [True, True, True, False, True, False, False, False]  # node 3: root, 1, 2, itself
     # Deterministic candidates: one attempt per node, duplicates dropped.
     assert [a.node for a in tree.attempts] == [0, 1, 2, 4, 5, 6, 3]

@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+from oracles import layer_lengths
 from tiny_models import ARCHS, SLIDING_WINDOW, random_prompt, tiny_model
 
 from layerskip.errors import LayerskipError
@@ -109,7 +110,7 @@ def test_tree_forward_matches_each_path(arch: str, impl: str) -> None:
     with torch.inference_mode():
         hidden, cache = _tree_forward(model, prompt)
         assert hidden.shape == (len(TOKENS) + 1, model.config.get_text_config().hidden_size)
-        assert cache.layer_lengths() == [PROMPT_LENGTH - 1 + len(TOKENS) + 1] * adapters.num_layers(model)
+        assert layer_lengths(cache) == [PROMPT_LENGTH - 1 + len(TOKENS) + 1] * adapters.num_layers(model)
         for path in _paths(PARENTS):
             expected = _path_hidden(model, prompt, [TOKENS[i] for i in path])  # [1 + len(path), H]
             rows = [0, *(i + 1 for i in path)]
@@ -192,7 +193,7 @@ def test_keep_path_then_continue(arch: str, impl: str, accepted: str) -> None:
         _, cache = _tree_forward(model, prompt)
         cache.keep_path(start, [0, *(i + 1 for i in path)])
         kept = start + 1 + len(path)
-        assert cache.layer_lengths() == [kept] * adapters.num_layers(model)
+        assert layer_lengths(cache) == [kept] * adapters.num_layers(model)
         assert all(layer.written == kept for layer in cache.layers)
         fresh = _prefilled(model, [*prompt, *(TOKENS[i] for i in path)])
         for ids in ([7, 70, 33], [12]):  # a 3-token block, then a single token

@@ -19,11 +19,13 @@ from collections.abc import Callable
 import pytest
 import torch
 from drawn_siblings import sampled_siblings
+from oracles import chain_rule
 
 from layerskip import sampling
 from layerskip.drafts.branching import add_siblings, ranked_siblings
 from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder
-from layerskip.sampling import Attempt, Draw, sample, verify_sampled, verify_tree_sampled
+from layerskip.hf.tree import block_depths
+from layerskip.sampling import Attempt, Draw, sample, verify_tree_sampled
 
 V = 4
 DRAWS = 4_000
@@ -103,7 +105,7 @@ TREES: dict[str, Callable[[dict, torch.Generator], TokenTree]] = {
 def _targets(tree: TokenTree, laws: dict) -> torch.Tensor:
     """``[n+1, V]`` target rows per block position (depth 2 and deeper: p_root, never read here)."""
     rows = [laws["p_root"]]
-    for token, depth in zip(tree.tokens, tree.depths, strict=True):
+    for token, depth in zip(tree.tokens, block_depths(tree.parents)[1:], strict=True):
         rows.append(laws["p_next"][token] if depth == 1 else laws["p_root"])
     return torch.stack(rows)
 
@@ -208,11 +210,11 @@ def test_dropping_drawn_duplicates_is_caught() -> None:
     assert tv(broken, laws["p_root"]) > 2 * FIRST_TV_BOUND
 
 
-# -- a chain is verify_sampled ---------------------------------------------------------------------
+# -- a chain is the chain rule ---------------------------------------------------------------------
 
 
-def test_a_chain_tree_is_verify_sampled() -> None:
-    """One independent draw per node: the law of (accepted count, next token) is verify_sampled's."""
+def test_a_chain_tree_is_the_chain_rule() -> None:
+    """One independent draw per node: the law of (accepted count, next token) is the textbook chain rule's."""
     g_tree, g_chain = torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)
     draws = 3_000
     tree_law = torch.zeros(3, V)
@@ -222,7 +224,7 @@ def test_a_chain_tree_is_verify_sampled() -> None:
         path, nxt = verify_tree_sampled(tree.tokens, tree.attempts, _targets(tree, LAWS), tree.q, g_tree)
         tree_law[len(path), nxt] += 1
         chain = chain_tree(LAWS, g_chain)
-        accepted, nxt = verify_sampled(chain.tokens, _targets(chain, LAWS), chain.q, g_chain)
+        accepted, nxt = chain_rule(chain.tokens, _targets(chain, LAWS), chain.q, g_chain)
         chain_law[accepted, nxt] += 1
     assert tv(tree_law / draws, chain_law / draws) < TV_BOUND  # two empirical laws over 12 outcomes: ~0.02
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
 
 import pytest
 import torch
 from compare import assert_same_tokens, chain_rule_as_tree, hf_greedy
+from oracles import engine_chain_verify, is_bypassed
+from test_sampling import VerifyFn, always_accept, tv
 from tiny_models import VOCAB, random_prompt, tiny_model, tiny_tokenizer
 
 from layerskip.drafts import base, skip
@@ -25,8 +26,7 @@ from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.drafts.vocab import DraftVocabulary
 from layerskip.engine import verifiers
 from layerskip.engine.decoding import DecodeSettings, decode, generate
-from layerskip.hf import adapters
-from layerskip.sampling import Sampling, sample, verify_sampled
+from layerskip.sampling import Sampling, sample
 
 NEW_TOKENS = 30
 ARCHS = ["llama", "gemma3_text"]
@@ -97,7 +97,7 @@ def test_greedy_matches_hf_generate(arch: str, combo: str, monkeypatch: pytest.M
         model, random_prompt(), policy, DecodeSettings(max_new_tokens=NEW_TOKENS), vocab_rows=vocab_rows
     )
     assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} {combo}")
-    assert stats.new_tokens == NEW_TOKENS and not adapters.is_bypassed(model)
+    assert stats.new_tokens == NEW_TOKENS and not is_bypassed(model)
     assert 0 < stats.accepted < stats.drafted  # drafts were both kept and rejected
     if policy.draft.lookup_max_ngram:
         assert stats.lookup_steps > 0  # lookup found matches
@@ -136,22 +136,27 @@ def test_generate_uses_the_policy_rows(monkeypatch: pytest.MonkeyPatch) -> None:
         truncated = generate(model, tokenizer, prompt, policy, max_new_tokens=16)
         assert truncated.tokens == plain.tokens
         assert len(heads) == 1 and heads[0].truncated
-        rows = set(heads[0].current_rows.tolist())
+        rows = set(_scored(heads[0]))
         assert start | set(prompt_ids) <= rows <= start | set(prompt_ids) | set(plain.tokens)
 
 
 # -- the growing head ---------------------------------------------------------------------------------
 
 
+def _scored(head: DraftHead) -> list[int]:
+    """The vocabulary ids ``head`` scores now, through its own map from output position to id."""
+    return head.token_ids(torch.arange(head.count)).tolist()
+
+
 def test_draft_head_grows_and_maps_back_to_vocabulary_ids() -> None:
     torch.manual_seed(0)
     weight, bias = torch.randn(VOCAB, 16), torch.randn(VOCAB)
     head = DraftHead(weight, bias, None, torch.tensor([9, 3, 3, 40]), growth=3)
-    assert head.current_rows.tolist() == [3, 9, 40]  # sorted, no duplicates
+    assert _scored(head) == [3, 9, 40]  # sorted, no duplicates
     hidden = torch.randn(16)
     torch.testing.assert_close(head(hidden), (weight @ hidden + bias)[[3, 9, 40]])
     head.add([40, 7, 7, 120, 5])  # 40 is known; room for 3 new rows: 5, 7, 120
-    assert head.current_rows.tolist() == [3, 9, 40, 5, 7, 120]
+    assert _scored(head) == [3, 9, 40, 5, 7, 120]
     head.add([11])  # full: nothing more is added
     assert head.count == 6
     logits = head(hidden)
@@ -166,8 +171,8 @@ def test_full_head_ignores_add() -> None:
     weight = torch.randn(VOCAB, 16)
     head = DraftHead(weight, None, None, None)
     head.add([1, 2, 3])
-    assert head.current_rows is None and head(torch.randn(16)).shape == (VOCAB,)
-    assert DraftHead(weight, None, None, torch.arange(VOCAB)).current_rows is None  # all rows: the full head
+    assert not head.truncated and head(torch.randn(16)).shape == (VOCAB,)
+    assert not DraftHead(weight, None, None, torch.arange(VOCAB)).truncated  # all rows: the full head
 
 
 # -- DraftVocabulary --------------------------------------------------------------------------------------
@@ -212,17 +217,6 @@ DRAWS = 20_000
 TV_BOUND = 0.03  # the empirical TV of 20000 draws over 8 outcomes is ~0.01
 TOKEN_BOUND = 0.015  # per token: > 4 standard deviations of a frequency over 20000 draws
 
-VerifyFn = Callable[[list[int], torch.Tensor, torch.Tensor, torch.Generator | None], tuple[int, int]]
-
-
-def tv(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().sum() / 2)
-
-
-def always_accept(drafted: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None):
-    """Broken: keeps every draft token, so the output follows q (never a token outside the subset)."""
-    return len(drafted), int(sample(p[len(drafted)], generator))
-
 
 def residual_within_subset(drafted: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None):
     """Broken: the right acceptance test, but the residual max(0, p - q) is taken over the subset only."""
@@ -262,7 +256,7 @@ def _output_laws(verify: VerifyFn, p: torch.Tensor, q: torch.Tensor, draws: int)
 def test_rejection_sampling_with_a_truncated_draft_outputs_p() -> None:
     p, q = _laws()
     assert float(p[:2, OUTSIDE].sum(-1).min()) > 0.3  # much of p lies where q is zero
-    first, second = _output_laws(verify_sampled, p, q, DRAWS)
+    first, second = _output_laws(engine_chain_verify, p, q, DRAWS)
     assert tv(first, p[0]) < TV_BOUND, (first, p[0])
     assert tv(second, p[1]) < TV_BOUND, (second, p[1])
     for token in OUTSIDE:  # tokens the draft can never propose still come out, as often as p says

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from oracles import chain_rule
 from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.base import Proposal, Verdict, chain_run
@@ -16,7 +17,7 @@ from layerskip.engine import verifiers
 from layerskip.engine.verifiers import GreedyVerifier, HookedVerifier, SampledVerifier
 from layerskip.hf.cache import model_cache
 from layerskip.hf.tree import block_hidden, tree_hidden
-from layerskip.sampling import Sampling, verify_sampled
+from layerskip.sampling import Sampling
 
 V = 6
 
@@ -89,8 +90,8 @@ def test_sampled_runs_a_chain_and_a_tree_through_one_rule(monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize("drawn", [True, False], ids=["sampled chain", "deterministic chain"])
 def test_a_sampled_chain_is_the_chain_rule_draw_for_draw(drawn: bool) -> None:
-    """The same seed gives the same verdict as the chain rule (``verify_sampled``) itself: a
-    sampled draft's chain tested against its q rows, a lookup chain against one-hot rows."""
+    """The same seed gives the same verdict as the textbook chain rule (``chain_rule``): a sampled
+    draft's chain tested against its q rows, a lookup chain against one-hot rows."""
     laws = torch.Generator().manual_seed(3)
     for seed in range(200):
         p = torch.randn(4, V, generator=laws).mul(2).softmax(-1)
@@ -100,7 +101,7 @@ def test_a_sampled_chain_is_the_chain_rule_draw_for_draw(drawn: bool) -> None:
         verifier = SampledVerifier(IdentityHead(), Sampling(), torch.Generator().manual_seed(seed))  # type: ignore[arg-type]
         got = verifier.choose(p.log(), proposal)
         rows = q if drawn else torch.nn.functional.one_hot(torch.tensor(tokens), V).float()
-        accepted, token = verify_sampled(tokens, p, rows, torch.Generator().manual_seed(seed))
+        accepted, token = chain_rule(tokens, p, rows, torch.Generator().manual_seed(seed))
         assert (got.accepted, got.next_token) == (accepted, token), seed
         assert got.path == tuple(range(accepted))
 

@@ -10,10 +10,12 @@ from typing import Any
 
 from layerskip.cli.common import (
     THREADS_HELP,
-    add_model_arguments,
+    add_chat_argument,
+    add_prompt_arguments,
     check_fits,
     check_policies,
     load_policies,
+    model_parser,
     run_cli,
     str_list,
     thread_settings,
@@ -54,14 +56,8 @@ from layerskip.sampling import Sampling
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerskip-bench", description=__doc__)
-    add_model_arguments(parser)
-    parser.add_argument(
-        "--prompts",
-        default="builtin",
-        help="'builtin', 'code' (12 code prompts), a Spec-Bench JSONL, or a json/csv/parquet file",
-    )
-    parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
+    parser = model_parser(__doc__, prog="layerskip-bench")
+    add_prompt_arguments(parser)
     parser.add_argument("--per-category", type=int, help="prompts per category")
     parser.add_argument(
         "--categories",
@@ -143,12 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--assistant-model", help="a second, smaller model for hf-assistant")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt at most")
-    parser.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="apply the chat template (default: on for instruct models)",
-    )
+    add_chat_argument(parser)
     parser.add_argument(
         "--batch-size",
         type=str_list,

@@ -60,6 +60,16 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-field", help="column holding the prompt text (json/csv/parquet)")
 
 
+def add_chat_argument(parser: argparse.ArgumentParser) -> None:
+    """``--chat`` / ``--no-chat``; None when neither is given: the model's kind decides."""
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on for instruct models)",
+    )
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",

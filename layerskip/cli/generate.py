@@ -9,10 +9,11 @@ from pathlib import Path
 
 from layerskip.cli.common import (
     THREADS_HELP,
-    add_model_arguments,
+    add_chat_argument,
     check_fits,
     check_seed,
     load_policy,
+    model_parser,
     read_prompt,
     run_cli,
     thread_setting,
@@ -37,8 +38,7 @@ from layerskip.stats import DeviceClock, GenerationStats
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerskip-generate", description=__doc__)
-    add_model_arguments(parser)
+    parser = model_parser(__doc__, prog="layerskip-generate")
     parser.add_argument(
         "--policy",
         default=AUTO,
@@ -54,12 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="read the prompt from this file; with --batch-size, many prompts: one per line, or a JSONL / "
         "Spec-Bench file",
     )
-    parser.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="apply the chat template (default: on for instruct models)",
-    )
+    add_chat_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     parser.add_argument("--threads", type=thread_setting, default="auto", help=THREADS_HELP)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")

@@ -55,7 +55,7 @@ from layerskip.fileio import (
     write_text_atomic,
 )
 from layerskip.hf import adapters
-from layerskip.machine import this_machine
+from layerskip.machine import code_version, this_machine
 
 SPEC_BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 STDLIB = "stdlib"
@@ -277,6 +277,7 @@ def _main(argv: list[str] | None = None) -> int:
     report: dict[str, object] = {
         "model": lm.name,
         "fingerprint": adapters.weights_fingerprint(model),
+        **code_version(),  # "commit", "dirty": the code that trained
         "positions": {"train": train.positions, "validation": validation.positions, "held_out": held_out.positions},
         "domains": {
             "train": sorted(set(train.domains)),

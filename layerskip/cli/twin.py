@@ -12,6 +12,7 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic
 from layerskip.hf.models import load_model, save_model_directory
 from layerskip.hf.twin import decoder_projection_weights, off_grid_
+from layerskip.machine import code_version
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +46,7 @@ def _main(argv: list[str] | None) -> int:
         "seed": args.seed,
         "weights_changed": changed,
         "int4_rounding_error": {"model": round(before, 4), "twin": round(after, 4)},
+        **code_version(),  # "commit", "dirty": the code that made it
     }
     write_json_atomic(out / "twin.json", note)
     print(f"wrote {out} ({changed:,} decoder weights moved off the 4-bit grid)", file=sys.stderr)

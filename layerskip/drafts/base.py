@@ -33,7 +33,7 @@ class Proposal:
     node was drawn where sampling needs them (``TokenTree.q`` / ``attempts``), and where it came from.
 
     Node ``i`` sits at verify block position ``i + 1``, after the pending token at position 0; its
-    position id is the committed length plus its depth (``TokenTree.positions``).
+    position id is the committed length plus its depth (``layerskip.hf.tree.block_depths``).
     """
 
     tree: TokenTree
@@ -66,10 +66,6 @@ class Proposals:
     """A batch's proposals, one per row (several sequences verified in one forward)."""
 
     rows: tuple[Proposal, ...]
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(row) for row in self.rows]
 
     def __len__(self) -> int:
         return len(self.rows)

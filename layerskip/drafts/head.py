@@ -69,11 +69,6 @@ class DraftHead:
         if new:
             self._append(torch.tensor(new, dtype=torch.long, device=self.rows.device))
 
-    @property
-    def current_rows(self) -> torch.Tensor | None:
-        """The token ids scored now, ``[n]`` (None for the full head)."""
-        return None if self.rows is None else self.rows[: self.count]
-
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.weight[: self.count]
         bias = None if self.bias is None else self.bias[: self.count]

@@ -35,18 +35,10 @@ def match_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the history's last n-gram
     (``continuation``: repeated past the present where that occurrence reaches it).
 
-    Tries the longest n first.
+    Tries the longest n first, then the most recent occurrence: the first of ``match_lookups``.
     """
-    length = len(history)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        tail = history[length - n :]
-        # Scan from the most recent earlier start backwards: recent context predicts best.
-        for start in range(length - n - 1, -1, -1):
-            if history[start : start + n] == tail:
-                follow = continuation(history, start + n, max_tokens)
-                if follow:
-                    return LookupMatch(follow, n)
-    return LookupMatch([])
+    matches = match_lookups(history, min_ngram, max_ngram, max_tokens, max_matches=1)
+    return matches[0] if matches and matches[0].tokens else LookupMatch([])
 
 
 def match_lookups(
@@ -54,14 +46,15 @@ def match_lookups(
 ) -> list[LookupMatch]:
     """Up to ``max_matches`` distinct continuations of the history's last n-gram, for a token tree.
 
-    Ranked as ``match_lookup`` ranks one: the longest n first, then the most recent occurrence;
-    the first is ``match_lookup``'s. A continuation that an earlier one already starts with adds
-    no token to a tree and is skipped (the same occurrence found again by a shorter n is one).
+    Ranked by the longest n first, then the most recent occurrence. A continuation that an earlier
+    one already starts with adds no token to a tree and is skipped (the same occurrence found again
+    by a shorter n is one).
     """
     matches: list[LookupMatch] = []
     length = len(history)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         tail = history[length - n :]
+        # Scan from the most recent earlier start backwards: recent context predicts best.
         for start in range(length - n - 1, -1, -1):
             if history[start : start + n] != tail:
                 continue

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from layerskip.hf.tree import block_depths, block_visibility
 from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Draw
 
 
@@ -30,11 +29,6 @@ class TokenTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
-
-    @property
-    def depths(self) -> list[int]:
-        """Depth of each node; the root's children have depth 1."""
-        return block_depths(self.parents)[1:]
 
     @property
     def is_chain(self) -> bool:
@@ -53,14 +47,6 @@ class TokenTree:
     def children(self, node: int = ROOT) -> list[int]:
         return [child for child, parent in enumerate(self.parents) if parent == node]
 
-    def attempts_at(self, parent: int = ROOT) -> list[Attempt]:
-        """The proposals of ``parent``'s children, in the order the sampled verify tests them."""
-        return [attempt for attempt in self.attempts if attempt.parent == parent]
-
-    def leaves(self) -> list[int]:
-        has_children = set(self.parents)
-        return [node for node in range(len(self.tokens)) if node not in has_children]
-
     def path(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (``[]`` for ROOT)."""
         path: list[int] = []
@@ -71,18 +57,6 @@ class TokenTree:
 
     def path_tokens(self, node: int) -> list[int]:
         return [self.tokens[i] for i in self.path(node)]
-
-    def block_ids(self, pending: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``[1, n+1]``: the verify block ``[pending, *tokens]``."""
-        return torch.tensor([[pending, *self.tokens]], device=device)
-
-    def positions(self, start: int) -> list[int]:
-        """Position id of each block row: ``start + depth`` (the root at ``start``)."""
-        return [start + depth for depth in block_depths(self.parents)]
-
-    def visibility(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """``[n+1, n+1]`` bool: block row a sees row b iff b is a, the root or an ancestor of a."""
-        return block_visibility(self.parents, device)
 
     @staticmethod
     def block_rows(path: Sequence[int]) -> list[int]:

@@ -1,17 +1,19 @@
 """``auto``'s calibration: what each drafting choice costs on the machine at hand, cached.
 
-Measured with the latency model the search uses (``engine.latency``): a plain step and the
-engine's greedy verify per block length (the verify curve t(n)), one draft step (nothing
-bypassed, the draft's precision) per candidate head size, and a batch's plain and draft steps per
-row count (``engine.batch_prices`` prices a batch's steps with them); where the policy lets it, the draft's
+Measured with the latency model (``engine.latency``): a plain step and the engine's greedy
+verify per block length (the verify curve t(n)), one draft step (nothing bypassed, the draft's
+precision) per candidate head size, and a batch's plain and draft steps per row count
+(``engine.batch_prices`` prices a batch's steps with them); where the policy lets it, the draft's
 precision first (int4 or int8, each copy's agreement with the model and draft step priced:
-``engine.precision_choice``). It is cached in the ``calibration``
-cache (``engine.result_cache``: ``$LAYERSKIP_CALIBRATION_CACHE``, default ``calibration/`` in
-the model cache, ``~/.cache/layerskip``), keyed by the model (shape fingerprint and a sample of
-its weight values), dtype, device, the machine record (CPU model and kernel flags, or the GPU's
-name), torch threads and the torch and transformers versions: a calibration made on another
-machine, dtype or model is never used. A calibration whose plain-step timings spread widely (a
-busy machine) is used by this process only, never cached.
+``engine.precision_choice``). It is cached in the ``calibration`` cache (``layerskip.result_cache``:
+``$LAYERSKIP_CALIBRATION_CACHE``, default ``calibration/`` in the model cache,
+``~/.cache/layerskip``) as two entries: ``latency``, the plain step and verify curve, which the
+search reads and writes too (``machine_latency``), keyed by the model (shape fingerprint and a
+sample of its weight values), dtype, device, the machine record (CPU model and kernel flags, or
+the GPU's name), torch threads and the torch and transformers versions (``latency_key``); and
+``costs``, the rest, keyed by all that and the policy's choices. A calibration made on another
+machine, dtype or model is never used. One whose plain-step timings spread widely (a busy
+machine) is used by this process only, never cached.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from layerskip.drafts.auto import best_skip_rate
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.costs import DraftCosts, block_cost
 from layerskip.drafts.policy import SkipPolicy
-from layerskip.engine.latency import BatchStepTimings, batch_step_timings, head_size_timings, measure_latency
+from layerskip.engine.latency import BatchStepTimings, Latency, batch_step_timings, head_size_timings, measure_latency
 from layerskip.engine.precision_choice import (
     PrecisionPrice,
     agreement,
@@ -37,18 +39,21 @@ from layerskip.engine.precision_choice import (
     chosen,
     own_texts,
 )
-from layerskip.engine.result_cache import ResultCache, cache_env, model_key
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import full_logits
 from layerskip.hf.prompting import first_token_id
 from layerskip.machine import this_machine
+from layerskip.result_cache import ResultCache, cache_env, model_key
 
-FORMAT = 3  # 2: with the draft's precision chosen; 3: with a batch's steps by row count
-VERIFY_BLOCKS = (2, 3, 4, 5, 6, 8, 12, 17)  # 17: a lookup run of 16 and the pending token
+# 2: with the draft's precision chosen; 3: with a batch's steps by row count; 4: the plain and
+# verify curve an entry of its own, shared with the search (older entries are measured again).
+FORMAT = 4
+# The search's default draft lengths + 1 (2 to 9) each timed, none interpolated (on CPU a 2-3-row
+# matmul can cost more than a 4-row one); past them auto interpolates up to 17, a lookup run of 16
+# and the pending token. A longer search extends the curve once (machine_latency).
+VERIFY_BLOCKS = (*range(2, 10), 12, 17)
 BATCH_ROWS = (2, 4, 8, 16)  # row counts a batch's plain and draft steps are timed at (one row goes alone)
-PLAIN_REPEATS = 9
-VERIFY_REPEATS = 5
 DRAFT_REPEATS = 7
 BATCH_REPEATS = 2
 CONTEXT_TOKENS = 96  # attention over a realistic context, as after a short prompt
@@ -60,23 +65,59 @@ CACHE = "calibration"  # the result cache that holds calibrations
 CACHE_ENV = cache_env(CACHE)
 
 
-def calibration_key(model: nn.Module, policy: SkipPolicy) -> dict[str, Any]:
-    """Everything a calibration depends on; a cached one is used only when all of it is equal."""
-    parameter = next(model.parameters())
-    assert policy.auto is not None
-    vocab = adapters.lm_head(model).weight.shape[0]
+def latency_key(model: nn.Module) -> dict[str, Any]:
+    """Everything a model's timings on this machine depend on: the model (``model_key``), the
+    machine record, host and torch threads. The key of the curve ``auto`` and the search share."""
     return {
         "format": FORMAT,
         **model_key(model),
-        "machine": this_machine(parameter.device).to_dict(),
+        "machine": this_machine(next(model.parameters()).device).to_dict(),
         "host": platform.node(),
         "threads": torch.get_num_threads(),
+    }
+
+
+def calibration_key(model: nn.Module, policy: SkipPolicy) -> dict[str, Any]:
+    """Everything a calibration depends on; a cached one is used only when all of it is equal."""
+    assert policy.auto is not None
+    vocab = adapters.lm_head(model).weight.shape[0]
+    return {
+        **latency_key(model),
         "precision": policy.draft.precision,
         "precisions": list(candidates(policy.draft.precision, policy.auto.choose_precision)),
         "head_sizes": list(policy.auto.head_sizes(vocab)),
-        "blocks": list(VERIFY_BLOCKS),
         "batch_rows": list(BATCH_ROWS),
     }
+
+
+def machine_latency(
+    model: nn.Module,
+    blocks: Sequence[int] = (),
+    root: str | os.PathLike[str] | None = None,
+    read: bool = True,
+    progress: bool = False,
+    warn: Log | None = None,
+) -> Latency:
+    """The plain step and verify curve of ``model`` on this machine, timed after its own text
+    (``own_text``): from the cache when ``read`` and its entry holds ``VERIFY_BLOCKS`` and
+    ``blocks``, else measured over those (and what the entry held) and cached unless the machine
+    looked busy. ``warn`` hears of an entry passed by as damaged or not written."""
+    cache = ResultCache(CACHE, root, "calibration cache", warn)
+    key = latency_key(model)
+    vocab = adapters.lm_head(model).weight.shape[0]
+    wanted = {*VERIFY_BLOCKS, *blocks}
+    cached = cache.load("latency", key, lambda data: Latency.from_dict(data, vocab)) if read else None
+    if cached is not None and wanted <= set(cached.verify_seconds):
+        cached.cached_from = str(cache.path("latency", key))
+        return cached
+    if cached is not None:  # too short for this caller: the new curve keeps what the entry held
+        wanted |= set(cached.verify_seconds) - {1}
+    latency = measure_latency(model, own_text(model), sorted(wanted), progress)
+    if latency.warning is None:  # measured on a busy machine: used by this process only
+        problem = cache.store("latency", key, latency.to_dict())
+        if problem is not None and warn is not None:
+            warn(f"warning: {problem}")
+    return latency
 
 
 def prepare_calibration(
@@ -99,42 +140,39 @@ def calibrate(
     model: nn.Module,
     policy: SkipPolicy,
     models: DraftModels,
-    context: Sequence[int] | None = None,
     root: str | os.PathLike[str] | None = None,
     read: bool = True,
     progress: bool = False,
 ) -> DraftCosts:
-    """``policy``'s (an ``auto`` policy's) costs on this machine: from the cache when an entry
-    with the same key is there and ``read``, else measured (after ``context`` tokens, default a
-    text the model writes itself) and cached. ``DraftCosts.info`` says which, and how long it took
+    """``policy``'s (an ``auto`` policy's) costs on this machine: from the cache when its entries
+    are there and ``read``, else measured (the curve only where the search or another policy left
+    none: ``machine_latency``) and cached. ``DraftCosts.info`` says which, and how long it took
     (building the draft's low-precision copy, which every policy's draft needs, is not counted:
     ``models`` may hold it already)."""
     start = time.perf_counter()
+    latency = machine_latency(model, root=root, read=read, progress=progress)
     key = calibration_key(model, policy)
     cache = ResultCache(CACHE, root, "calibration cache")
-    cached = cache.load("costs", key, lambda data: _costs(data, key)) if read else None
+    # Draft costs are read only beside the curve they were priced with (a curve measured now
+    # may choose another precision), so a fresh curve measures them too.
+    cached = cache.load("costs", key, lambda data: _costs(data, key, latency)) if latency.cached_from else None
     if cached is not None:
         cached.info.update(cached=True, seconds=round(time.perf_counter() - start, 3))
         return cached
-    costs = _measure(model, policy, models, context, key, progress)
+    costs = _measure(model, policy, models, latency, key)
     costs.info.update(cached=False, seconds=round(time.perf_counter() - start, 3))
     if "warning" not in costs.info:  # measured on a busy machine: used by this process only
-        problem = cache.store("costs", key, {"costs": costs.to_dict()})
+        curve = ("plain_step", "verify")  # stored once, in the latency entry
+        problem = cache.store("costs", key, {"costs": {k: v for k, v in costs.to_dict().items() if k not in curve}})
         if problem is not None:
             costs.info["not_cached"] = problem
     return costs
 
 
 def _measure(
-    model: nn.Module,
-    policy: SkipPolicy,
-    models: DraftModels,
-    context: Sequence[int] | None,
-    key: dict[str, Any],
-    progress: bool,
+    model: nn.Module, policy: SkipPolicy, models: DraftModels, latency: Latency, key: dict[str, Any]
 ) -> DraftCosts:
-    context = list(context) if context else own_text(model)
-    latency = measure_latency(model, context, VERIFY_BLOCKS, progress, PLAIN_REPEATS, VERIFY_REPEATS)
+    context = latency.context  # drafts timed after the tokens the verify curve was
     info: dict[str, Any] = {"machine": key["machine"], "measured_at": latency.measured_at}
     precision = policy.draft.precision
     if len(key["precisions"]) > 1:
@@ -201,7 +239,9 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
     return (ids * (CONTEXT_TOKENS // len(ids) + 1))[:CONTEXT_TOKENS]
 
 
-def _costs(data: dict[str, Any], key: dict[str, Any]) -> DraftCosts:
-    """The cached costs, if they hold what ``key`` asked for (ValueError: out of range, or for other
-    head sizes or blocks; ``calibrate`` then measures again)."""
-    return DraftCosts.from_dict(data.get("costs"), key["head_sizes"], [1, *key["blocks"]], key["batch_rows"])
+def _costs(data: dict[str, Any], key: dict[str, Any], latency: Latency) -> DraftCosts:
+    """The cached costs with ``latency``'s curve, if they hold what ``key`` asked for (ValueError:
+    out of range, or for other head sizes or rows; ``calibrate`` then measures again)."""
+    curve = latency.to_dict()
+    costs = {**data["costs"], "plain_step": curve["plain_step"], "verify": curve["verify"]}
+    return DraftCosts.from_dict(costs, key["head_sizes"], None, key["batch_rows"])

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import capturing_layer_output, fill_adapter_cache
 from layerskip.drafts.head import DraftHead
@@ -30,11 +31,13 @@ from layerskip.hf.forward import full_hidden, full_logits
 from layerskip.hf.ragged import model_ragged_cache, ragged_hidden
 
 K = TypeVar("K")
-PLAIN_REPEATS = 15  # plain-step timings: their spread tells whether the machine was busy
-VERIFY_REPEATS = 7
+# One set of repeats for the one curve auto and the search share (engine.calibration). A cold
+# `auto` run pays for it at load, where a whole calibration must stay under 20 s (5-12 s on the
+# embedded models on CPU with these): 9 plain steps still give the quartiles whose spread tells a
+# busy machine, 5 interleaved rounds a median per block; 15 and 7 would time about half again as long.
+PLAIN_REPEATS = 9
+VERIFY_REPEATS = 5
 BUSY_SPREAD = 0.25  # interquartile range / median of the plain-step timings above this: busy
-# How verify blocks are timed; a cached calibration timed another way is measured again.
-VERIFY_PATH = "engine greedy verify (certified head on CPU)"
 
 
 def _time_once(fn: Callable[[], object], device: torch.device) -> float:
@@ -304,6 +307,7 @@ class Latency:
     warning: str | None = None
     measured_at: str = ""
     cached_from: str | None = None
+    context: list[int] = field(default_factory=list)  # the tokens it was timed after: time drafts after them too
 
     @property
     def spread(self) -> float:
@@ -322,6 +326,30 @@ class Latency:
         if self.cached_from is not None:
             info["cached_from"] = self.cached_from
         return info
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plain_step": self.plain_step_seconds,
+            "verify": {str(block): seconds for block, seconds in sorted(self.verify_seconds.items())},
+            "plain_timings": self.plain_timings,
+            "measured_at": self.measured_at,
+            "context": self.context,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], vocab: int) -> Latency:
+        """Back from ``to_dict``, checked as a cached calibration of auto is (ValueError: seconds not
+        finite and above 0, a block below 1, a timing that is no number, a token outside ``vocab``)."""
+        costs = DraftCosts.from_dict(
+            {"plain_step": data["plain_step"], "verify": data["verify"], "draft_step": {"0": 1}}
+        )
+        timings, context = data["plain_timings"], data["context"]
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in timings):
+            raise ValueError("plain timings are not numbers")
+        if not context or not all(type(t) is int and 0 <= t < vocab for t in context):
+            raise ValueError("its context is not token ids of this model")
+        timings = [float(t) for t in timings]
+        return cls(costs.plain_step, costs.verify, timings, None, str(data["measured_at"]), context=context)
 
 
 def measure_latency(
@@ -344,4 +372,4 @@ def measure_latency(
     bar.update(1 + len(blocks))
     bar.close()
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    return Latency(statistics.median(plain), verify, plain, busy_warning(plain), now)
+    return Latency(statistics.median(plain), verify, plain, busy_warning(plain), now, context=list(context))

@@ -135,10 +135,6 @@ class ThreadTuner:
         self.last_draft_threads: int | None = None
         self.used: dict[str, int] = {}  # "phase:threads" -> runs in the current session, for stats
 
-    @property
-    def tuning(self) -> bool:
-        return self.enabled and len(self.phases["verify"].candidates) > 1
-
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         """One generation: the caller's thread count comes back afterwards, whatever happens."""

@@ -315,11 +315,6 @@ def bypass(model: nn.Module, attention: Iterable[int] = (), mlp: Iterable[int] =
         yield
 
 
-def is_bypassed(model: nn.Module) -> bool:
-    """True if any layer, sublayer or projection is currently patched (tests use it to check restoration)."""
-    return any("forward" in module.__dict__ for module in decoder_layers(model).modules())
-
-
 def projection_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(weight [out, in], bias [out] | None)`` of a linear projection, or None for any other module.
 

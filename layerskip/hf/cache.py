@@ -170,9 +170,6 @@ class RollbackCache(DynamicCache):
     def length(self) -> int:
         return max((layer.length for layer in self.layers), default=0)
 
-    def layer_lengths(self) -> list[int]:
-        return [layer.length for layer in self.layers]
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 

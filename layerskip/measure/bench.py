@@ -35,7 +35,7 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.integration.baselines import hf_custom_generate, hf_generate
 from layerskip.integration.decoders import decoder_for
-from layerskip.machine import this_machine
+from layerskip.machine import code_version, this_machine
 from layerskip.measure.divergence import DEFECT, ROUNDING, DivergenceCheck
 from layerskip.measure.memory import MethodMemory, call_growth_mb
 from layerskip.measure.timing import Runner, run_interleaved, throughput
@@ -559,6 +559,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_flags": list(machine.cpu_flags),
         "cores": machine.cores,
         "cpu_threads": torch.get_num_threads(),
+        **code_version(),  # "commit" and "dirty": the code that ran (None outside a git checkout)
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -169,10 +169,6 @@ class DivergenceCheck:
             self._fp32 = copy.deepcopy(self.model).float().eval()  # bf16 and fp16 values are exact in fp32
         return self._fp32
 
-    def classify(self, prompt: Sequence[int], tokens: Sequence[int], reference: Sequence[int]) -> Divergence | None:
-        """The class of ``tokens``' first divergence from ``reference`` after ``prompt`` (None if identical)."""
-        return self.classify_many(prompt, reference, {"method": tokens})["method"]
-
     @torch.inference_mode()
     def classify_many(
         self,

@@ -1,5 +1,5 @@
-"""Labels every results table shares: a CPU as tables name it, greedy or sampled decoding, and a
-generated block between markers."""
+"""Labels every results table shares: a CPU as tables name it, the code that ran, greedy or sampled
+decoding, and a generated block between markers."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def cpu_label(model: str, flags: list[str] | tuple[str, ...] | None) -> str:
     if features == ["AVX2"]:
         features = ["AVX2 only"]
     return f"{cpu_name(model)} ({', '.join(features) or 'no AVX2'})"
+
+
+def commit_label(record: dict[str, Any]) -> str:
+    """The code a run measured with, from the ``commit`` and ``dirty`` a result file records
+    (``layerskip.machine.code_version``): ``abc1234``, ``abc1234 + uncommitted changes``, or
+    ``not recorded`` (a file older than the fields, or a run outside a git checkout)."""
+    commit = record.get("commit")
+    if not isinstance(commit, str) or not commit:
+        return "not recorded"
+    return f"{commit} + uncommitted changes" if record.get("dirty") else commit
 
 
 def replace_between_markers(text: str, block: str, start: str, end: str, where: str = "README.md") -> str:

@@ -6,7 +6,8 @@ that cannot be read (missing, not a regular file, damaged, made for other inputs
 that the result is measured again and written over it: a link in its place is replaced by the
 file, never written through. A cache named NAME lives in ``$LAYERSKIP_<NAME>_CACHE``, else in
 NAME/ under the model cache (``$LAYERSKIP_CACHE``, default ``~/.cache/layerskip``):
-``calibration`` holds ``auto``'s calibrations, ``search`` the search's references and latency.
+``calibration`` holds what a model costs on this machine (its plain and verify curve, read by both
+``auto`` and the search, and ``auto``'s draft costs), ``search`` the search's references.
 """
 
 from __future__ import annotations

@@ -1,0 +1,283 @@
+"""Every result file names the code that ran it, and the figures the docs quote are the files' own.
+
+A bench result (per-prompt or batches: both take ``environment()``), the measurement scripts'
+JSON and a search's exported policy record ``commit`` and ``dirty`` (``layerskip.machine.code_version``);
+the results page shows them beside the CPU. The docs' figures below are checked against the
+committed result file each one cites.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from layerskip.machine import SOURCE_ROOT, code_version
+from layerskip.measure.batch_results import BatchRun, run_section
+from layerskip.measure.bench import environment
+from layerskip.measure.labels import commit_label
+from layerskip.measure.results import ResultFile, file_section, load_result_files
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+SHARED_EPYC = ROOT.parent / "shared" / "results" / "epyc-2026-11-26"  # beside the checkout, not in it
+
+
+def _git(cwd: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return done.stdout.strip()
+
+
+def _is_checkout(root: Path) -> bool:
+    try:
+        return Path(_git(root, "rev-parse", "--show-toplevel")).resolve() == root.resolve()
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+# -- the code a result names ------------------------------------------------------------------------------------------
+def test_a_bench_environment_names_the_commit_of_the_checkout_it_ran_from() -> None:
+    env = environment(torch.device("cpu"))
+    assert "commit" in env and "dirty" in env
+    if not _is_checkout(SOURCE_ROOT):
+        pytest.skip("the package does not run from a git checkout here")
+    assert env["commit"] == _git(SOURCE_ROOT, "rev-parse", "--short", "HEAD")
+    assert isinstance(env["dirty"], bool)
+
+
+def test_the_commit_and_whether_tracked_files_changed(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "layerskip").mkdir(parents=True)
+    (repo / "layerskip" / "x.py").write_text("a = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "one")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    assert code_version(repo) == {"commit": head, "dirty": False}
+    (repo / "notes.txt").write_text("untracked\n")  # an untracked file is no change to the code
+    assert code_version(repo) == {"commit": head, "dirty": False}
+    (repo / "layerskip" / "x.py").write_text("a = 2\n")
+    assert code_version(repo) == {"commit": head, "dirty": True}
+
+
+def test_no_commit_outside_a_checkout_of_its_own(tmp_path: Path) -> None:
+    unknown = {"commit": None, "dirty": None}
+    assert code_version(tmp_path) == unknown  # no repository at all
+    assert code_version(tmp_path / "missing") == unknown
+    repo = tmp_path / "project"
+    (repo / "venv" / "site-packages").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    # a package installed inside another project's repository is no checkout of layerskip
+    assert code_version(repo / "venv" / "site-packages") == unknown
+
+
+def test_no_commit_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "")
+    assert code_version(SOURCE_ROOT) == {"commit": None, "dirty": None}
+
+
+def test_every_script_result_records_the_code() -> None:
+    """Each front end that writes a JSON result records ``code_version()`` in it (bench through
+    ``environment()``)."""
+    writers = [ROOT / "layerskip" / "cli" / "bench.py", *(ROOT / "scripts").glob("*.py")]
+    writers += [ROOT / "layerskip" / "cli" / name for name in ("train_exit.py", "twin.py")]
+    missing = []
+    for path in writers:
+        text = path.read_text()
+        if "write_json_atomic(" in text or "write_outputs(" in text:
+            if "code_version()" not in text and "environment(" not in text:
+                missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"these write results without the commit: {missing}"
+    assert "code_version()" in (ROOT / "layerskip" / "measure" / "bench.py").read_text()
+
+
+def test_a_search_trial_records_the_code_and_its_exported_policy_names_it(tmp_path: Path) -> None:
+    import optuna
+
+    from layerskip.drafts.policy import SkipPolicy
+    from layerskip.machine import this_machine
+    from layerskip.search.export import export_policy
+    from layerskip.search.space import POLICY_ATTR, policy_attr
+    from layerskip.search.study import CODE_ATTR, recording_machine
+
+    def objective(trial: optuna.Trial) -> float:
+        trial.set_user_attr(POLICY_ATTR, policy_attr(SkipPolicy(skip_mlp=(1,))))
+        trial.set_user_attr("predicted_speedup", 1.5)
+        return 1.5
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    study.optimize(recording_machine(objective, this_machine("cpu")), n_trials=1)
+    code = code_version()
+    assert study.trials[0].user_attrs[CODE_ATTR] == code
+    policy = export_policy(study, tmp_path / "p.json")
+    assert {key: policy.provenance[key] for key in code} == code
+    assert json.loads((tmp_path / "p.json").read_text())["provenance"]["commit"] == code["commit"]
+
+
+def test_the_results_page_shows_the_commit_beside_the_cpu() -> None:
+    committed = load_result_files(RESULTS)[0]
+    data = json.loads(json.dumps(committed.data))
+    assert "commit not recorded" in file_section(committed)
+    data["environment"].update(commit="abc1234", dirty=False)
+    cpu_line = next(line for line in file_section(ResultFile("x", data)).splitlines() if line.startswith("- CPU:"))
+    assert cpu_line.endswith("commit abc1234")
+    data["environment"]["dirty"] = True
+    assert "commit abc1234 + uncommitted changes" in file_section(ResultFile("x", data))
+    batches = json.loads((RESULTS / "batches" / "smollm2-135m-float32-amx" / "batches.json").read_text())
+    assert "greedy; commit not recorded." in run_section(BatchRun("b", batches))
+    batches["environment"]["commit"] = "abc1234"
+    assert "greedy; commit abc1234." in run_section(BatchRun("b", batches))
+    assert commit_label({"commit": None}) == commit_label({}) == "not recorded"
+
+
+# -- the docs' figures are the cited files' ---------------------------------------------------------------------------
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _speedup(name: str, method: str = "self-spec") -> Callable[[], float]:
+    return lambda: _json(RESULTS / f"{name}.json")["methods"][method]["overall"]["speedup"]
+
+
+def _int8_over_int4(name: str) -> Callable[[], float]:
+    def ratio() -> float:
+        prices = _json(RESULTS / f"{name}.json")["methods"]["self-spec"]["overall"]["auto"]["calibration"]["precisions"]
+        return prices["int8"]["tokens_per_second"] / prices["int4"]["tokens_per_second"]
+
+    return ratio
+
+
+def _hf_batch(name: str, size: int, key: str) -> Callable[[], float]:
+    def value() -> float:
+        runs = _json(RESULTS / "batches" / name / "batches.json")["runs"]
+        run = next(r for r in runs if r["method"] == "hf-batched" and r["size"] == size and r["layout"] == "similar")
+        return run[key]
+
+    return value
+
+
+def _batch_speedup(name: str, size: int, layout: str) -> Callable[[], float]:
+    def value() -> float:
+        rows = _json(RESULTS / "batches" / name / "batches.json")["batches"]
+        return next(r["speedup"] for r in rows if r["batch_size"] == size and r["layout"] == layout)
+
+    return value
+
+
+def _calibrations(pattern: str, cached: bool, form: str) -> Callable[[], str]:
+    """The range of the calibrations (cached or measured in the run) of the ``auto`` runs ``pattern`` names."""
+
+    def value() -> str:
+        seconds = []
+        for path in RESULTS.glob(pattern):
+            for figures in _json(path)["methods"].values():
+                calibration = (figures["overall"].get("auto") or {}).get("calibration") or {}
+                if "seconds" in calibration and bool(calibration.get("cached")) == cached:
+                    seconds.append(calibration["seconds"])
+        return f"{form.format(min(seconds))}–{form.format(max(seconds))} s"
+
+    return value
+
+
+# (doc, the figure as the doc writes it, what the doc cites for it, the figure from that file, its format)
+CLAIMS: list[tuple[str, str, str, Callable[[], Any], str]] = [
+    ("docs/concepts.md", "1.10", "results/gemma3-270m-float32-amx-auto-512.json",
+     _int8_over_int4("gemma3-270m-float32-amx-auto-512"), "{:.2f}"),
+    ("docs/concepts.md", "1.12", "results/gemma3-270m-float32-amx-auto-twin-offgrid.json",
+     _int8_over_int4("gemma3-270m-float32-amx-auto-twin-offgrid"), "{:.2f}"),
+    ("docs/concepts.md", "1.25", "results/smollm2-135m-float32-amx-auto-twin-offgrid.json",
+     _int8_over_int4("smollm2-135m-float32-amx-auto-twin-offgrid"), "{:.2f}"),
+    ("docs/choosing-a-policy.md", "[0.97×](results.md#gemma3-270m-float32-amx-auto-t1.0)",
+     "results.md#gemma3-270m-float32-amx-auto-t1.0", _speedup("gemma3-270m-float32-amx-auto-t1.0"), "{:.2f}×"),
+    ("docs/choosing-a-policy.md", "[1.23×](results.md#gemma3-270m-float32-amx-auto-t0.7)",
+     "results.md#gemma3-270m-float32-amx-auto-t0.7", _speedup("gemma3-270m-float32-amx-auto-t0.7"), "{:.2f}×"),
+    ("docs/choosing-a-policy.md", "[1.47×](results.md#smollm2-135m-float32-amx-auto-t0.7)",
+     "results.md#smollm2-135m-float32-amx-auto-t0.7", _speedup("smollm2-135m-float32-amx-auto-t0.7"), "{:.2f}×"),
+    ("docs/choosing-a-policy.md", "[1.26×](results.md#smollm2-135m-float32-amx-auto-t1.0)",
+     "results.md#smollm2-135m-float32-amx-auto-t1.0", _speedup("smollm2-135m-float32-amx-auto-t1.0"), "{:.2f}×"),
+    ("docs/choosing-a-policy.md", "5.2–7.4 s", "results.md#smollm2-135m-float32-avx512bf16-auto",
+     _calibrations("smollm2-135m-*-avx512bf16*auto.json", False, "{:.1f}"), "{}"),
+    ("docs/choosing-a-policy.md", "6.1–11.0 s", "results.md#gemma3-270m-float32-avx512bf16-code-auto",
+     _calibrations("gemma3-270m-*-avx512bf16*auto.json", False, "{:.1f}"), "{}"),
+    ("docs/choosing-a-policy.md", "0.005–0.013 s", "results.md#gemma3-270m-bfloat16-avx512bf16-auto",
+     _calibrations("*-avx512bf16*auto.json", True, "{:.3f}"), "{}"),
+    ("README.md", "[0.97×](docs/results.md#gemma3-270m-float32-amx-auto-t1.0)",
+     "docs/results.md#gemma3-270m-float32-amx-auto-t1.0", _speedup("gemma3-270m-float32-amx-auto-t1.0"), "{:.2f}×"),
+    ("README.md", "[1.23×](docs/results.md#gemma3-270m-float32-amx-auto-t0.7)",
+     "docs/results.md#gemma3-270m-float32-amx-auto-t0.7", _speedup("gemma3-270m-float32-amx-auto-t0.7"), "{:.2f}×"),
+    ("docs/plugin.md", "took 8.04 s", "results.md#batches-gemma3-270m-float32-amx",
+     _hf_batch("gemma3-270m-float32-amx", 2, "seconds"), "{:.2f} s"),
+    ("docs/plugin.md", "against 7.74 s", "results.md#batches-gemma3-270m-float32-amx",
+     _hf_batch("gemma3-270m-float32-amx", 1, "seconds"), "{:.2f} s"),
+    ("docs/plugin.md", "31.9 against", "results.md#batches-gemma3-270m-float32-amx",
+     _hf_batch("gemma3-270m-float32-amx", 2, "tokens_per_second"), "{:.1f}"),
+    ("docs/plugin.md", "16.5 tokens/s", "results.md#batches-gemma3-270m-float32-amx",
+     _hf_batch("gemma3-270m-float32-amx", 1, "tokens_per_second"), "{:.1f}"),
+    ("docs/plugin.md", "[1.33×](results.md#batches-smollm2-135m-float32-amx)",
+     "results.md#batches-smollm2-135m-float32-amx", _batch_speedup("smollm2-135m-float32-amx", 2, "mixed"), "{:.2f}×"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("doc", "written", "cited", "value", "form"), CLAIMS, ids=[f"{c[0]}: {c[1].split(']')[0]}" for c in CLAIMS]
+)
+def test_a_doc_figure_is_in_the_file_it_cites(
+    doc: str, written: str, cited: str, value: Callable[[], Any], form: str
+) -> None:
+    text = (ROOT / doc).read_text()
+    assert written in text, f"{doc} no longer says {written!r}: update CLAIMS with the sentence"
+    assert f"]({cited})" in text, f"{doc} does not cite {cited}"
+    number = re.compile(r"\d+\.\d+(?:–\d+\.\d+)?")
+    figure, recorded = number.search(written).group(0), number.search(form.format(value())).group(0)
+    assert figure == recorded, f"{doc}: {written!r}, but the file gives {recorded}"
+
+
+def test_the_epyc_batch_figure_is_in_the_shared_folder_it_names() -> None:
+    text = " ".join((ROOT / "docs" / "plugin.md").read_text().split())
+    assert "in the shared results (`epyc-2026-11-26`, its README)" in text
+    assert "gave 29.4 tokens/s for a batch of 2 against about 21 for one prompt" in text
+    if not SHARED_EPYC.is_dir():
+        pytest.skip("the shared results are not beside this checkout")
+    readme = (SHARED_EPYC / "README.md").read_text()
+    assert "29.4 / 65.6 / 93.0 tok/s at batch 2 / 4 / 8; one prompt about 21 tok/s" in readme
+
+
+def test_figures_without_a_committed_file_are_gone() -> None:
+    """Figures that only the development log held, or that no file held, are not quoted."""
+    gone = {
+        "docs/choosing-a-policy.md": ["7.8 s", "9.0 s", "11.7 s"],
+        "docs/plugin.md": ["35.7 ms", "35.9 ms", "862 tokens"],
+        "docs/concepts.md": ["1.11-1.13", "1.30 where", "0.97-1.00"],
+    }
+    for doc, figures in gone.items():
+        text = (ROOT / doc).read_text()
+        assert not [f for f in figures if f in text], doc
+
+
+def test_the_batch_figures_name_their_cpu() -> None:
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "128 new tokens, on a 2-core Intel Xeon with AMX ([all figures](docs/results.md#batches))" in readme
+    for path in RESULTS.glob("batches/*/batches.json"):
+        env = _json(path)["environment"]
+        assert "Xeon" in env["cpu_model"] and "amx_bf16" in env["cpu_flags"] and env["cores"] == 2, path
+
+
+def test_the_postgres_extra_is_installed_from_the_checkout() -> None:
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    assert not [p.name for p in pages if re.search(r"pip install \"?layerskip\[", p.read_text())]
+    assert 'pip install -e ".[postgres]"' in (ROOT / "docs" / "search.md").read_text()
+    assert "postgres = [" in (ROOT / "pyproject.toml").read_text()
