@@ -235,7 +235,17 @@ def test_auto_greedy_is_lossless_with_lookup_and_skip_steps_mixed(arch: str, mon
     model = _model(arch)
     prompt = _repetitive_prompt()
     reference, logits = hf_greedy(model, prompt, NEW_TOKENS)
-    decoder = Decoder.for_policy(model, SkipPolicy.auto_trees())  # trees on: every kind of block
+    # The calibration's sizes and precision, its seconds replaced by a curve where every kind of
+    # step pays: timed on a busy machine, a slow verify could price lookup runs out of every step.
+    policy, models = SkipPolicy.auto_trees(), DraftModels(model)  # trees on: every kind of block
+    costs = calibration.prepare_calibration(model, policy, models)
+    costs = dataclasses.replace(
+        costs,
+        plain_step=1.0,
+        verify={block: 1.0 + 0.02 * block for block in costs.verify},
+        draft_step=dict.fromkeys(costs.draft_step, 0.1),
+    )
+    decoder = Decoder.for_policy(model, policy, models=models, costs=costs)
     runs = []
     for _ in range(2):  # the second generation starts from what the first one learned
         tokens, stats = decoder.decode(prompt, DecodeSettings(max_new_tokens=NEW_TOKENS))

@@ -113,6 +113,51 @@ def test_package_inits_import_only_their_own_package() -> None:
         assert not outside, f"{module}/__init__.py imports {outside}"
 
 
+# The engine's face of drafts/ (docs/contributing.md): the drafter interface and the builder.
+ENGINE_FACE = ("layerskip.drafts.base", "layerskip.drafts.builder")
+
+
+def _engine_drafts_imports(source: str) -> list[str]:
+    """Each module of drafts/ that ``source`` imports from, lazy imports included, as
+    ``line: module`` (``from layerskip.drafts import base`` imports ``layerskip.drafts.base``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            modules = [node.module]
+            if node.module == "layerskip.drafts":
+                modules = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [
+            f"{node.lineno}: {m}" for m in modules if m == "layerskip.drafts" or m.startswith("layerskip.drafts.")
+        ]
+    return found
+
+
+def test_the_engine_uses_drafts_only_through_base_and_the_builder() -> None:
+    """``layerskip/engine/`` imports ``drafts.base`` and ``drafts.builder`` and nothing else of
+    drafts/: the builder's ``__all__`` is what the engine needs of the rest."""
+    assert _engine_drafts_imports("def f():\n    from layerskip.drafts.model import DraftModel\n") == [
+        "2: layerskip.drafts.model"
+    ]
+    assert _engine_drafts_imports("from layerskip.drafts import base, lookup\nimport layerskip.drafts.auto\n") == [
+        "1: layerskip.drafts.base",
+        "1: layerskip.drafts.lookup",
+        "2: layerskip.drafts.auto",
+    ]
+    sources = sorted((ROOT / "layerskip" / "engine").rglob("*.py"))
+    assert len(sources) > 5
+    wrong = [
+        f"{path.relative_to(ROOT)}:{found}"
+        for path in sources
+        for found in _engine_drafts_imports(path.read_text(encoding="utf-8"))
+        if found.split(": ")[1] not in ENGINE_FACE
+    ]
+    assert not wrong, f"the engine reaches past drafts.base and drafts.builder: {wrong}"
+
+
 def _draft_model_calls(source: str) -> list[int]:
     """Lines of ``source`` that call ``DraftModel``, by its name, an alias it was imported as, or as
     an attribute (``model.DraftModel(...)``)."""

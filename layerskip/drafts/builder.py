@@ -24,23 +24,63 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layerskip.drafts.auto import AutoDrafter, AutoState
+from layerskip.drafts.auto import MAX_ACCEPTANCE, AutoDrafter, AutoState, best_skip_rate
 from layerskip.drafts.base import Drafter, NoDrafter
 from layerskip.drafts.batch_skip import BatchSkipDraft
 from layerskip.drafts.branching import BranchingDrafter
-from layerskip.drafts.costs import DraftCosts
+from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.exit_draft import ExitDrafter
+from layerskip.drafts.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
+from layerskip.drafts.head import DraftHead
 from layerskip.drafts.hybrid import HybridDrafter
-from layerskip.drafts.lookup import LookupDrafter
+from layerskip.drafts.lookup import LookupDrafter, match_lookup
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
-from layerskip.drafts.policy import ExitSettings, SkipPolicy, check_vocabulary_ids
+from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy, check_vocabulary_ids
+from layerskip.drafts.policy_spec import AUTO, PLAIN, load_policy
 from layerskip.drafts.skip import ChainDrafter, SkipDrafter
 from layerskip.errors import LayerskipError, few
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling
+
+# The face of drafts/ for the engine, which imports nothing of drafts/ but drafts.base and this
+# module (tests/test_layout.py): the builder's own names, then the draft's types the engine names,
+# the policy argument it parses, and what its calibration and batches price and time drafts with.
+__all__ = [
+    "DraftModelKey",
+    "DraftModels",
+    "DraftRun",
+    "PreparedDraft",
+    "build_drafter",
+    "check_policy_fits",
+    "head_rows",
+    "kept_sublayers",
+    "load_exit_adapter",
+    "prepare_draft",
+    # types
+    "AutoState",
+    "BatchSkipDraft",
+    "DraftCosts",
+    "DraftHead",
+    "DraftModel",
+    "DraftSettings",
+    "ExitAdapter",
+    "SelectionState",
+    "SkipPolicy",
+    # the policy argument
+    "AUTO",
+    "PLAIN",
+    "load_policy",
+    # pricing and timing a draft
+    "MAX_ACCEPTANCE",
+    "best_skip_rate",
+    "block_cost",
+    "capturing_layer_output",
+    "expected_tokens",
+    "fill_adapter_cache",
+    "match_lookup",
+]
 
 
 @dataclass(frozen=True)

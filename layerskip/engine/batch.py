@@ -34,10 +34,7 @@ from torch import nn
 
 from layerskip.drafts import base
 from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Proposals
-from layerskip.drafts.batch_skip import BatchSkipDraft
-from layerskip.drafts.builder import PreparedDraft
-from layerskip.drafts.lookup import match_lookup
-from layerskip.drafts.policy import DraftSettings
+from layerskip.drafts.builder import BatchSkipDraft, DraftSettings, PreparedDraft, match_lookup
 from layerskip.engine.output import TokenOutput
 from layerskip.engine.step import StepOutcome, Stepper, record_outcome
 from layerskip.engine.threads import ThreadTuner

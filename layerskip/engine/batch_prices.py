@@ -23,8 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from layerskip.drafts.auto import MAX_ACCEPTANCE, AutoState
-from layerskip.drafts.costs import block_cost, expected_tokens
+from layerskip.drafts.builder import MAX_ACCEPTANCE, AutoState, block_cost, expected_tokens
 from layerskip.engine.batch import DRAFT, LOOKUP, PLAIN
 
 Price = tuple[float, float]  # (expected tokens, seconds) of one step of the whole batch

@@ -27,10 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.drafts.auto import best_skip_rate
-from layerskip.drafts.builder import DraftModels
-from layerskip.drafts.costs import DraftCosts, block_cost
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.builder import DraftCosts, DraftModels, SkipPolicy, best_skip_rate, block_cost
 from layerskip.engine.latency import BatchStepTimings, Latency, batch_step_timings, head_size_timings, measure_latency
 from layerskip.engine.precision_choice import (
     PrecisionPrice,

@@ -15,12 +15,19 @@ import torch
 from torch import nn
 
 from layerskip.drafts.base import Drafter, NoDrafter
-from layerskip.drafts.builder import DraftModels, DraftRun, PreparedDraft, prepare_draft
-from layerskip.drafts.costs import DraftCosts
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.onthefly import SelectionState
-from layerskip.drafts.policy import SkipPolicy
-from layerskip.drafts.policy_spec import AUTO, PLAIN, load_policy
+from layerskip.drafts.builder import (
+    AUTO,
+    PLAIN,
+    DraftCosts,
+    DraftModel,
+    DraftModels,
+    DraftRun,
+    PreparedDraft,
+    SelectionState,
+    SkipPolicy,
+    load_policy,
+    prepare_draft,
+)
 from layerskip.engine.batch import BatchRow, BatchStepper, StepKinds, run_batch, step_kinds
 from layerskip.engine.batch_prices import BatchPrices
 from layerskip.engine.calibration import prepare_calibration

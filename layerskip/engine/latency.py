@@ -19,11 +19,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from layerskip.drafts.costs import DraftCosts
-from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.exit_draft import capturing_layer_output, fill_adapter_cache
-from layerskip.drafts.head import DraftHead
-from layerskip.drafts.model import DraftModel
+from layerskip.drafts.builder import (
+    DraftCosts,
+    DraftHead,
+    DraftModel,
+    ExitAdapter,
+    capturing_layer_output,
+    fill_adapter_cache,
+)
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache, model_cache

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerskip.drafts.model import DraftModel
+from layerskip.drafts.builder import DraftModel
 from layerskip.hf import adapters
 from layerskip.hf.prompting import first_token_id
 from layerskip.hf.ragged import model_ragged_cache, ragged_hidden

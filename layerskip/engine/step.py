@@ -22,9 +22,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerskip.drafts.base import LOOKUP, NONE, SKIP, Drafter, DraftRequest, Proposal, Verdict, off_first_branch
+from layerskip.drafts.base import (
+    LOOKUP,
+    NONE,
+    SKIP,
+    Drafter,
+    DraftRequest,
+    Proposal,
+    TokenTree,
+    Verdict,
+    off_first_branch,
+)
 from layerskip.drafts.builder import PreparedDraft
-from layerskip.drafts.token_tree import TokenTree
 from layerskip.engine.output import TokenOutput
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import Verifier
