@@ -38,7 +38,9 @@ SKIPPED_POSITIONS = 2  # the first predictions follow a random start token: not 
 # Another copy replaces the policy's only where it is priced at least this much faster. Agreement
 # on short texts from odd starts overstates what a finer copy buys: on Gemma-3 (Intel Xeon, 2
 # cores) it priced int8 1.11-1.13x above int4 where decoding measured 0.97-1.00x; on an off-grid
-# SmolLM2 it priced int8 1.30x above int4 and decoding measured 1.18x.
+# SmolLM2 it priced int8 1.30x above int4 and decoding measured 1.18x. (Both with the int4 copy
+# rounded by each group's min and max; the fitted rounding since raised int4's agreement on that
+# twin from 0.60 to 0.62, docs/results/int4_rounding.csv.)
 SWITCH_MARGIN = 1.2
 
 

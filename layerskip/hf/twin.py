@@ -1,7 +1,7 @@
 """An off-grid twin of a model: its decoder weights moved off any 4-bit grid, for honest figures.
 
 A model dequantised from a Q4_1 GGUF file (SmolLM2's) sits on a 4-bit grid in blocks of 32
-inputs: an int4 draft that quantises the same way (min/max scale per block of 32) reproduces it
+inputs: an int4 draft in blocks of 32 (a scale and minimum per block) reproduces it
 exactly, and its drafts agree with the model far more often than a full-precision model's would
 (Gemma-3's Q4_K_M file is not on that grid: its int4 copy moves it as much as a twin's). A twin
 adds to every decoder projection uniform noise of up to ``scale`` of one 4-bit step of its block
