@@ -36,6 +36,9 @@ LogitsHook = Callable[[list[int], torch.Tensor], torch.Tensor]
 __all__ = ["GreedyVerifier", "HookedVerifier", "LogitsHook", "SampledVerifier", "Verdict", "Verifier"]
 
 
+NO_EDITS = TokenEdits((), lambda values: values)  # a row without processors, in a batch with some
+
+
 class Verifier(Protocol):
     def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
         """``hidden [n+1, H]`` of the block after ``history`` (prompt and tokens so far) -> the verdict."""
@@ -135,17 +138,20 @@ def verify_rows(
     sizes = [h.shape[0] for h in hidden]
     heads = {id(getattr(v, "head", None)) for v in verifiers}
     rows = proposals.rows
-    edits = [
-        v.edits(proposal, history) if type(v) is HookedVerifier else None
-        for v, proposal, history in zip(verifiers, rows, histories, strict=True)
-    ]
-    greedy = [type(v) is GreedyVerifier or e is not None for v, e in zip(verifiers, edits, strict=True)]
-    if len(heads) == 1 and all(greedy):
-        plain = TokenEdits((), lambda values: values)  # a row without processors
-        every = [e or [plain] * size for e, size in zip(edits, sizes, strict=True)]
-        targets = verifiers[0].head.argmax(
-            torch.cat(list(hidden)), [e for row in every for e in row] if any(edits) else None
-        )
+    # Each row's processor edits, worked out only where every row can take the one greedy product
+    # (a row that cannot sends the batch row by row, where each verifier works them out itself).
+    edits: list[list[TokenEdits] | None] = [None] * len(verifiers)
+    greedy = len(heads) == 1 and all(type(v) in (GreedyVerifier, HookedVerifier) for v in verifiers)
+    for r, (v, proposal, history) in enumerate(zip(verifiers, rows, histories, strict=True)):
+        if not greedy or type(v) is GreedyVerifier:
+            continue
+        edits[r] = v.edits(proposal, history)
+        greedy = edits[r] is not None
+    if greedy:
+        flat = None  # each block row's edits, where some row has processors
+        if any(edits):
+            flat = [e for row, size in zip(edits, sizes, strict=True) for e in (row or [NO_EDITS] * size)]
+        targets = verifiers[0].head.argmax(torch.cat(list(hidden)), flat)
         verdicts, start = [], 0
         for size, proposal in zip(sizes, rows, strict=True):
             verdicts.append(greedy_verdict(proposal, targets[start : start + size]))

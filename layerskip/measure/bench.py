@@ -244,7 +244,7 @@ def _methods_for(
             # Processors come from HF's own reading of the arguments: through the plug-in, which
             # hands them to the engine as plain generate would apply them.
             spec = PLAIN if policy is None else policy
-            return custom(spec, hf_threads=None), _draft_memory(decoder_for(model, spec))
+            return custom(spec, None), _draft_memory(decoder_for(model, spec))  # the process's threads, as ours
         decoder = Decoder.for_policy(model, policy, threads=threads)
 
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
@@ -253,13 +253,15 @@ def _methods_for(
 
         return run, _draft_memory(decoder)
 
-    def custom(policy: SkipPolicy | str, hf_threads: int | None = hf_threads) -> Runner:
+    def custom(policy: SkipPolicy | str, count: int | None) -> Runner:
+        """``policy`` through the plug-in under ``count`` threads (None: the process's own)."""
+
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
             seed = draws.seed_for(ids)
             extra = dict(draws.generation)
             return hf_custom_generate(model, ids, max_new, policy, eos_token_ids, draws.sampling, seed, **extra)
 
-        return _with_threads(run, hf_threads)
+        return _with_threads(run, count)
 
     def hf(**extra: Any) -> Runner:
         return _with_threads(_hf_runner(model, eos_token_ids, extra, draws), hf_threads)
@@ -298,7 +300,8 @@ def _methods_for(
         elif name == "hf-custom":
             for label, policy in policies.items():
                 full = name if len(policies) == 1 else f"{name}:{label}"
-                methods.append(Method(full, custom(policy), policy, _draft_memory(decoder_for(model, policy))))
+                memory = _draft_memory(decoder_for(model, policy))
+                methods.append(Method(full, custom(policy, hf_threads), policy, memory))
         elif name == "hf-pld":
             methods.append(Method(name, hf(prompt_lookup_num_tokens=lookup_tokens)))
         elif name == "hf-early-exit":
