@@ -54,7 +54,7 @@ def draft_row_costs(
         block = torch.tensor([[context[-1]] * count], device=device)
 
         def step(block: torch.Tensor = block) -> None:
-            draft_model.logits(block, cache, length, head)
+            draft_model.logits(block, cache, head)
             cache.rollback(length)
 
         seconds[count] = median_seconds(step, device, repeats)

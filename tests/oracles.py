@@ -62,6 +62,6 @@ def is_bypassed(model: nn.Module) -> bool:
     return any("forward" in module.__dict__ for module in decoder_layers(model).modules())
 
 
-def layer_lengths(cache: RollbackCache) -> list[int]:
-    """The tokens each layer of ``cache`` holds."""
-    return [layer.length for layer in cache.layers]
+def row_lengths(cache: RollbackCache) -> list[int]:
+    """The tokens each row of ``cache`` holds (every layer holds them: one length per row)."""
+    return list(cache.lengths)

@@ -21,15 +21,14 @@ from tiny_models import ARCHS, random_prompt, tiny_model
 
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine import batch as batch_module
+from layerskip.engine import step_kinds as kinds_module
 from layerskip.engine import verifiers
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf import adapters
-from layerskip.hf import ragged as ragged_module
-from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_logits
+from layerskip.hf import cache as cache_module
+from layerskip.hf.cache import RollbackCache, model_cache
+from layerskip.hf.forward import block_hidden, full_logits
 from layerskip.hf.lean import LEAN_FAMILIES
-from layerskip.hf.ragged import model_ragged_cache, ragged_hidden
 from layerskip.sampling import Sampling
 
 NEW_TOKENS = 30
@@ -72,7 +71,9 @@ class Rotation:
     def reset(self) -> None:
         self.cycle = itertools.cycle(self.ALL)
 
-    def choose(self, kinds: batch_module.StepKinds) -> str:
+    def choose(self, kinds: kinds_module.StepKinds) -> str:
+        if len(kinds.kinds) == 1:  # a menu without a choice (one row left) leaves the cycle where it is
+            return kinds.kinds[0]
         kind = next(self.cycle)
         while kind not in kinds.kinds:
             kind = next(self.cycle)
@@ -83,7 +84,7 @@ class Rotation:
 @pytest.fixture
 def rotate_kinds(monkeypatch: pytest.MonkeyPatch) -> Rotation:
     rotation = Rotation()
-    monkeypatch.setattr(batch_module.StepKinds, "choose", lambda self: rotation.choose(self))
+    monkeypatch.setattr(kinds_module.StepKinds, "choose", lambda self: rotation.choose(self))
     return rotation
 
 
@@ -93,12 +94,12 @@ def test_ragged_forward_equals_each_row_alone(arch: str, impl: str) -> None:
     model = _model(arch, impl)
     prompts = [random_prompt(length=n, seed=n) for n in LENGTHS]
     longest = max(LENGTHS)
-    cache = model_ragged_cache(model, len(prompts))
+    cache = model_cache(model, rows=len(prompts))
     with torch.inference_mode():
-        first = ragged_hidden(model, torch.tensor([p + [p[-1]] * (longest - len(p)) for p in prompts]), cache)
+        first = block_hidden(model, torch.tensor([p + [p[-1]] * (longest - len(p)) for p in prompts]), cache)
         cache.set_lengths(LENGTHS)
         more = [random_prompt(length=3, seed=20 + r) for r in range(len(prompts))]
-        second = ragged_hidden(model, torch.tensor(more), cache)
+        second = block_hidden(model, torch.tensor(more), cache)
         for r, prompt in enumerate(prompts):
             alone = adapters.stack_hidden(model, torch.tensor([prompt + more[r]]))[0]  # [n + 3, H]
             torch.testing.assert_close(first[r, : len(prompt)], alone[: len(prompt)], atol=1e-5, rtol=1e-4)
@@ -111,24 +112,23 @@ def test_batched_lean_draft_equals_the_single_row_step(arch: str) -> None:
     draft = DraftModel(model)
     prompts = [random_prompt(length=n, seed=n) for n in LENGTHS]
     skip = ((1,), (2,))
-    ragged = model_ragged_cache(model, len(prompts))
+    ragged = model_cache(model, rows=len(prompts))
     with torch.inference_mode():
         longest = max(LENGTHS)
-        ragged_hidden(model, torch.tensor([p + [p[-1]] * (longest - len(p)) for p in prompts]), ragged)
+        block_hidden(model, torch.tensor([p + [p[-1]] * (longest - len(p)) for p in prompts]), ragged)
         ragged.set_lengths(LENGTHS)
         with draft.active(*skip):
             tokens = torch.tensor([p[-1] for p in prompts])
             for _ in range(3):
-                rows = draft.hidden_rows(tokens, ragged)
-                ragged.set_lengths([n + 1 for n in ragged.lengths])
+                rows = draft.hidden(tokens[:, None], ragged)[:, 0]
                 tokens = (tokens * 7 + 3) % 128
         for r, prompt in enumerate(prompts):
             cache = RollbackCache(adapters.sliding_windows(model))
-            full_logits(model, torch.tensor([prompt]), cache, 0, 1)
+            full_logits(model, torch.tensor([prompt]), cache, 1)
             token = prompt[-1]
             with draft.active(*skip):
-                for i in range(3):
-                    alone = draft.hidden(torch.tensor([[token]]), cache, len(prompt) + i)[0, -1]
+                for _ in range(3):
+                    alone = draft.hidden(torch.tensor([[token]]), cache)[0, -1]
                     token = (token * 7 + 3) % 128
             torch.testing.assert_close(rows[r], alone, atol=1e-5, rtol=1e-4)
 
@@ -165,12 +165,14 @@ def test_a_batch_starts_from_the_rates_the_last_batch_of_its_size_measured() -> 
     first = decoder.decode_batch(_prompts(), settings)[0][1].batch_steps
     kinds = next(iter(decoder.batch_rates.values()))
     assert set(kinds.prices) == set(kinds.kinds)  # auto's calibration priced every kind before any ran
-    assert set(first) <= {*kinds.kinds, "alone"}
+    assert set(first) <= {*kinds.kinds, "draft"}  # the last row: its own drafter
     measured = {kind: list(recent) for kind, recent in kinds.recent.items()}
     second = decoder.decode_batch(_prompts(), settings)
     assert len(decoder.batch_rates) == 1  # the same size: the same menu and rates
     steps = second[0][1].batch_steps
-    assert sum(steps.values()) == sum(kinds.steps.values()) - sum(first.values())  # this batch's steps only
+    batch_kinds = {kind: n for kind, n in steps.items() if kind in kinds.kinds}  # not the last row's own steps
+    first_kinds = sum(n for kind, n in first.items() if kind in kinds.kinds)
+    assert sum(batch_kinds.values()) == sum(kinds.steps.values()) - first_kinds  # this batch's steps only
     assert all(kinds.recent[kind] != recent for kind, recent in measured.items() if kind in steps)
     decoder.decode_batch(_prompts()[:3], settings)
     assert len(decoder.batch_rates) == 2  # another size: its own rates
@@ -191,9 +193,9 @@ def test_rows_that_finish_early_leave_the_batch(rotate_kinds: Rotation) -> None:
 
 
 @pytest.mark.parametrize("policy_name", ["auto", "plain"])
-def test_the_last_row_goes_on_alone(policy_name: str) -> None:
-    """Once the other rows have finished, the last one decodes as a single generation (its own
-    drafter, a one-row verify through its view of the batch's cache), exactly."""
+def test_the_last_row_goes_on_with_its_own_drafter(policy_name: str) -> None:
+    """Once the other rows have finished, the last one takes its own drafter's proposals (a batch
+    of one row), exactly."""
     references = [ref for ref, _ in _references("llama")[:2]]
     eos = next(token for token in references[0][2:] if token not in references[1])  # row 0 stops early
     settings = DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=(eos,))
@@ -201,13 +203,14 @@ def test_the_last_row_goes_on_alone(policy_name: str) -> None:
     results = decoder.decode_batch(_prompts()[:2], settings)
     assert results[0][0] == references[0][: references[0].index(eos) + 1]
     assert results[1][0] == references[1]
-    assert results[1][1].batch_steps.get("alone", 0) > 0
+    own = "draft" if policy_name == "auto" else "plain"
+    assert results[1][1].batch_steps.get(own, 0) > 0
 
 
 def test_ragged_cache_grows_without_changing_what_it_holds(
     monkeypatch: pytest.MonkeyPatch, rotate_kinds: Rotation
 ) -> None:
-    monkeypatch.setattr(ragged_module, "_MIN_CAPACITY", 4)
+    monkeypatch.setattr(cache_module, "_MIN_CAPACITY", 4)
     decoder = Decoder.for_policy(_model("gemma3_text"), POLICIES["auto"])
     results = decoder.decode_batch(_prompts(), DecodeSettings(max_new_tokens=NEW_TOKENS))
     for (tokens, _), (ref, logits) in zip(results, _references("gemma3_text"), strict=True):
@@ -270,9 +273,9 @@ def test_prompts_of_one_length_go_in_one_padded_prefill(arch: str, rotate_kinds:
 def test_the_time_spent_growing_the_ragged_cache_is_counted_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that grew the buffers is rated without that time (the batch subtracts it)."""
     ticks = itertools.count()
-    monkeypatch.setattr(ragged_module, "perf_counter", lambda: float(next(ticks)))  # a clock, not timing
-    cache = model_ragged_cache(_model("llama"), 2)
-    ragged_hidden(_model("llama"), torch.tensor([[1, 2, 3], [4, 5, 6]]), cache)
+    monkeypatch.setattr(cache_module, "perf_counter", lambda: float(next(ticks)))  # a clock, not timing
+    cache = model_cache(_model("llama"), rows=2)
+    block_hidden(_model("llama"), torch.tensor([[1, 2, 3], [4, 5, 6]]), cache)
     cache.set_lengths([3, 3])
     capacity, before = cache.capacity, cache.growth_seconds
     cache.reserve(capacity)  # room enough: nothing grows

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from layerskip.drafts.costs import expected_tokens
-from layerskip.engine.batch import EXPLORE_AFTER, StepKinds
+from layerskip.engine.step_kinds import EXPLORE_AFTER, StepKinds
 from layerskip.engine.batch_prices import BatchPrices
 
 

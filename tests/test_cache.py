@@ -1,16 +1,19 @@
-"""The rollback KV cache: per-layer lengths after every decode step, and RollbackLayer/RollbackCache units."""
+"""The one KV cache: rows with their own lengths, one length for every layer of a row, after every
+decode step and as units (writes, rollbacks, growth, kept paths, row views)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from oracles import layer_lengths
+from oracles import row_lengths
 from tiny_models import LAYERS, random_prompt, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf import adapters
-from layerskip.hf.cache import _MIN_CAPACITY, RollbackCache, RollbackLayer
+from layerskip.hf import cache as cache_module
+from layerskip.hf.cache import RollbackCache
+from layerskip.hf.forward import block_hidden
 
 POLICIES = {
     "attention-0": SkipPolicy(skip_attention=(0,), skip_mlp=(2,)),
@@ -24,7 +27,7 @@ POLICIES = {
 
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])
-def test_every_layer_holds_exactly_the_committed_tokens_after_every_step(arch: str, policy_name: str) -> None:
+def test_the_cache_holds_exactly_the_committed_tokens_after_every_step(arch: str, policy_name: str) -> None:
     model = tiny_model(arch)
     prompt = random_prompt()
     seen: list[tuple[list[int], int]] = []
@@ -32,14 +35,12 @@ def test_every_layer_holds_exactly_the_committed_tokens_after_every_step(arch: s
     def observe(cache: RollbackCache, committed: int) -> None:
         assert isinstance(cache, RollbackCache)
         assert len(cache.layers) == adapters.num_layers(model)
-        seen.append((layer_lengths(cache), committed))
-        for layer in cache.layers:  # the views the attention reads agree with the length
-            assert layer.keys.shape[-2] == layer.length == layer.values.shape[-2]
+        seen.append((row_lengths(cache), committed))
 
     tokens, stats = decode(model, prompt, POLICIES[policy_name], DecodeSettings(30), cache_observer=observe)
     assert len(seen) == stats.steps
     for step, (lengths, committed) in enumerate(seen):
-        assert lengths == [committed] * len(lengths), f"step {step}: layer lengths {lengths}, committed {committed}"
+        assert lengths == [committed], f"step {step}: row lengths {lengths}, committed {committed}"
     committed = [c for _, c in seen]
     assert committed[0] == len(prompt)
     assert all(b > a for a, b in zip(committed, committed[1:], strict=False))
@@ -47,118 +48,97 @@ def test_every_layer_holds_exactly_the_committed_tokens_after_every_step(arch: s
     assert committed[-1] == len(prompt) + len(tokens) - 1
 
 
-def _kv(batch: int = 1, heads: int = 2, length: int = 3, dim: int = 4, start: float = 0.0) -> torch.Tensor:
-    count = batch * heads * length * dim
-    return torch.arange(start, start + count, dtype=torch.float32).reshape(batch, heads, length, dim)
+def _kv(rows: int = 1, heads: int = 2, length: int = 3, dim: int = 4, start: float = 0.0) -> torch.Tensor:
+    count = rows * heads * length * dim
+    return torch.arange(start, start + count, dtype=torch.float32).reshape(rows, heads, length, dim)
 
 
-def test_layer_update_appends_and_returns_views() -> None:
-    layer = RollbackLayer()
-    assert not layer.is_sliding and layer.get_seq_length() == 0
-    k1, v1 = _kv(length=3), -_kv(length=3)
-    keys, values = layer.update(k1, v1)
-    assert layer.length == 3 and layer.get_seq_length() == 3
-    torch.testing.assert_close(keys, k1)
-    torch.testing.assert_close(values, v1)
-    k2, v2 = _kv(length=2, start=1000), -_kv(length=2, start=1000)
-    keys, values = layer.update(k2, v2)
-    torch.testing.assert_close(keys, torch.cat([k1, k2], dim=-2))
-    torch.testing.assert_close(values, torch.cat([v1, v2], dim=-2))
-    assert layer.get_mask_sizes(4) == (9, 0)
+def _write(cache: RollbackCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a forward does: every layer writes its block, then the rows move on."""
+    out = [layer.update(k, v) for layer in cache.layers]
+    cache.advance(k.shape[-2])
+    return out[0]
 
 
-def test_layer_truncate_then_overwrite() -> None:
-    layer = RollbackLayer(sliding_window=4)
-    assert layer.is_sliding and layer.sliding_window == 4
-    k1 = _kv(length=5)
-    layer.update(k1, k1)
-    layer.truncate(2)
-    assert layer.length == 2
-    torch.testing.assert_close(layer.keys, k1[..., :2, :])
-    k2 = _kv(length=2, start=500)
-    keys, _ = layer.update(k2, k2)  # overwrites the rolled-back slots
-    torch.testing.assert_close(keys, torch.cat([k1[..., :2, :], k2], dim=-2))
-    layer.truncate(4)  # rolling back to the current length is a no-op
-    assert layer.length == 4
-
-
-def test_layer_rollback_to_a_longer_length_raises() -> None:
-    layer = RollbackLayer()
-    layer.update(_kv(length=3), _kv(length=3))
-    with pytest.raises(RuntimeError, match="roll"):
-        layer.truncate(4)
-    assert layer.length == 3
-
-
-def test_layer_crop_follows_transformers_convention() -> None:
-    layer = RollbackLayer()
-    layer.update(_kv(length=6), _kv(length=6))
-    layer.crop(-2)  # negative: remove that many
-    assert layer.length == 4
-    layer.crop(3)  # positive: keep that many
-    assert layer.length == 3
-    layer.reset()
-    assert layer.length == 0 and layer.keys.shape[-2] == 0
-
-
-def test_layer_grows_past_initial_capacity_and_keeps_contents() -> None:
-    layer = RollbackLayer()
-    chunks = []
-    total = 0
-    while total <= 3 * _MIN_CAPACITY:
-        chunk = _kv(length=37, start=float(total * 8))
-        chunks.append(chunk)
-        layer.update(chunk, -chunk)
-        total += 37
-    assert layer.length == total > _MIN_CAPACITY
-    assert layer._key_buffer.shape[-2] >= total
-    expected = torch.cat(chunks, dim=-2)
-    torch.testing.assert_close(layer.keys, expected)
-    torch.testing.assert_close(layer.values, -expected)
-    # Roll back below the initial capacity, then grow again: contents before the cut survive.
-    layer.truncate(100)
-    extra = _kv(length=300, start=-1e6)
-    keys, _ = layer.update(extra, extra)
-    torch.testing.assert_close(keys, torch.cat([expected[..., :100, :], extra], dim=-2))
-
-
-def test_layer_first_update_larger_than_min_capacity() -> None:
-    layer = RollbackLayer()
-    big = _kv(length=_MIN_CAPACITY + 10)
-    keys, _ = layer.update(big, big)
-    torch.testing.assert_close(keys, big)
-    keys, _ = layer.update(_kv(length=1), _kv(length=1))
-    assert keys.shape[-2] == _MIN_CAPACITY + 11
-
-
-def test_cache_rollback_and_lengths() -> None:
+def test_writes_append_rollbacks_cut_and_lengths_are_the_rows() -> None:
     cache = RollbackCache([None, 4, None])
     assert [layer.sliding_window for layer in cache.layers] == [None, 4, None]
-    assert cache.get_seq_length() == 0 and layer_lengths(cache) == [0, 0, 0]
-    for i, layer in enumerate(cache.layers):
-        layer.update(_kv(length=5 + i), _kv(length=5 + i))
-    # Every length the model asks for is the longest layer's.
-    assert layer_lengths(cache) == [5, 6, 7]
-    assert cache.length == cache.get_seq_length() == cache.get_seq_length(0) == 7
-    assert cache.get_mask_sizes(3, 0) == (10, 0)
-    assert cache.get_query_offset(0) == 7
-    cache.rollback(5)
-    assert layer_lengths(cache) == [5, 5, 5]
-    cache.crop(-2)
-    assert layer_lengths(cache) == [3, 3, 3]
-    cache.crop(2)
-    assert layer_lengths(cache) == [2, 2, 2]
-
-
-def test_cache_rollback_to_a_longer_length_raises() -> None:
-    cache = RollbackCache([None, None])
-    cache.layers[0].update(_kv(length=4), _kv(length=4))
-    cache.layers[1].update(_kv(length=2), _kv(length=2))
+    assert cache.get_seq_length() == 0 and row_lengths(cache) == [0]
+    k1 = _kv(length=5)
+    keys, values = _write(cache, k1, -k1)
+    torch.testing.assert_close(keys, k1)
+    torch.testing.assert_close(values, -k1)
+    assert cache.length == cache.get_seq_length() == cache.get_query_offset() == 5
+    assert cache.get_mask_sizes(3) == (8, 0) and cache.layers[1].get_mask_sizes(3) == (8, 0)
+    cache.rollback(2)
+    k2 = _kv(length=2, start=500)
+    keys, _ = _write(cache, k2, k2)  # overwrites the rolled-back slots
+    torch.testing.assert_close(keys, torch.cat([k1[..., :2, :], k2], dim=-2))
+    cache.crop(-1)  # transformers' convention: negative removes that many
+    assert cache.lengths == [3]
+    cache.crop(2)  # positive keeps that many
+    assert cache.lengths == [2]
     with pytest.raises(RuntimeError, match="fewer than"):
-        cache.rollback(3)  # layer 1 holds only 2
-    cache.layers[1].update(_kv(length=2), _kv(length=2))
-    cache.rollback(3)
-    assert layer_lengths(cache) == [3, 3]
+        cache.rollback(3)
+
+
+def test_rows_write_at_their_own_lengths() -> None:
+    cache = RollbackCache([None], rows=2)
+    _write(cache, _kv(rows=2, length=4), _kv(rows=2, length=4))
+    cache.set_lengths([1, 3])
+    block = _kv(rows=2, length=2, start=1000)
+    keys, _ = _write(cache, block, block)
+    assert cache.lengths == [3, 5] and keys.shape[-2] == 5  # every row reads the longest row's span
+    layer = cache.layers[0]
+    torch.testing.assert_close(layer.key_buffer[0, :, 1:3], block[0])
+    torch.testing.assert_close(layer.key_buffer[1, :, 3:5], block[1])
+    cache.keep_rows([1])
+    assert cache.rows == 1 and cache.lengths == [5]
+    torch.testing.assert_close(cache.layers[0].key_buffer[0, :, 3:5], block[1])
+
+
+def test_growth_keeps_contents_and_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cache_module, "_MIN_CAPACITY", 8)
+    cache = RollbackCache([None, None], rows=2, dtype=torch.float32)
+    chunks = []
+    while cache.length <= 40:
+        chunk = _kv(rows=2, length=7, start=float(cache.length * 100))
+        chunks.append(chunk)
+        _write(cache, chunk.to(torch.bfloat16), chunk.to(torch.bfloat16))  # a bf16 draft's K/V
+    expected = torch.cat(chunks, dim=-2).to(torch.bfloat16).float()
+    for layer in cache.layers:
+        assert layer.key_buffer.dtype == torch.float32 and layer.key_buffer.shape[-2] >= cache.length > 8
+        torch.testing.assert_close(layer.keys, expected)
+    assert cache.growth_seconds > 0
+
+
+def test_keep_paths_gathers_each_row_and_refuses_what_was_not_written() -> None:
+    cache = RollbackCache([None], rows=2)
+    _write(cache, _kv(rows=2, length=3), _kv(rows=2, length=3))
+    cache.set_lengths([2, 3])
+    block = _kv(rows=2, length=4, start=1000)
+    _write(cache, block, block)
+    cache.keep_paths([2, 3], [[0, 2, 3], [0, 1]])
+    assert cache.lengths == [5, 5]
+    buffer = cache.layers[0].key_buffer
+    torch.testing.assert_close(buffer[0, :, 2:5], block[0][:, [0, 2, 3]])
+    torch.testing.assert_close(buffer[1, :, 3:5], block[1][:, [0, 1]])
+    with pytest.raises(RuntimeError, match="reaches row"):
+        cache.keep_paths([2, 3], [[0, 3], [0, 2]])  # row 0 holds 5 tokens: 2 + 3 is the last written
+
+
+def test_a_row_view_shares_the_buffers() -> None:
+    cache = RollbackCache([None], rows=2)
+    with pytest.raises(RuntimeError, match="first forward"):
+        cache.row_view(0)
+    _write(cache, _kv(rows=2, length=3), _kv(rows=2, length=3))
+    cache.reserve(16)
+    view = cache.row_view(1)
+    assert view.lengths == [3]
+    token = _kv(length=1, start=-7)
+    _write(view, token, token)
+    torch.testing.assert_close(cache.layers[0].key_buffer[1, :, 3:4], token[0])
+    assert cache.lengths == [3, 3] and view.lengths == [4]
 
 
 def test_cache_drives_a_model_forward() -> None:
@@ -166,13 +146,10 @@ def test_cache_drives_a_model_forward() -> None:
     model = tiny_model("llama")
     ids = torch.tensor([random_prompt(length=12)])
     with torch.inference_mode():
-        full = model(input_ids=ids).logits[0]
+        full = adapters.stack_hidden(model, ids)[0]
         cache = RollbackCache(adapters.sliding_windows(model))
-        model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
-        model(input_ids=torch.tensor([[1, 2, 3]]), past_key_values=cache, use_cache=True)  # to be rolled back
+        block_hidden(model, ids[:, :8], cache)
+        block_hidden(model, torch.tensor([[1, 2, 3]]), cache)  # to be rolled back
         cache.rollback(8)
-        assert layer_lengths(cache) == [8] * LAYERS
-        tail = model(
-            input_ids=ids[:, 8:], past_key_values=cache, use_cache=True, position_ids=torch.arange(8, 12)[None]
-        ).logits[0]
+        tail = block_hidden(model, ids[:, 8:], cache)[0]
     torch.testing.assert_close(tail, full[8:], rtol=1e-4, atol=1e-4)

@@ -1,7 +1,8 @@
 """The shared cache keeps the model's dtype across every growth of its buffers, whoever writes.
 
 A layer's buffer starts small here (``_MIN_CAPACITY`` patched to 2), so a 60-token generation
-grows it several times, during drafts and during verifies alike. A draft in another precision
+grows it: at the prefill, and where a row's drafter first drafts (room for the row's whole budget
+is reserved then, so its view of the cache never grows away from the buffers). A draft in another precision
 (bf16, int8, int4 products) writes its K/V into the model's cache: growth must never turn the
 buffer into the draft's dtype (an fp32 verify would meet bf16 keys, or silently round them).
 """
@@ -54,9 +55,9 @@ def _observe(dtype: torch.dtype, capacities: list[int]):
     def observe(cache: RollbackCache, committed: int) -> None:
         for layer in cache.layers:
             if layer.is_initialized:
-                assert layer._key_buffer.dtype == dtype and layer._value_buffer.dtype == dtype
+                assert layer.key_buffer.dtype == dtype and layer.value_buffer.dtype == dtype
                 assert layer.keys.dtype == dtype
-        capacities.append(max(layer._key_buffer.shape[-2] for layer in cache.layers if layer.is_initialized))
+        capacities.append(max(layer.key_buffer.shape[-2] for layer in cache.layers if layer.is_initialized))
 
     return observe
 
@@ -79,7 +80,7 @@ def _decode(impl: str, dtype: torch.dtype, precision: str, shape: str, **setting
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_growth_keeps_fp32_and_greedy_output(impl: str, precision: str, shape: str) -> None:
     tokens, capacities = _decode(impl, torch.float32, precision, shape)
-    assert len(set(capacities)) >= 3, f"the buffers grew only {len(set(capacities)) - 1} times: {capacities}"
+    assert len(set(capacities)) >= 2, f"the buffers never grew: {capacities}"
     ref, logits = _reference(impl, torch.float32)
     assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{impl} {precision} {shape}")
 
@@ -89,7 +90,7 @@ def test_growth_keeps_fp32_and_greedy_output(impl: str, precision: str, shape: s
 def test_growth_keeps_bf16(precision: str, shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 model: buffers stay bf16, and growing them changes nothing (same text as unpatched)."""
     grown, capacities = _decode("sdpa", torch.bfloat16, precision, shape)
-    assert len(set(capacities)) >= 3
+    assert len(set(capacities)) >= 2
     monkeypatch.setattr(cache_module, "_MIN_CAPACITY", 4096)
     whole, capacities = _decode("sdpa", torch.bfloat16, precision, shape)
     assert set(capacities) == {4096}
@@ -125,8 +126,9 @@ def test_a_draft_in_bf16_never_changes_the_stored_dtype() -> None:
     layer = cache.layers[0]
     first = torch.randn(1, 1, 2, 4)
     layer.update(first, first)
+    cache.advance(2)
     layer.update(torch.ones(1, 1, 3, 4, dtype=torch.bfloat16), torch.ones(1, 1, 3, 4, dtype=torch.bfloat16))
-    assert layer._key_buffer.dtype == torch.float32 and layer._key_buffer.shape[-2] >= 5
+    assert layer.key_buffer.dtype == torch.float32 and layer.key_buffer.shape[-2] >= 5
     assert torch.equal(layer.keys[..., :2, :], first)
 
 
@@ -137,6 +139,6 @@ def test_auto_grows_the_cache_and_stays_exact(make_policy) -> None:
     tokens, _ = Decoder.for_policy(model, make_policy()).decode(
         random_prompt(), DecodeSettings(max_new_tokens=NEW_TOKENS), cache_observer=_observe(torch.float32, capacities)
     )
-    assert len(set(capacities)) >= 3
+    assert len(set(capacities)) >= 2
     ref, logits = _reference("sdpa", torch.float32)
     assert_same_tokens(tokens, ref, ref_logits=logits, label=make_policy.__name__)

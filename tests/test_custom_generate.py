@@ -17,7 +17,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 import layerskip
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.engine import batch as batch_module
+from layerskip.engine import step_kinds as kinds_module
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.integration.decoders import CACHE_ATTRIBUTE, MAX_DECODERS
@@ -259,7 +259,7 @@ def test_a_batch_and_several_return_sequences(monkeypatch: pytest.MonkeyPatch) -
     # A batch picks its kind of step by measured time, and each kind draws differently: a seed
     # fixes the text only where the kinds are fixed too (concepts.md#what-a-seed-fixes).
     monkeypatch.setattr(
-        batch_module.StepKinds, "choose", lambda self: self.kinds[sum(self.steps.values()) % len(self.kinds)]
+        kinds_module.StepKinds, "choose", lambda self: self.kinds[sum(self.steps.values()) % len(self.kinds)]
     )
     runs = []
     for _ in range(2):

@@ -58,20 +58,20 @@ def _classify(
 
 
 def _rollback_one_short(cache: RollbackCache, length: int) -> None:
-    """Every layer cut to one token more than asked: a rejected draft's K/V stays in the cache."""
-    for layer in cache.layers:
-        if layer.length > length + 1:
-            layer.truncate(length + 1)
+    """Every row cut to one token more than asked: a rejected draft's K/V stays in the cache."""
+    cache.set_lengths([min(n, length + 1) for n in cache.lengths])
 
 
-_KEEP_PATH = RollbackCache.keep_path
+_KEEP_PATHS = RollbackCache.keep_paths
 
 
-def _keep_one_row_too_many(cache: RollbackCache, start: int, rows: Sequence[int]) -> None:
-    """The accepted path kept with the block row after it: a rejected draft's K/V stays in the cache."""
-    if cache.length >= start + rows[-1] + 2:
-        rows = [*rows, rows[-1] + 1]
-    _KEEP_PATH(cache, start, rows)
+def _keep_one_row_too_many(cache: RollbackCache, starts: Sequence[int], paths: Sequence[Sequence[int]]) -> None:
+    """Each accepted path kept with the block row after it: a rejected draft's K/V stays in the cache."""
+    paths = [
+        [*rows, rows[-1] + 1] if length >= start + rows[-1] + 2 else rows
+        for length, start, rows in zip(cache.lengths, starts, paths, strict=True)
+    ]
+    _KEEP_PATHS(cache, starts, paths)
 
 
 def _read_the_draft_logits(patch: pytest.MonkeyPatch) -> None:
@@ -80,9 +80,9 @@ def _read_the_draft_logits(patch: pytest.MonkeyPatch) -> None:
     draft_choices: list[int] = []
     draft_logits = DraftModel.logits
 
-    def recording(self, input_ids, cache, start, head):  # noqa: ANN001, ANN202
-        logits = draft_logits(self, input_ids, cache, start, head)
-        draft_choices.append(int(head.token_ids(logits.argmax())))
+    def recording(self, input_ids, cache, head):  # noqa: ANN001, ANN202
+        logits = draft_logits(self, input_ids, cache, head)
+        draft_choices.append(int(head.token_ids(logits[0].argmax())))
         return logits
 
     def verify(drafted: list[int], parents: list[int], targets: list[int]) -> tuple[list[int], int]:
@@ -97,7 +97,7 @@ INJECT = {
     "accepted past the mismatch": lambda patch: patch.setattr(verifiers, "accept_tree_greedy", one_past_the_mismatch),
     "cache rolled back one short": lambda patch: (
         patch.setattr(RollbackCache, "rollback", _rollback_one_short),
-        patch.setattr(RollbackCache, "keep_path", _keep_one_row_too_many),
+        patch.setattr(RollbackCache, "keep_paths", _keep_one_row_too_many),
     ),
     "verify reads the draft's logits": _read_the_draft_logits,
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 from cli_helpers import assert_bad_input, run_script
 from compare import assert_same_tokens, hf_greedy
-from oracles import layer_lengths
+from oracles import row_lengths
 from test_replay import list_predictor
 from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import random_prompt, save_checkpoint, tiny_model
@@ -132,7 +132,7 @@ def test_greedy_identical_with_varying_draft_lengths(arch: str, monkeypatch: pyt
     lengths: list[tuple[list[int], int]] = []
 
     def observe(cache: RollbackCache, committed: int) -> None:
-        lengths.append((layer_lengths(cache), committed))
+        lengths.append((row_lengths(cache), committed))
 
     policy = SkipPolicy(skip_attention=(1,), skip_mlp=(3,), draft=BY_COST)
     tokens, stats = decode(model, prompt, policy, DecodeSettings(40), cache_observer=observe)

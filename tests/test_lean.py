@@ -24,10 +24,10 @@ def _draft_hidden(
     cache = RollbackCache(adapters.sliding_windows(model))
     hidden, token = [], prompt[-1]
     with torch.inference_mode():
-        full_logits(model, torch.tensor([prompt]), cache, 0, 1)
+        full_logits(model, torch.tensor([prompt]), cache, 1)
         with draft.active(*skip):
-            for i in range(steps):
-                hidden.append(draft.hidden(torch.tensor([[token]]), cache, len(prompt) + i)[0, -1])
+            for _ in range(steps):
+                hidden.append(draft.hidden(torch.tensor([[token]]), cache)[0, -1])
                 token = (token * 7 + 3) % 128
     return torch.stack(hidden)
 

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from compare import assert_same_tokens, hf_greedy
-from oracles import is_bypassed, layer_lengths
+from oracles import is_bypassed, row_lengths
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
@@ -55,7 +55,7 @@ def test_greedy_matches_hf_while_the_skip_set_changes(arch: str) -> None:
     lengths: list[tuple[list[int], int]] = []
 
     def observe(cache: RollbackCache, committed: int) -> None:
-        lengths.append((layer_lengths(cache), committed))
+        lengths.append((row_lengths(cache), committed))
 
     tokens, stats = decoder.decode(random_prompt(), DecodeSettings(NEW_TOKENS), cache_observer=observe)
     assert_same_tokens(tokens, ref, ref_logits=logits, label=f"{arch} on-the-fly")

@@ -13,15 +13,15 @@ import functools
 
 import pytest
 import torch
-from oracles import layer_lengths
+from oracles import row_lengths
 from tiny_models import ARCHS, SLIDING_WINDOW, random_prompt, tiny_model
 
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf import tree as hf_tree
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_hidden
-from layerskip.hf.tree import block_depths, block_visibility, tree_hidden
+from layerskip.hf.forward import block_hidden, full_hidden
+from layerskip.hf.tree import block_depths, block_visibility
 
 ATOL = 1e-5
 
@@ -59,14 +59,19 @@ def _paths(parents: list[int]) -> list[list[int]]:
 
 def _prefilled(model: torch.nn.Module, prefix: list[int]) -> RollbackCache:
     cache = RollbackCache(adapters.sliding_windows(model))
-    full_hidden(model, torch.tensor([prefix]), cache, 0, 1)
+    full_hidden(model, torch.tensor([prefix]), cache, 1)
     return cache
+
+
+def tree_hidden(model: torch.nn.Module, ids: torch.Tensor, parents: list[int], cache: RollbackCache) -> torch.Tensor:
+    """One row's tree block through the verify forward: ``[n+1, H]``."""
+    return block_hidden(model, ids, cache, [parents])[0]
 
 
 def _tree_forward(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, RollbackCache]:
     prefix, pending = prompt[:-1], prompt[-1]
     cache = _prefilled(model, prefix)
-    hidden = tree_hidden(model, torch.tensor([[pending, *TOKENS]]), PARENTS, cache, len(prefix))
+    hidden = tree_hidden(model, torch.tensor([[pending, *TOKENS]]), PARENTS, cache)
     return hidden, cache
 
 
@@ -110,7 +115,7 @@ def test_tree_forward_matches_each_path(arch: str, impl: str) -> None:
     with torch.inference_mode():
         hidden, cache = _tree_forward(model, prompt)
         assert hidden.shape == (len(TOKENS) + 1, model.config.get_text_config().hidden_size)
-        assert layer_lengths(cache) == [PROMPT_LENGTH - 1 + len(TOKENS) + 1] * adapters.num_layers(model)
+        assert row_lengths(cache) == [PROMPT_LENGTH - 1 + len(TOKENS) + 1]
         for path in _paths(PARENTS):
             expected = _path_hidden(model, prompt, [TOKENS[i] for i in path])  # [1 + len(path), H]
             rows = [0, *(i + 1 for i in path)]
@@ -153,23 +158,21 @@ def test_a_chain_is_the_plain_verify_block(chain: list[int]) -> None:
     prompt = random_prompt(length=PROMPT_LENGTH)
     with torch.inference_mode():
         tree_cache = _prefilled(model, prompt[:-1])
-        tree = tree_hidden(model, torch.tensor([[prompt[-1], *chain]]), list(range(-1, len(chain) - 1)), tree_cache, 9)
+        tree = tree_hidden(model, torch.tensor([[prompt[-1], *chain]]), list(range(-1, len(chain) - 1)), tree_cache)
         plain_cache = _prefilled(model, prompt[:-1])
-        plain = full_hidden(model, torch.tensor([[prompt[-1], *chain]]), plain_cache, 9, len(chain) + 1)
+        plain = full_hidden(model, torch.tensor([[prompt[-1], *chain]]), plain_cache, len(chain) + 1)
     torch.testing.assert_close(tree, plain, atol=ATOL, rtol=ATOL)
 
 
 def test_refuses_what_it_cannot_mask() -> None:
     model = _model("llama", "sdpa")
     cache = _prefilled(model, [1, 2, 3])
-    with pytest.raises(RuntimeError, match="roll it back"):
-        tree_hidden(model, torch.tensor([[4, 5]]), [-1], cache, 2)
     with pytest.raises(ValueError):
-        tree_hidden(model, torch.tensor([[4, 5, 6]]), [-1], cache, 3)
+        tree_hidden(model, torch.tensor([[4, 5, 6]]), [-1, 0, 1], cache)
     flash = tiny_model("llama")
     flash.config._attn_implementation = "flash_attention_2"  # a fresh model: only its config is read
     with pytest.raises(LayerskipError, match="sdpa"):
-        hf_tree.tree_attention_mask(flash, [-1], 3, torch.device("cpu"))
+        hf_tree.block_masks(flash, [3], [[-1]], 2, torch.device("cpu"))
 
 
 # -- keeping the accepted path ---------------------------------------------------------------------
@@ -193,13 +196,12 @@ def test_keep_path_then_continue(arch: str, impl: str, accepted: str) -> None:
         _, cache = _tree_forward(model, prompt)
         cache.keep_path(start, [0, *(i + 1 for i in path)])
         kept = start + 1 + len(path)
-        assert layer_lengths(cache) == [kept] * adapters.num_layers(model)
-        assert all(layer.written == kept for layer in cache.layers)
+        assert row_lengths(cache) == [kept]
         fresh = _prefilled(model, [*prompt, *(TOKENS[i] for i in path)])
         for ids in ([7, 70, 33], [12]):  # a 3-token block, then a single token
             block = torch.tensor([ids])
-            got = full_hidden(model, block, cache, cache.length, len(ids))
-            want = full_hidden(model, block, fresh, fresh.length, len(ids))
+            got = full_hidden(model, block, cache, len(ids))
+            want = full_hidden(model, block, fresh, len(ids))
             torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL, msg=f"{arch} {accepted}")
         # The K/V themselves are the fresh cache's, row for row.
         for mine, theirs in zip(cache.layers, fresh.layers, strict=True):
@@ -239,3 +241,41 @@ def test_keep_path_beyond_the_block_is_a_bug() -> None:
         _, cache = _tree_forward(model, random_prompt(length=PROMPT_LENGTH))
         with pytest.raises(RuntimeError, match="reaches row"):
             cache.keep_path(9, [0, len(TOKENS) + 1])
+
+
+@pytest.mark.parametrize(
+    "arch,impl", [("llama", "sdpa"), ("gemma3_text", "sdpa"), ("gemma2", "eager"), ("gpt2", "sdpa")]
+)
+def test_rows_of_other_lengths_and_trees_in_one_block(arch: str, impl: str) -> None:
+    """Rows at different lengths, one with the tree, one with a short chain padded by fillers and one
+    with nothing drafted, verified in one forward: each row's hidden states and kept K/V are what it
+    gets alone."""
+    model = _model(arch, impl)
+    prompts = [random_prompt(length=PROMPT_LENGTH), random_prompt(length=6), random_prompt(length=13)]
+    width = len(TOKENS) + 1
+    chain = [7, 8, 9]
+    blocks = [
+        [prompts[0][-1], *TOKENS],
+        [prompts[1][-1], *chain, *[chain[-1]] * (width - 1 - len(chain))],
+        [prompts[2][-1]] * width,
+    ]
+    parents = [PARENTS, list(range(-1, width - 2)), None]
+    paths = [[0, 1, 8, 9], [0, 1, 2], [0]]
+    with torch.inference_mode():
+        cache = RollbackCache(adapters.sliding_windows(model), rows=3)
+        block_hidden(model, torch.tensor([[p[0]] for p in prompts]), cache)  # the buffers take their shapes
+        cache.reserve(64)
+        for b, prompt in enumerate(prompts):  # then each row alone through its view
+            full_hidden(model, torch.tensor([prompt[1:-1]]), cache.row_view(b), 1)
+        cache.set_lengths([len(p) - 1 for p in prompts])
+        starts = list(cache.lengths)
+        together = block_hidden(model, torch.tensor(blocks), cache, parents)
+        cache.keep_paths(starts, paths)
+        after = block_hidden(model, torch.tensor([[5], [6], [7]]), cache)  # one more token per row
+        for b, prompt in enumerate(prompts):
+            alone_cache = _prefilled(model, prompt[:-1])
+            alone = block_hidden(model, torch.tensor([blocks[b]]), alone_cache, [parents[b]])[0]
+            torch.testing.assert_close(together[b], alone, atol=ATOL, rtol=ATOL, msg=f"{arch} row {b}")
+            alone_cache.keep_path(starts[b], paths[b])
+            next_alone = block_hidden(model, torch.tensor([[5 + b]]), alone_cache)[0]
+            torch.testing.assert_close(after[b], next_alone, atol=ATOL, rtol=ATOL, msg=f"{arch} row {b} after")

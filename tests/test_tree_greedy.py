@@ -25,8 +25,7 @@ from layerskip.drafts.lookup import match_lookups
 from layerskip.drafts.token_tree import TokenTree, TreeBuilder
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_hidden
-from layerskip.hf.tree import tree_hidden
+from layerskip.hf.forward import block_hidden, full_hidden
 from layerskip.sampling import accept_tree_greedy
 
 NEW_TOKENS = 30
@@ -51,14 +50,14 @@ Propose = Callable[[list[int], int], TokenTree]
 def tree_decode(model: torch.nn.Module, prompt: list[int], new_tokens: int, propose: Propose) -> TreeRun:
     """Greedy decoding, one token tree per step; ``propose(history, produced)`` builds the tree."""
     cache = RollbackCache(adapters.sliding_windows(model))
-    full_hidden(model, torch.tensor([prompt[:-1]]), cache, 0, 1)  # all but the pending token
+    full_hidden(model, torch.tensor([prompt[:-1]]), cache, 1)  # all but the pending token
     history = list(prompt)
     run = TreeRun(tokens=[])
     while len(run.tokens) < new_tokens:
         start = len(history) - 1  # committed tokens; the pending one is history[-1]
         tree = propose(history, len(run.tokens))
         block = torch.tensor([[history[-1], *tree.tokens]])  # [1, n+1]
-        hidden = tree_hidden(model, block, tree.parents, cache, start)  # [n+1, H]
+        hidden = block_hidden(model, block, cache, [tree.parents])[0]  # [n+1, H]
         targets = adapters.logits_from_hidden(model, hidden).argmax(dim=-1).tolist()
         path, nxt = accept_tree_greedy(tree.tokens, tree.parents, targets)
         rows = TokenTree.block_rows(path)

@@ -16,7 +16,8 @@ from layerskip.drafts.token_tree import TreeBuilder
 from layerskip.engine import verifiers
 from layerskip.engine.verifiers import GreedyVerifier, HookedVerifier, SampledVerifier
 from layerskip.hf.cache import model_cache
-from layerskip.hf.tree import block_hidden, tree_hidden
+from layerskip.hf.forward import block_hidden, stack_forward
+from layerskip.hf.tree import block_masks
 from layerskip.sampling import Sampling
 
 V = 6
@@ -139,8 +140,12 @@ def test_the_forward_of_a_chain_block_is_the_tree_forward() -> None:
     prompt = random_prompt(length=10)
     block = torch.tensor([[prompt[-1], 5, 7, 9]])
     hidden = []
-    for forward in (block_hidden, tree_hidden):
+    for masked in (False, True):
         cache = model_cache(model)
-        block_hidden(model, torch.tensor([prompt[:-1]]), list(range(-1, len(prompt) - 2)), cache, 0)
-        hidden.append(forward(model, block, [-1, 0, 1], cache, len(prompt) - 1))
+        block_hidden(model, torch.tensor([prompt[:-1]]), cache)
+        if masked:  # the tree mask's path, forced
+            masks, where = block_masks(model, cache.lengths, [[-1, 0, 1]], 4, block.device)
+            hidden.append(stack_forward(model, block, cache, where, masks)[0])
+        else:
+            hidden.append(block_hidden(model, block, cache, [[-1, 0, 1]])[0])
     torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-4, atol=1e-5)

@@ -15,7 +15,7 @@ import torch
 from layerskip.drafts.base import SKIP, Proposal, Proposals
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.model import DraftModel
-from layerskip.hf.ragged import RaggedCache
+from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import Sampling, sample
 
 
@@ -38,7 +38,7 @@ class BatchSkipDraft:
 
     def propose(
         self,
-        cache: RaggedCache,
+        cache: RollbackCache,
         histories: Sequence[list[int]],
         budgets: Sequence[int],
         steps: int,
@@ -56,8 +56,7 @@ class BatchSkipDraft:
         q_rows: list[list[torch.Tensor]] = [[] for _ in histories]
         with self.draft_model.active(self.attention, self.mlp):
             for _ in range(steps):
-                hidden = self.draft_model.hidden_rows(token, cache)  # [R, H]
-                cache.set_lengths([n + 1 for n in cache.lengths])
+                hidden = self.draft_model.hidden(token[:, None], cache)[:, 0]  # [R, H]; the rows move on by one
                 logits = self.head(hidden)  # [R, n]
                 if self.sampling is None:
                     index = logits.argmax(-1)

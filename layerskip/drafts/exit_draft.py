@@ -8,9 +8,9 @@ skip draft, both about the shared cache:
   0..L run the model's own weights, a draft forward of a token computes exactly what the verify
   would compute for it in those layers. So the draft also feeds its last token through them,
   keeps each token's layer-``L`` output, and the verify runs only layers L+1..N-1 over the
-  block, entering the stack at layer L+1 with those hidden states. The shallow layers' K/V
-  written while drafting are hidden (rolled back, their buffers kept) for the verify and
-  revealed after it; the usual rollback then cuts everything to the accepted length.
+  block, entering the stack at layer L+1 with those hidden states. The shallow layers keep the
+  K/V written while drafting at those very positions (the cache's rows share one length across
+  layers); the usual rollback then cuts everything to the accepted length.
 * **The layer adapter's own K/V.** A ``layer`` adapter attends over earlier tokens, so it keeps
   K/V in an extra cache layer. Every verified block's layer-``L`` outputs are run through it
   after the verify (one layer over the block), so that layer holds every committed token.
@@ -29,7 +29,7 @@ from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.skip import ChainDraft, SkipDrafter
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import positions
+from layerskip.hf.forward import positions, stack_forward
 
 
 @contextlib.contextmanager
@@ -63,7 +63,7 @@ def fill_adapter_cache(
 ) -> None:
     """Run the layer adapter over ``hidden [1, q, H]`` (layer L's outputs for ``block [1, q]`` at
     positions start..start+q-1), writing its K/V into its cache layer; the model's layers, which
-    the verify has just filled to start+q, are hidden during it and revealed after."""
+    the verify has just filled to start+q, are bypassed (they keep what the verify wrote)."""
     count = adapters.num_layers(model)
     layer = adapter.spec.layer
     others = [i for i in range(count) if i != layer]
@@ -71,8 +71,7 @@ def fill_adapter_cache(
     replacements.append(adapters.layer_output_replacement(model, layer, adapter.module, lambda: hidden))
     cache.rollback(start)
     with adapters.patched_forwards(replacements):
-        adapters.stack_hidden(model, block, cache, positions(start, block.shape[1], block.device))
-    cache.reveal(start + block.shape[1], list(range(count)))
+        stack_forward(model, block, cache, positions(start, block.shape[1], block.device))
 
 
 class ExitDrafter(SkipDrafter):
@@ -89,13 +88,6 @@ class ExitDrafter(SkipDrafter):
         self._block_hidden: torch.Tensor | None = None  # [1, k+1, H] of the last draft (reuse_kv)
         self._start = 0  # where that block starts
 
-    @property
-    def _shallow_layers(self) -> list[int]:
-        """Cache layers a reused draft fills: layers 0..L, and the adapter's own layer if it has one."""
-        count = adapters.num_layers(self.draft_model.model)
-        extra = [count] if self.adapter.uses_cache else []
-        return list(range(self.adapter.spec.layer + 1)) + extra
-
     def draft_chain(self, request: DraftRequest) -> ChainDraft:
         self._block_hidden = None
         if not self.reuse_kv:
@@ -109,7 +101,7 @@ class ExitDrafter(SkipDrafter):
                 # its K/V and its layer-L output too. Its head is not needed.
                 last = torch.tensor([[draft.tokens[-1]]], device=request.device)
                 with self.draft_model.active(self.attention, self.mlp):
-                    self.draft_model.hidden(last, request.cache, request.position + len(draft.tokens))
+                    self.draft_model.hidden(last, request.cache)
         finally:
             self.draft_model.exit_outputs = None
         if draft.tokens:
@@ -124,9 +116,9 @@ class ExitDrafter(SkipDrafter):
         hidden = self._block_hidden
         self._block_hidden = None
         if hidden is not None and start == self._start and hidden.shape[1] == block.shape[1]:
+            # The shallow layers keep the K/V the draft wrote at these very positions.
             with entering_after_exit(model, layer, hidden):
                 yield
-            cache.reveal(start + block.shape[1], self._shallow_layers)
             return
         if not self.adapter.uses_cache:
             yield

@@ -24,19 +24,16 @@ from layerskip.drafts.head import DraftHead
 from layerskip.drafts.precision import FusedProjections, check_precision, trained_weights_precision
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import positions
+from layerskip.hf.forward import block_hidden, positions, stack_forward
 from layerskip.hf.lean import (
     LeanPlan,
     Matmul,
-    advance_cache,
     lean_hidden,
-    lean_hidden_rows,
     lean_plan,
     lean_step_function,
     projection_groups,
     step_inputs,
 )
-from layerskip.hf.ragged import RaggedCache
 
 SUBLAYER_KINDS = ("attention", "mlp")
 # The lean step's product names, per sublayer kind, in the order of ``projection_groups``.
@@ -204,28 +201,24 @@ class DraftModel:
         finally:
             self._patched = False
 
-    def hidden(self, input_ids: torch.Tensor, cache: RollbackCache | None, start: int) -> torch.Tensor:
-        """The decoder stack's final hidden states ``[1, q, hidden]`` (call inside ``active``)."""
+    def hidden(self, input_ids: torch.Tensor, cache: RollbackCache | None) -> torch.Tensor:
+        """The decoder stack's final hidden states ``[B, q, hidden]`` of ``input_ids [B, q]``, row
+        ``b`` after the cache's ``lengths[b]`` tokens (no cache: from position 0); the cache's rows
+        move on by ``q`` (call inside ``active``). One token per row runs the lean step where the
+        model has one (compiled where asked, for rows at one length)."""
         if self.lean is not None and cache is not None and input_ids.shape[1] == 1:
             attention, mlp = self._skip
-            if self.compile:
-                return self._compiled_step(input_ids, start, cache).view(1, 1, -1)
-            hidden = lean_hidden(self.lean, self._product, input_ids, start, cache, attention, mlp, self.dtype)
-            return hidden.view(1, 1, -1)
-        where = positions(start, input_ids.shape[1], input_ids.device)
+            if self.compile and cache.common_length is not None:
+                return self._compiled_step(input_ids[:, 0], cache)[:, None]
+            hidden = lean_hidden(self.lean, self._product, input_ids[:, 0], cache, attention, mlp, self.dtype)
+            return hidden[:, None]  # [B, 1, H]
         with self._patches():
-            return adapters.stack_hidden(self.model, input_ids, cache, where)
+            if cache is None:
+                where = positions(0, input_ids.shape[1], input_ids.device).expand_as(input_ids)
+                return stack_forward(self.model, input_ids, None, where)
+            return block_hidden(self.model, input_ids, cache)
 
-    def hidden_rows(self, tokens: torch.Tensor, cache: RaggedCache) -> torch.Tensor:
-        """One lean draft step for every row of a ragged batch: ``tokens [R]`` at each row's
-        position (``cache.lengths``) -> final hidden states ``[R, hidden]`` (inside ``active``).
-        The caller moves the cache's lengths on; only models with a lean step draft in batches."""
-        if self.lean is None:
-            raise RuntimeError(f"a batched draft needs the lean draft step: {self.lean_reason}")
-        attention, mlp = self._skip
-        return lean_hidden_rows(self.lean, self._product, tokens, cache, attention, mlp, self.dtype)
-
-    def _compiled_step(self, token: torch.Tensor, position: int, cache: RollbackCache) -> torch.Tensor:
+    def _compiled_step(self, tokens: torch.Tensor, cache: RollbackCache) -> torch.Tensor:
         attention, mlp = self._skip
         step = self._compiled.get(self._skip)
         if step is None:
@@ -233,9 +226,10 @@ class DraftModel:
             step = self._compiled[self._skip] = torch.compile(
                 function, backend=self._compile_backend, dynamic=True, fullgraph=True
             )
-        rotations, keys, values = step_inputs(self.lean, position, cache, attention, self.dtype)
-        hidden = step(token, position, rotations, keys, values)
-        advance_cache(cache, position, attention, len(self.lean.attention))
+        position = cache.longest
+        rotations, keys, values = step_inputs(self.lean, position, cache, self.dtype)
+        hidden = step(tokens, position, rotations, keys, values)  # [B, H]
+        cache.advance(1)
         return hidden
 
     def _product(self, layer: int, name: str) -> Matmul:
@@ -254,9 +248,9 @@ class DraftModel:
             self._lean_products[key] = product
         return product
 
-    def logits(self, input_ids: torch.Tensor, cache: RollbackCache, start: int, head: DraftHead) -> torch.Tensor:
-        """The draft's logits for the last input position, ``[n]`` over the head's rows (inside ``active``)."""
-        return head(self.hidden(input_ids, cache, start)[0, -1])
+    def logits(self, input_ids: torch.Tensor, cache: RollbackCache, head: DraftHead) -> torch.Tensor:
+        """The draft's logits for each row's last position, ``[B, n]`` over the head's rows (inside ``active``)."""
+        return head(self.hidden(input_ids, cache)[:, -1])
 
 
 def _own_weights(modules: list[nn.Module]) -> Matmul:

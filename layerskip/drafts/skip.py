@@ -131,8 +131,8 @@ class SkipDrafter(BaseDrafter):
         confidences: list[float] = []
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per position: best tokens [K], probs [K]
         with self.draft_model.active(self.attention, self.mlp):
-            for i in range(min(request.max_tokens, self.settings.max_draft_tokens)):
-                logits = self.draft_model.logits(token, request.cache, request.position + i, self.head)  # [n]
+            for _ in range(min(request.max_tokens, self.settings.max_draft_tokens)):
+                logits = self.draft_model.logits(token, request.cache, self.head)[0]  # [n]
                 if self.sampling is None:
                     index = logits.argmax()
                 else:

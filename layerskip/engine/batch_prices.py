@@ -1,7 +1,7 @@
 """What each kind of batch step is expected to give before the batch has measured it, priced from
 ``auto``'s calibration.
 
-A batch chooses its steps by their measured tokens per second (``engine.batch.StepKinds``); a kind
+A batch chooses its steps by their measured tokens per second (``engine.step_kinds.StepKinds``); a kind
 not yet measured is ranked by its price here, so the first batch of a size starts with the kind
 priced best rather than trying every kind in turn. With ``R`` rows, per-token acceptance ``a`` of
 the skip draft and ``E(a, g)`` the tokens a draft of ``g`` yields (``drafts.costs.expected_tokens``):
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from layerskip.drafts.builder import MAX_ACCEPTANCE, AutoState, block_cost, expected_tokens
-from layerskip.engine.batch import DRAFT, LOOKUP, PLAIN
+from layerskip.engine.step_kinds import DRAFT, LOOKUP, PLAIN
 
 Price = tuple[float, float]  # (expected tokens, seconds) of one step of the whole batch
 

@@ -232,7 +232,7 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
     ids = [first_token_id(model)]
     for position in range(tokens):
         block = torch.tensor([ids[-1:]] if position else [ids], device=device)
-        logits = full_logits(model, block, cache, len(ids) - block.shape[1], keep=1)
+        logits = full_logits(model, block, cache, keep=1)
         ids.append(int(logits[-1].argmax()))
     return (ids * (CONTEXT_TOKENS // len(ids) + 1))[:CONTEXT_TOKENS]
 

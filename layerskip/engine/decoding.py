@@ -1,9 +1,9 @@
-"""The decode loop, batch size 1: self-speculative with a prepared draft, plain with none; greedy or sampling.
+"""The decoder: self-speculative with a prepared draft, plain with none; greedy or sampling.
 
-The loop keeps the bookkeeping (output, stop conditions, stats); each step is one call of
-``engine.step.Stepper.step`` (propose, verify, accept, roll back). Greedy output is the full
-model's argmax chain; sampling uses rejection sampling, so the output distribution is the full
-model's. Plain decoding is the same loop with a drafter that proposes nothing (blocks of one token).
+Every generation is a batch (``engine.step.Stepper``: propose, verify, accept, keep); one prompt
+is a batch of one row. Greedy output is the full model's argmax chain; sampling uses rejection
+sampling, so the output distribution is the full model's. Plain decoding is the same loop with a
+drafter that proposes nothing (blocks of one token).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from layerskip.drafts.builder import (
     load_policy,
     prepare_draft,
 )
-from layerskip.engine.batch import BatchRow, BatchStepper, StepKinds, run_batch, step_kinds
 from layerskip.engine.batch_prices import BatchPrices
 from layerskip.engine.calibration import prepare_calibration
 from layerskip.engine.output import (
@@ -40,7 +39,8 @@ from layerskip.engine.output import (
     prompt_ids,
     seeded_generator,
 )
-from layerskip.engine.step import Stepper
+from layerskip.engine.step import Row, StepObserver, Stepper
+from layerskip.engine.step_kinds import StepKinds, step_kinds
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import LogitsHook, verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
@@ -48,7 +48,6 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from layerskip.hf.ragged import model_ragged_cache
 from layerskip.sampling import Sampling
 from layerskip.stats import DeviceClock, GenerationResult, GenerationStats
 
@@ -95,9 +94,6 @@ class Decoder:
         self.draft = draft
         self.device = next(model.parameters()).device
         self.threads = ThreadTuner(threads, self.device)
-        # A batch's products are wide enough for every core: it runs on the caller's thread count
-        # (tuning one phase's count would also bend the step kinds' measured rates).
-        self.batch_threads = ThreadTuner(threads if isinstance(threads, int) else torch.get_num_threads(), self.device)
         # Greedy verifies take their argmax from a bf16 head certified against fp32 (engine/
         # verify_head.py): by default on the CPU, where the fp32 head is a large part of a step.
         self.head: VerifyHead = engine_verify_head(model, certified_head)
@@ -176,48 +172,33 @@ class Decoder:
         stop_check: StopCheck | None = None,
     ) -> tuple[list[int], GenerationStats]:
         """Generate up to ``settings.max_new_tokens`` after ``input_ids``, stopping at an EOS id
-        (``DecodeSettings.eos_token_ids``). Returns (new tokens, stats).
+        (``DecodeSettings.eos_token_ids``): ``decode_batch`` of one prompt. Returns (new tokens, stats).
 
         ``cache_observer(cache, committed)`` is called after every step (tests check lengths);
         ``drafter`` replaces the prepared draft's. ``logits_hook`` processes the full model's
         logits before a token is chosen (HF logits processors); ``stop_check`` ends the
         generation after a token (HF stopping criteria).
         """
-        with self.threads.session():  # the caller's thread count comes back afterwards
-            clock = DeviceClock(self.device)
-            start = clock.now()  # everything this call does is timed, set-up included
-            settings = self._settings(settings)
-            prompt = prompt_ids(input_ids)
-            check_fits(self.model, len(prompt), settings.max_new_tokens)
-            output = TokenOutput(prompt, settings, tokenizer, on_tokens, stop_check)
-            generator = seeded_generator(settings.seed, self.device)
-            drafter = drafter or self._drafter(len(prompt), settings, generator)
-            verifier = verifier_for(self.head, settings.sampling, generator, logits_hook)
-            cache = model_cache(self.model, self.cache_windows())
-            stepper = Stepper(self.model, cache, drafter, verifier, self.draft, self.threads, clock, self.device)
-            fallbacks_before = self.head.stats.fallbacks
-            stats = GenerationStats()
-            first = stepper.prefill(prompt)
-            committed = len(prompt)
-            stats.prefill_seconds = clock.now() - start
-            stats.record_step(0, 0)
-            output.emit([first.next_token])
-            if cache_observer is not None:
-                cache_observer(stepper.cache, committed)
-            stepper.run(output, stats, committed, cache_observer)
-            drafter.report(stats)
-            self._finish(stats, fallbacks_before)
-            stats.total_seconds = clock.now() - start
-            stats.new_tokens = len(output.generated)
-            return output.generated, stats
+        observer = None if cache_observer is None else lambda cache, lengths: cache_observer(cache, lengths[0])
+        (result,) = self.decode_batch(
+            [input_ids],
+            settings,
+            tokenizer=tokenizer,
+            logits_hooks=[logits_hook],
+            stop_checks=[stop_check],
+            on_tokens=[on_tokens],
+            drafters=None if drafter is None else [drafter],
+            step_observer=observer,
+        )
+        return result
 
     def batches(self) -> bool:
-        """Whether this decoder's draft can decode rows together (an exit draft's cache layer and
-        token trees are single-row only; such batches run row by row)."""
-        if self.draft is None:
+        """Whether this decoder's draft can decode rows together: an exit draft whose verify enters
+        the stack after its exit layer, or keeps the adapter's own K/V, shapes the verify per row,
+        so such a batch runs one row at a time."""
+        if self.draft is None or self.draft.exit is None:
             return True
-        d = self.draft.policy.draft
-        return self.draft.exit is None and d.tree_matches <= 1 and not d.tree_siblings
+        return not (self.draft.policy.exit.reuse_kv or self.draft.exit.uses_cache)
 
     @torch.inference_mode()
     def decode_batch(
@@ -228,35 +209,61 @@ class Decoder:
         tokenizer: object | None = None,
         logits_hooks: Sequence[LogitsHook | None] | None = None,
         stop_checks: Sequence[StopCheck | None] | None = None,
+        on_tokens: Sequence[TokenCallback | None] | None = None,
+        drafters: Sequence[Drafter] | None = None,
+        step_observer: StepObserver | None = None,
     ) -> list[tuple[list[int], GenerationStats]]:
-        """Generate after each of ``prompts`` together (``engine.batch``): one verify forward per step
+        """Generate after each of ``prompts`` together (``engine.step``): one verify forward per step
         for all rows. Returns (new tokens, stats) per prompt, in order; each row's output is what it
-        would be alone. With a seed, row ``i`` samples from its own generator seeded ``seed + i``."""
+        would be alone. With a seed, row ``i`` samples from its own generator seeded ``seed + i``.
+        ``on_tokens[i]`` receives row i's tokens as they are accepted; ``drafters`` replace the
+        prepared draft's, one per row; ``step_observer(cache, committed lengths)`` is called after
+        every step."""
         settings = self._settings(settings)
         check_batch(prompts)
         ids = [prompt_ids(prompt) for prompt in prompts]
         # Every row before any decodes (a batch's row i is "prompt i + 1", as the CLI counts them).
         for index, row in enumerate(ids):
-            check_fits(self.model, len(row), settings.max_new_tokens, f"prompt {index + 1}")
-        hooks = list(logits_hooks) if logits_hooks is not None else [None] * len(ids)
-        stops = list(stop_checks) if stop_checks is not None else [None] * len(ids)
-        if not self.batches() or len(ids) == 1:
+            what = "the prompt" if len(ids) == 1 else f"prompt {index + 1}"
+            check_fits(self.model, len(row), settings.max_new_tokens, what)
+        count = len(ids)
+        hooks = list(logits_hooks) if logits_hooks is not None else [None] * count
+        stops = list(stop_checks) if stop_checks is not None else [None] * count
+        streams = list(on_tokens) if on_tokens is not None else [None] * count
+        if not self.batches():
             return [
-                self.decode(prompt, settings, tokenizer=tokenizer, logits_hook=hook, stop_check=stop)
-                for prompt, hook, stop in zip(ids, hooks, stops, strict=True)
+                self._decode_rows(
+                    [prompt], settings, tokenizer, [hook], [stop], [stream], None, step_observer, seed_offset=index
+                )[0]
+                for index, (prompt, hook, stop, stream) in enumerate(zip(ids, hooks, stops, streams, strict=True))
             ]
-        with self.batch_threads.session():
+        return self._decode_rows(ids, settings, tokenizer, hooks, stops, streams, drafters, step_observer)
+
+    def _decode_rows(
+        self,
+        ids: list[list[int]],
+        settings: DecodeSettings,
+        tokenizer: object | None,
+        hooks: list[LogitsHook | None],
+        stops: list[StopCheck | None],
+        streams: list[TokenCallback | None],
+        drafters: Sequence[Drafter] | None,
+        step_observer: StepObserver | None,
+        seed_offset: int = 0,
+    ) -> list[tuple[list[int], GenerationStats]]:
+        with self.threads.session():  # the caller's thread count comes back afterwards
             clock = DeviceClock(self.device)
-            start = clock.now()
+            start = clock.now()  # everything this call does is timed, set-up included
             fallbacks_before = self.head.stats.fallbacks
             rows = []
-            for index, (prompt, hook, stop) in enumerate(zip(ids, hooks, stops, strict=True)):
-                generator = seeded_generator(None if settings.seed is None else settings.seed + index, self.device)
+            for index, (prompt, hook, stop, stream) in enumerate(zip(ids, hooks, stops, streams, strict=True)):
+                seed = None if settings.seed is None else settings.seed + seed_offset + index
+                generator = seeded_generator(seed, self.device)
                 rows.append(
-                    BatchRow(
+                    Row(
                         index,
-                        TokenOutput(prompt, settings, tokenizer, None, stop),
-                        self._drafter(len(prompt), settings, generator),
+                        TokenOutput(prompt, settings, tokenizer, stream, stop),
+                        drafters[index] if drafters is not None else self._drafter(len(prompt), settings, generator),
                         verifier_for(self.head, settings.sampling, generator, hook),
                         generator,
                     )
@@ -264,42 +271,52 @@ class Decoder:
             policy = None if self.draft is None else self.draft.policy
             lookup = policy.draft if policy is not None and policy.draft.lookup_max_ngram else None
             run = DraftRun(max(len(p) for p in ids), settings.max_new_tokens, settings.sampling, None)
-            batch_draft = None if self.draft is None else self.draft.batch_draft(run, ids)
-            menu = step_kinds(len(rows), self.draft is not None, lookup is not None, batch_draft is not None)
-            key = (len(rows), settings.sampling is None, menu.kinds)
-            if key not in self.batch_rates and self.draft is not None and self.draft.auto is not None:
-                prices = BatchPrices.from_auto(self.draft.auto)  # at the head size batch_draft chose
-                menu.prices = prices.priced(menu.kinds, len(rows)) if prices is not None else {}
-            kinds = self.batch_rates.setdefault(key, menu)  # the rates the last such batch measured
-            steps_before = dict(kinds.steps)
-            stepper = BatchStepper(
+            # One lean product drafting for every row: built where there are rows to share it.
+            batch_draft = None if self.draft is None or len(rows) < 2 else self.draft.batch_draft(run, ids)
+            has_draft = self.draft is not None or drafters is not None
+
+            def menu_for(size: int) -> StepKinds:
+                return step_kinds(size, has_draft, lookup is not None, batch_draft is not None)
+
+            kinds = self._step_kinds(len(rows), settings, has_draft, lookup is not None, batch_draft is not None)
+            stepper = Stepper(
                 self.model,
-                model_ragged_cache(self.model, len(rows)),
+                model_cache(self.model, self.cache_windows(), rows=len(rows)),
                 rows,
                 kinds,
                 lookup,
-                self.batch_threads,
+                self.threads,
                 clock,
                 self.device,
                 batch_draft,
-                started=start,
                 prepared=self.draft,
+                started=start,
+                observer=step_observer,
+                menu_for=menu_for,
             )
             results = []
-            for row in run_batch(stepper):
+            for row in stepper.run():
                 row.drafter.report(row.stats)
-                self._finish(row.stats, fallbacks_before, self.batch_threads)
+                self._finish(row.stats, fallbacks_before)
                 row.stats.new_tokens = len(row.output.generated)
-                row.stats.batch_steps = {
-                    kind: n - steps_before.get(kind, 0)
-                    for kind, n in kinds.steps.items()
-                    if n > steps_before.get(kind, 0)
-                }
+                if len(rows) > 1:
+                    row.stats.batch_steps = dict(stepper.steps)
                 results.append((row.output.generated, row.stats))
             return results
 
-    def _finish(self, stats: GenerationStats, fallbacks_before: int, threads: ThreadTuner | None = None) -> None:
-        stats.thread_runs = dict((threads or self.threads).used)
+    def _step_kinds(
+        self, rows: int, settings: DecodeSettings, has_draft: bool, has_lookup: bool, batch_draft: bool
+    ) -> StepKinds:
+        """The menu of a batch of ``rows``, with the rates the last batch of that size measured."""
+        menu = step_kinds(rows, has_draft, has_lookup, batch_draft)
+        key = (rows, settings.sampling is None, menu.kinds)
+        if key not in self.batch_rates and self.draft is not None and self.draft.auto is not None and rows > 1:
+            prices = BatchPrices.from_auto(self.draft.auto)  # at the head size batch_draft chose
+            menu.prices = prices.priced(menu.kinds, rows) if prices is not None else {}
+        return self.batch_rates.setdefault(key, menu)  # the rates the last such batch measured
+
+    def _finish(self, stats: GenerationStats, fallbacks_before: int) -> None:
+        stats.thread_runs = dict(self.threads.used)
         for path in self.paths():
             stats.paths[path] = 1
         stats.head_fallback_rows = self.head.stats.fallbacks - fallbacks_before

@@ -30,8 +30,7 @@ from layerskip.drafts.builder import (
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache, model_cache
-from layerskip.hf.forward import full_hidden, full_logits
-from layerskip.hf.ragged import model_ragged_cache, ragged_hidden
+from layerskip.hf.forward import block_hidden, full_hidden, full_logits
 
 K = TypeVar("K")
 # One set of repeats for the one curve auto and the search share (engine.calibration). A cold
@@ -78,11 +77,11 @@ def prefilled_cache(
     cache = model_cache(model, windows)
     block = torch.tensor([list(context)], device=device)
     if exit is None or not exit.uses_cache:
-        full_logits(model, block, cache, 0, keep=1)
+        full_logits(model, block, cache, keep=1)
         return cache, device
     captured: list[torch.Tensor] = []
     with capturing_layer_output(model, exit.spec.layer, captured):
-        full_logits(model, block, cache, 0, keep=1)
+        full_logits(model, block, cache, keep=1)
     fill_adapter_cache(model, exit, block, captured[-1], cache, 0)
     return cache, device
 
@@ -111,13 +110,13 @@ class DraftStep:
 
     def __call__(self) -> None:
         with self.draft_model.active(self.attention, self.mlp):
-            self.draft_model.logits(self.token, self.cache, self.length, self.head)
+            self.draft_model.logits(self.token, self.cache, self.head)
         self.cache.rollback(self.length)
 
     def hidden(self) -> torch.Tensor:
         """The hidden state the step's head reads."""
         with self.draft_model.active(self.attention, self.mlp):
-            hidden = self.draft_model.hidden(self.token, self.cache, self.length)[0, -1]
+            hidden = self.draft_model.hidden(self.token, self.cache)[0, -1]
         self.cache.rollback(self.length)
         return hidden
 
@@ -152,7 +151,7 @@ def head_size_timings(
 
         def step(head: DraftHead = head) -> None:
             with draft_model.active((), ()):
-                draft_model.logits(token, cache, length, head)
+                draft_model.logits(token, cache, head)
             cache.rollback(length)
 
         steps[size] = step
@@ -181,8 +180,8 @@ def batch_step_timings(
     count is timed first)."""
     device = next(model.parameters()).device
     largest = max(rows)
-    cache = model_ragged_cache(model, 1)
-    ragged_hidden(model, torch.tensor([list(context)], device=device), cache)
+    cache = model_cache(model)
+    block_hidden(model, torch.tensor([list(context)], device=device), cache)
     cache.keep_rows([0] * largest)  # every row holds the same context: one prefill, copied
     length = len(context)
     cache.set_lengths([length] * largest)
@@ -199,13 +198,13 @@ def batch_step_timings(
         lengths = [length] * count
 
         def plain_step(token: torch.Tensor = token, lengths: list[int] = lengths) -> None:
-            hidden = ragged_hidden(model, token[:, None], cache)  # [R, 1, H]
+            hidden = block_hidden(model, token[:, None], cache)  # [R, 1, H]
             greedy.argmax(hidden[:, 0])
             cache.set_lengths(lengths)
 
         def draft_step(token: torch.Tensor = token, lengths: list[int] = lengths) -> None:
             with draft_model.active((), ()):
-                head(draft_model.hidden_rows(token, cache)).argmax(-1)  # [R, n] -> [R]
+                head(draft_model.hidden(token[:, None], cache)[:, 0]).argmax(-1)  # [R, n] -> [R]
             cache.set_lengths(lengths)
 
         seconds = interleaved_timings({"plain": plain_step, "draft": draft_step}, device, repeats)
@@ -229,9 +228,9 @@ def verify_timings(
 
     def step() -> None:
         if greedy is None:
-            full_logits(model, tokens, cache, length, keep=block)
+            full_logits(model, tokens, cache, keep=block)
         else:
-            greedy.argmax(full_hidden(model, tokens, cache, length, keep=block))
+            greedy.argmax(full_hidden(model, tokens, cache, keep=block))
         cache.rollback(length)
 
     return timings(step, device, repeats)
@@ -251,7 +250,7 @@ def curve_timings(
         tokens = torch.tensor([[context[-1]] * block], device=device)
 
         def step(tokens: torch.Tensor = tokens, block: int = block) -> None:
-            greedy.argmax(full_hidden(model, tokens, cache, length, keep=block))
+            greedy.argmax(full_hidden(model, tokens, cache, keep=block))
             cache.rollback(length)
 
         steps[block] = step

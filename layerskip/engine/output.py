@@ -1,6 +1,6 @@
 """What one generation keeps: its settings, and the accepted tokens with every stop condition.
 
-Shared by the single-row loop (``engine.decoding``) and the batch loop (``engine.batch``).
+Each row of a batch (``engine.step``) keeps one.
 """
 
 from __future__ import annotations

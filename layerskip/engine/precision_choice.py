@@ -27,8 +27,9 @@ from torch import nn
 
 from layerskip.drafts.builder import DraftModel
 from layerskip.hf import adapters
+from layerskip.hf.cache import model_cache
+from layerskip.hf.forward import block_hidden
 from layerskip.hf.prompting import first_token_id
-from layerskip.hf.ragged import model_ragged_cache, ragged_hidden
 
 # What an int4 draft is priced against where the policy lets the calibration choose.
 CHOICES = {"int4": ("int4", "int8")}
@@ -74,11 +75,10 @@ def own_texts(model: nn.Module, rows: int = TEXT_ROWS, tokens: int = TEXT_TOKENS
     vocab = adapters.lm_head(model).weight.shape[0]
     starts = torch.randint(vocab, (rows,), generator=torch.Generator().manual_seed(seed))
     ids = torch.stack([torch.full((rows,), first_token_id(model)), starts], dim=1).to(device)  # [R, 2]
-    cache = model_ragged_cache(model, rows)
+    cache = model_cache(model, rows=rows)
     block = ids
     for _ in range(tokens):
-        hidden = ragged_hidden(model, block, cache)[:, -1]  # [R, H]
-        cache.set_lengths([ids.shape[1]] * rows)
+        hidden = block_hidden(model, block, cache)[:, -1]  # [R, H]
         block = adapters.logits_from_hidden(model, hidden).argmax(-1, keepdim=True)  # [R, 1]
         ids = torch.cat([ids, block], dim=1)
     return ids
@@ -89,7 +89,7 @@ def agreement(draft_model: DraftModel, texts: torch.Tensor) -> float:
     """The share of the texts' greedy positions where the draft's top token (nothing bypassed,
     the full head) is the model's: the texts teacher-forced through the draft in one forward."""
     with draft_model.active((), ()):
-        hidden = draft_model.hidden(texts[:, :-1], None, 0)  # [R, T-1, H]: position t predicts token t+1
+        hidden = draft_model.hidden(texts[:, :-1], None)  # [R, T-1, H]: position t predicts token t+1
     predicted = draft_model.head(None)(hidden[:, SKIPPED_POSITIONS - 1 :]).argmax(-1)  # [R, T-S]
     return float((predicted == texts[:, SKIPPED_POSITIONS:]).float().mean())
 

@@ -1,46 +1,50 @@
-"""One speculative step: propose, verify, accept, roll back; it returns what was accepted.
+"""The one stepper: B >= 1 rows decoded together, a single prompt being a batch of one row.
 
-The cache holds every token of the history but the last one (``pending``), ``committed`` tokens:
+Every row keeps what a generation keeps (its output and stop conditions, its drafter, its verifier,
+its stats); the rows share one ``RollbackCache`` (``hf.cache``: a length per row), which holds each
+row's history but its last token (``pending``). A step is
 
-    propose:   the drafter proposes a token tree of n candidates (a chain is a tree with one
-               branch; a skip draft writes K/V in the layers it runs; lookup reads the history;
-               plain decoding proposes nothing)
-    rollback   every layer to ``committed``
-    verify:    the full model over [pending, node 0..n-1 (, fillers)] -> hidden [n+1, H]
-    accept:    the verifier follows the accepted path and adds the full model's own token after it
-    keep       the path's K/V (along a chain: a rollback to committed + 1 + accepted)
+    propose:   each row's candidates, by the kind of step the batch chose (``engine.step_kinds``):
+               nothing, prompt lookup, the batched skip draft, or each row's own drafter (a token
+               tree or a chain, drafted through the row's view of the cache)
+    verify:    one forward over ``[B, width]``: row b is [pending, its candidates, fillers] at
+               positions from its own committed length (a token tree's rows see their ancestors only)
+    accept:    each row's verifier keeps its accepted path and adds the full model's own token
+    keep:      each row's accepted path's K/V (along a chain: a rollback to committed + 1 + accepted);
+               finished rows leave the batch
 
-The prefill is the first forward, over the prompt, with nothing drafted. The decode loop
-(``engine.decoding``) keeps the bookkeeping: output, stop conditions and stats.
+Fillers pad a row's block to the width the verify runs at: to the longest row's block, and to the
+policy's preferred verify size; each is the child of the one before, so no real row sees them.
+Greedy output of every row is the full model's argmax chain; sampled rows keep the model's
+distribution (rejection sampling per row).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from layerskip.drafts.base import (
-    LOOKUP,
-    NONE,
-    SKIP,
-    Drafter,
-    DraftRequest,
-    Proposal,
-    TokenTree,
-    Verdict,
-    off_first_branch,
-)
-from layerskip.drafts.builder import PreparedDraft
+from layerskip.drafts import base
+from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Proposals, TokenTree, Verdict, off_first_branch
+from layerskip.drafts.builder import BatchSkipDraft, DraftSettings, PreparedDraft, match_lookup
 from layerskip.engine.output import TokenOutput
+from layerskip.engine.step_kinds import DRAFT, LOOKUP, StepKinds
 from layerskip.engine.threads import ThreadTuner
-from layerskip.engine.verifiers import Verifier
+from layerskip.engine.verifiers import Verifier, verify_rows
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_hidden
-from layerskip.hf.tree import block_hidden
+from layerskip.hf.forward import block_hidden, full_hidden
 from layerskip.stats import DeviceClock, GenerationStats
+
+# Prompts go in one padded forward unless padding them to the longest adds more than this share
+# of their real tokens; then each is prefilled alone at its own length.
+PREFILL_PADDING = 1.25
+
+# After every step: the cache and each row's committed length (tests check them).
+StepObserver = Callable[[RollbackCache, list[int]], None]
 
 
 @dataclass
@@ -58,92 +62,217 @@ class StepOutcome:
 
 
 @dataclass
+class Row:
+    """One prompt of the batch: what its generation keeps while the batch runs."""
+
+    index: int  # the prompt's place in the caller's list
+    output: TokenOutput
+    drafter: Drafter
+    verifier: Verifier
+    generator: torch.Generator | None = None  # the row's draws, shared by its verifier
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    view: RollbackCache | None = None  # the row's view of the cache, for its own drafter
+
+
+@dataclass
 class Stepper:
-    """What every step of one generation shares: the model, its cache, the drafter and the verifier."""
+    """What every step of one batch shares: the model, the cache, the rows and the step's choice."""
 
     model: nn.Module
     cache: RollbackCache
-    drafter: Drafter
-    verifier: Verifier
-    prepared: PreparedDraft | None
+    rows: list[Row]
+    kinds: StepKinds
+    lookup: DraftSettings | None  # the policy's lookup settings (None: the policy has no lookup)
     threads: ThreadTuner
     clock: DeviceClock
     device: torch.device
+    batch_draft: BatchSkipDraft | None = None
+    prepared: PreparedDraft | None = None  # the policy's draft (its verify padding)
+    started: float = 0.0  # the clock when the batch began (set-up included)
+    observer: StepObserver | None = None
+    # The menu for fewer rows, where rows leave (``step_kinds`` for that many).
+    menu_for: Callable[[int], StepKinds] | None = None
+    finished: list[Row] = field(default_factory=list)
+    steps: dict[str, int] = field(default_factory=dict)  # steps of each kind this batch took
 
-    def prefill(self, prompt: list[int]) -> Verdict:
-        """The prompt's forward: fills the cache with all of it and gives the first new token."""
-        ids = torch.tensor([prompt], device=self.device)  # [1, prompt]
-        with (
-            self.threads.phase("verify") as run,
-            self.drafter.watch_verify(len(prompt)),
-            self.drafter.around_verify(self.cache, 0, ids),
-        ):
+    def run(self) -> list[Row]:
+        """Prefill, then steps until every row has finished; the rows in the caller's order."""
+        self.prefill()
+        while self.rows:
+            self.step()
+        return sorted(self.finished, key=lambda row: row.index)
+
+    def prefill(self) -> None:
+        """Every prompt into the cache, and each row's first token. Prompts of similar lengths go
+        in one forward (right padded: each row's tokens from position 0); where padding would
+        add more than ``PREFILL_PADDING`` of the real tokens, row by row, each at its own length
+        (a batched ``generate`` pads every row to the longest; nothing here needs to)."""
+        prompts = [row.output.history for row in self.rows]
+        longest = max(len(p) for p in prompts)
+        block = torch.tensor([[*p, *[p[-1]] * (longest - len(p))] for p in prompts], device=self.device)
+        with self.threads.phase("verify") as run, self._around_verify(self.cache.lengths, block):
             run.units = 0  # the prefill teaches nothing about a step
-            hidden = full_hidden(self.model, ids, self.cache, 0, 1)  # [1, H]: only the last position
-            return self.verifier.verify(hidden, Proposal.nothing(), prompt)
+            if len(prompts) * longest > PREFILL_PADDING * sum(len(p) for p in prompts):
+                lasts = self._prefill_rows(prompts)
+            else:
+                hidden = block_hidden(self.model, block, self.cache)  # [B, longest, H]
+                lasts = [hidden[b, len(p) - 1 : len(p)] for b, p in enumerate(prompts)]  # [1, H] each
+        self.cache.set_lengths([len(p) for p in prompts])
+        nothing = Proposals((Proposal.nothing(),) * len(prompts))
+        verdicts = verify_rows([row.verifier for row in self.rows], lasts, nothing, prompts)
+        seconds = self.clock.now() - self.started
+        for row, verdict in zip(self.rows, verdicts, strict=True):
+            row.stats.prefill_seconds = seconds
+            row.stats.record_step(0, 0)
+            row.output.emit([verdict.next_token])
+        self._observe()
+        self._leave()
 
-    def step(self, history: list[int], committed: int, budget: int) -> StepOutcome:
-        """One step after ``history`` (its last token pending), drafting at most ``budget`` tokens."""
+    def _prefill_rows(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Each prompt alone through its row's view of the cache; the last hidden state of each."""
+        # Position 0 of every row in one forward first: the buffers take their shapes from it.
+        first = block_hidden(self.model, torch.tensor([[p[0]] for p in prompts], device=self.device), self.cache)
+        self.cache.reserve(max(len(p) for p in prompts) + 1)  # the row views write in place, never grow
+        lasts = []
+        for b, prompt in enumerate(prompts):
+            if len(prompt) == 1:
+                lasts.append(first[b, :1])
+                continue
+            ids = torch.tensor([prompt[1:]], device=self.device)  # [1, P-1] at positions 1..P-1
+            lasts.append(full_hidden(self.model, ids, self.cache.row_view(b), 1))  # [1, H]
+        return lasts
+
+    def step(self) -> None:
+        kind = self.kinds.choose()
+        grown = self.cache.growth_seconds
         start = self.clock.now()
-        proposal = self._propose(history, budget)
+        proposals = self._proposals(kind).rows
         drafted = self.clock.now()
-        self.cache.rollback(committed)
-        verdict, block = self._verify(proposal, history, committed)
-        draft_seconds = drafted - start if proposal.source != NONE else 0.0
-        return StepOutcome(proposal, verdict, block, draft_seconds, self.clock.now() - drafted)
+        committed = list(self.cache.lengths)
+        # Each row's block: [pending, its tree's nodes], then fillers up to the width the verify runs.
+        sizes = [len(p.tree) + 1 for p in proposals]
+        wanted = [
+            n if self.prepared is None else self.prepared.verify_block(n, c)
+            for n, c in zip(sizes, committed, strict=True)
+        ]
+        width = max(wanted)
+        blocks, parents = [], []
+        for row, proposal, size in zip(self.rows, proposals, sizes, strict=True):
+            tree, fillers = proposal.tree, width - size
+            blocks.append(
+                [row.output.history[-1], *tree.tokens, *[(tree.tokens or row.output.history[-1:])[-1]] * fillers]
+            )
+            parents.append([*tree.parents, *range(len(tree) - 1, len(tree) - 1 + fillers)])
+        ids = torch.tensor(blocks, device=self.device)  # [B, width]
+        own = kind == DRAFT  # the rows' own drafters proposed: they watch (and may shape) the verify
+        with self.threads.phase("verify") as run, self._around_verify(committed, ids, own, width):
+            run.units = 1
+            hidden = block_hidden(self.model, ids, self.cache, parents)  # [B, width, H]
+            verdicts = verify_rows(
+                [row.verifier for row in self.rows],
+                [hidden[b, :size] for b, size in enumerate(sizes)],  # each row's real positions
+                Proposals(tuple(proposals)),
+                [row.output.history for row in self.rows],
+            )
+        # Each row's accepted path's K/V moved into place, the rest cut (along a chain: a rollback).
+        self.cache.keep_paths(committed, [TokenTree.block_rows(v.path) for v in verdicts])
+        seconds = self.clock.now() - start
+        tokens = 0
+        for row, proposal, verdict in zip(self.rows, proposals, verdicts, strict=True):
+            draft_seconds = drafted - start if proposal.source != base.NONE else 0.0
+            outcome = StepOutcome(proposal, verdict, width, draft_seconds, seconds - (drafted - start))
+            kept = row.output.emit(outcome.tokens)
+            tokens += kept
+            record_outcome(row.stats, row.drafter if own else None, outcome, kept)
+        # A step that grew the cache's buffers rates its kind without that: growth comes a few
+        # times per batch (the buffers double) and would brand whichever kind happened to run.
+        self.kinds.observe(kind, tokens, seconds - (self.cache.growth_seconds - grown))
+        self.steps[kind] = self.steps.get(kind, 0) + 1
+        self._observe()
+        self._leave()
 
-    def run(
-        self,
-        output: TokenOutput,
-        stats: GenerationStats,
-        committed: int,
-        after_step: Callable[[RollbackCache, int], None] | None = None,
-    ) -> int:
-        """Steps until ``output`` is done, from ``committed`` tokens in the cache; each step's
-        figures go to ``stats`` (the drafter learns its verdicts). ``after_step(cache, committed)``
-        is called after each. Returns the steps taken."""
-        steps = 0
-        while not output.done:
-            outcome = self.step(output.history, committed, budget=output.remaining - 1)
-            committed += 1 + outcome.verdict.accepted
-            record_outcome(stats, self.drafter, outcome, kept=output.emit(outcome.tokens))
-            steps += 1
-            if after_step is not None:
-                after_step(self.cache, committed)
-        return steps
+    def _around_verify(
+        self, committed: list[int], block: torch.Tensor, own: bool = True, width: int | None = None
+    ) -> contextlib.ExitStack:
+        """The rows' drafters around the verify forward: each times it (its draft length by cost)
+        and may shape it (an exit draft enters the stack after its exit layer)."""
+        stack = contextlib.ExitStack()
+        if own:
+            for b, row in enumerate(self.rows):
+                stack.enter_context(row.drafter.watch_verify(width or block.shape[1]))
+                stack.enter_context(row.drafter.around_verify(self.cache, committed[b], block[b : b + 1]))
+        return stack
 
-    def _propose(self, history: list[int], budget: int) -> Proposal:
-        if budget <= 0:
+    def _proposals(self, kind: str) -> Proposals:
+        if kind.startswith("skip:") and self.batch_draft is not None:
+            budgets = [row.output.remaining - 1 for row in self.rows]
+            steps = min(int(kind.split(":")[1]), max(budgets))
+            if steps > 0:
+                histories = [row.output.history for row in self.rows]
+                generators = [row.generator for row in self.rows]
+                with self.threads.phase("draft") as run:
+                    run.units = steps
+                    drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators)
+                rows = zip(self.rows, drafts.rows, strict=True)
+                return Proposals(tuple(self._longer_lookup(row, draft, steps) for row, draft in rows))
+        return Proposals(tuple(self._propose(b, row, kind) for b, row in enumerate(self.rows)))
+
+    def _longer_lookup(self, row: Row, draft: Proposal, steps: int) -> Proposal:
+        """A row whose text repeats its last n-gram (the longest the policy matches) proposes the
+        repeat instead of its skip draft where the repeat is longer: up to twice the draft, so one
+        row's long match does not widen every row's verify far."""
+        if self.lookup is None:
+            return draft
+        cap = min(row.output.remaining - 1, 2 * steps)
+        repeat = self._lookup_draft(row, self.lookup.lookup_max_ngram, cap)
+        return repeat if len(repeat) > len(draft) else draft
+
+    def _lookup_draft(self, row: Row, min_ngram: int, cap: int) -> Proposal:
+        """Prompt lookup for one row: n-grams from ``min_ngram`` to the policy's longest, at most ``cap`` tokens."""
+        assert self.lookup is not None
+        match = match_lookup(row.output.history, min_ngram, self.lookup.lookup_max_ngram, cap)
+        return Proposal.chain(match.tokens, base.LOOKUP)
+
+    def _propose(self, b: int, row: Row, kind: str) -> Proposal:
+        budget = row.output.remaining - 1
+        if kind not in (LOOKUP, DRAFT) or budget <= 0:
             return Proposal.nothing()
+        if kind == LOOKUP:
+            assert self.lookup is not None
+            return self._lookup_draft(row, self.lookup.lookup_min_ngram, min(budget, self.lookup.max_draft_tokens))
+        # The row's own drafter, through its view of the cache (room for its draft reserved first).
+        self.cache.reserve(self.cache.longest + budget + 2)
+        row.view = self.cache.row_view(b, row.view)
         with self.threads.phase("draft") as run:
-            proposal = self.drafter.propose(DraftRequest(history, self.cache, budget, self.device))
+            proposal = row.drafter.propose(DraftRequest(row.output.history, row.view, budget, self.device))
             # Forwards run ~ tokens proposed (a draft that stopped at once still ran one); a
             # lookup or an empty plain draft ran none and teaches nothing.
-            run.units = max(1, len(proposal)) if proposal.source == SKIP else 0
+            run.units = max(1, len(proposal)) if proposal.source == base.SKIP else 0
         return proposal
 
-    def _verify(self, proposal: Proposal, history: list[int], committed: int) -> tuple[Verdict, int]:
-        """The verdict on ``proposal``, and how many positions the verify ran over."""
-        tree = proposal.tree
-        rows = len(tree) + 1  # the real rows: fillers after them are dropped
-        size = rows if self.prepared is None else self.prepared.verify_block(rows, committed)
-        # Filler positions after the last node, each the child of the one before: no real row sees
-        # them (they come last), and a chain stays a chain. Their rows and K/V are dropped.
-        fillers = size - rows
-        block = [history[-1], *tree.tokens, *[(tree.tokens or history[-1:])[-1]] * fillers]
-        parents = [*tree.parents, *range(len(tree) - 1, len(tree) - 1 + fillers)]
-        ids = torch.tensor([block], device=self.device)  # [1, n+1 (+ fillers)]
-        with (
-            self.threads.phase("verify") as run,
-            self.drafter.watch_verify(len(block)),
-            self.drafter.around_verify(self.cache, committed, ids),
-        ):
-            run.units = 1
-            hidden = block_hidden(self.model, ids, parents, self.cache, committed)[:rows]  # [n+1, H]
-            verdict = self.verifier.verify(hidden, proposal, history)
-        # The accepted path's K/V moved into place, the rest cut (along a chain: a rollback).
-        self.cache.keep_path(committed, TokenTree.block_rows(verdict.path))
-        return verdict, len(block)
+    def _observe(self) -> None:
+        if self.observer is not None:
+            self.observer(self.cache, list(self.cache.lengths))
+
+    def _leave(self) -> None:
+        """Finished rows leave the batch (the cache drops their rows); each row's time is its own."""
+        if not any(row.output.done for row in self.rows):
+            return
+        now = self.clock.now()
+        for row in self.rows:
+            if row.output.done:
+                row.stats.total_seconds = now - self.started
+        staying = [b for b, row in enumerate(self.rows) if not row.output.done]
+        self.finished.extend(row for row in self.rows if row.output.done)
+        if staying:
+            self.cache.keep_rows(staying)
+            if self.menu_for is not None:
+                # A menu without a choice for the rows left (one row: its own drafter) replaces the
+                # batch's: there is nothing to explore. Otherwise the batch's menu and rates go on.
+                smaller = self.menu_for(len(staying))
+                if len(smaller.kinds) == 1:
+                    self.kinds = smaller
+        self.rows = [self.rows[b] for b in staying]
 
 
 def record_outcome(stats: GenerationStats, drafter: Drafter | None, outcome: StepOutcome, kept: int) -> None:
@@ -156,7 +285,7 @@ def record_outcome(stats: GenerationStats, drafter: Drafter | None, outcome: Ste
     stats.record_step(len(proposal), verdict.accepted)
     stats.record_draft(len(proposal))
     stats.record_block(outcome.block)
-    if proposal.source == LOOKUP and len(proposal):
+    if proposal.source == base.LOOKUP and len(proposal):
         stats.lookup_steps += 1
     if not proposal.tree.is_chain:
         stats.tree_steps += 1

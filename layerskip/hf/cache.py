@@ -1,19 +1,33 @@
-"""One KV cache shared by draft and verify, rolled back per layer without copying.
+"""The one KV cache: B rows (a generation is a batch of one), each with its own length, rolled back in O(1).
 
-While drafting, bypassed attention sublayers write no K/V, so layers' lengths diverge. Before
-verifying, every layer is rolled back to the committed length; verification runs all layers
-over the block; afterwards everything is rolled back to the accepted length. Rolling back is
-O(1): each layer keeps its K/V in a preallocated buffer (grown geometrically, like a vector)
-and a length; cropping only moves the length.
+Every row keeps its K/V contiguous from buffer position 0 (no padding, no holes) in buffers
+``[B, kv_heads, capacity, head_dim]`` per layer, grown geometrically (like a vector) and always
+in the model's dtype (a draft in another precision writes into them too; its K/V are cast on
+write). Row ``b`` holds ``lengths[b]`` tokens, one length for all layers:
 
-Sliding-window layers keep their full history too and rely on the sliding attention mask, so
-a rollback past the window is always possible and the attention is exactly what a windowed
-cache would give.
+* a forward over a block of ``q`` positions writes row ``b``'s K/V at ``lengths[b] ..
+  lengths[b] + q - 1`` in every layer it runs, and then moves every row on by ``q``
+  (``advance``; ``hf.forward`` and the lean step do it after each forward);
+* rolling a row back moves its length (``set_lengths``, ``rollback``): O(1), nothing copied;
+* a token tree's accepted path is gathered per row (``keep_paths``), O(path).
+
+A layer a draft bypasses writes nothing, so its K/V past the committed length are stale; a draft
+runs one skip set throughout, so no layer reads what it did not write, and the verify rewrites
+every layer from the committed length. An exit draft that reuses its shallow layers' K/V relies on
+the same rule: the verify runs only the deeper layers, and the shallow ones keep what the draft
+wrote at exactly those positions.
+
+Every row attends to the buffer's first ``max(lengths) + q`` keys; where rows' lengths differ (or
+a block is a tree) the verify passes a 4D mask (``hf.forward.block_masks``) so row ``b``'s query
+``i`` sees only its own prefix and block; positions are per row, so each row computes what it
+would compute alone. Sliding-window layers keep their full history too and rely on the windowed
+mask, so a rollback past the window is always possible.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from time import perf_counter
 
 import torch
 from torch import nn
@@ -21,212 +35,241 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from layerskip.hf import adapters
 
-_MIN_CAPACITY = 256  # positions a layer's buffer starts with (a test passes a few to cross growths)
+_MIN_CAPACITY = 256  # positions a buffer starts with (tests patch it small to cross growths)
 
 
-class RollbackLayer(DynamicLayer):
-    """K/V of one layer in a buffer ``[batch, kv_heads, capacity, head_dim]`` plus a length."""
+class CacheLayer(DynamicLayer):
+    """K/V of one layer for every row: buffers ``[B, kv_heads, capacity, head_dim]``; the lengths are the cache's."""
 
     _layer_type = None  # never register in transformers' layer-type mapping
 
-    def __init__(
-        self,
-        sliding_window: int | None = None,
-        dtype: torch.dtype | None = None,
-        initial_capacity: int | None = None,
-    ) -> None:
+    def __init__(self, sliding_window: int | None, owner: RollbackCache) -> None:
         super().__init__()
         self.is_sliding = sliding_window is not None
         self.sliding_window = sliding_window
-        # What the buffer stores, fixed for its life: the model's dtype. A draft in another
-        # precision (bf16 or int4 products) writes into it too; its K/V are cast on write, and
-        # growing the buffer never changes what it holds (None: the first writer's dtype).
-        self.dtype = dtype
-        self.initial_capacity = max(1, initial_capacity or _MIN_CAPACITY)
-        self.length = 0
-        # Tokens whose K/V in the buffer are still valid: rolling back keeps them, so a layer
-        # hidden for one forward can be revealed again (``reveal``); a write past ``length``
-        # makes everything after the write stale.
-        self.written = 0
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
+        self.owner = owner  # every layer writes at the same offsets: the cache's lengths
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype = self.dtype or key_states.dtype
+        self.dtype = self.owner.dtype or key_states.dtype
+        self.owner.dtype = self.dtype  # the first writer's dtype where none was given, for good
         self.device = key_states.device
-        # A prompt longer than the initial capacity fills its buffer exactly: the first token after
-        # it grows the buffer (doubling), once, like any later growth.
-        self._allocate(key_states, value_states, max(self.initial_capacity, key_states.shape[-2]))
+        # Zeros, not garbage: masked keys are never weighted, but a NaN value would still poison
+        # the weighted sum (0 * NaN).
+        shape = (self.owner.rows, key_states.shape[1], self.owner.capacity, key_states.shape[-1])
+        self.key_buffer = key_states.new_zeros(shape, dtype=self.dtype)
+        self.value_buffer = value_states.new_zeros((*shape[:-1], value_states.shape[-1]), dtype=self.dtype)
         self.is_initialized = True
-
-    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
-        def grow(old: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-            shape = (*like.shape[:-2], capacity, like.shape[-1])
-            new = like.new_empty(shape, dtype=self.dtype)
-            if old is not None and self.length:
-                new[..., : self.length, :] = old[..., : self.length, :]
-            return new
-
-        self._key_buffer = grow(self._key_buffer, key_states)
-        self._value_buffer = grow(self._value_buffer, value_states)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[B, kv, q, d]`` at each row's length; return every row's first ``max + q`` keys."""
+        q = key_states.shape[-2]
+        self.owner.reserve(self.owner.longest + q)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        new_length = self.length + key_states.shape[-2]
-        if new_length > self._key_buffer.shape[-2]:
-            self._allocate(key_states, value_states, 2 * new_length)
-        self._key_buffer[..., self.length : new_length, :] = key_states
-        self._value_buffer[..., self.length : new_length, :] = value_states
-        self.length = new_length
-        self.written = new_length
-        self._refresh_views()
+        start = self.owner.common_length
+        if start is not None:  # every row at one length: a slice, no index tensors
+            self.key_buffer[:, :, start : start + q] = key_states
+            self.value_buffer[:, :, start : start + q] = value_states
+        else:
+            rows, where = self.owner.write_index(q)  # [B, 1], [B, q]
+            # Advanced indexing puts the indexed dims first: [B, q, kv, d] on both sides.
+            self.key_buffer[rows, :, where] = key_states.transpose(1, 2).to(self.dtype)
+            self.value_buffer[rows, :, where] = value_states.transpose(1, 2).to(self.dtype)
+        end = self.owner.longest + q
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
         return self.keys, self.values
 
-    def _refresh_views(self) -> None:
-        # Views, not copies: attention reads ``[..., :length, :]`` of the buffer.
-        self.keys = self._key_buffer[..., : self.length, :]
-        self.values = self._value_buffer[..., : self.length, :]
+    def grow(self, capacity: int) -> None:
+        if not self.is_initialized:
+            return
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, : old.shape[-2]] = old
+            setattr(self, name, new)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.index_select(0, rows)
+            self.value_buffer = self.value_buffer.index_select(0, rows)
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.owner.longest
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.owner.longest + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
-    def truncate(self, length: int) -> None:
-        if length > self.length:
-            raise RuntimeError(f"cannot roll a layer of length {self.length} forward to {length}")
-        if self.is_initialized:
-            self.length = length
-            self._refresh_views()
-
-    def reveal(self, length: int) -> None:
-        """Move the length forward again over K/V written earlier and only rolled back since."""
-        if length > self.written:
-            raise RuntimeError(f"cannot reveal {length} tokens of a layer with {self.written} valid")
-        if self.is_initialized:
-            self.length = length
-            self._refresh_views()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        # transformers 5.x convention: a negative count removes that many tokens.
-        if tokens_to_remove > 0:
-            self.truncate(tokens_to_remove)
-        else:
-            self.truncate(self.length + tokens_to_remove)
-
-    def keep_rows(self, start: int, rows: torch.Tensor, moved_from: int) -> None:
-        """Keep block rows ``start + rows`` (``rows [m]``, ascending, on the buffer's device) as rows
-        ``start..start+m-1``; cut the rest.
-
-        ``rows[:moved_from]`` are already in place (``rows[i] == i``), so only the tail is
-        gathered: an index_select of ``m - moved_from`` rows, O(path), never the whole cache.
-        """
-        kept = len(rows)
-        if moved_from < kept:
-            source = start + rows[moved_from:]
-            # index_select copies the source rows out first, so writing them back over rows
-            # they may overlap is safe. [B, kv_heads, m', head_dim] each.
-            for buffer in (self._key_buffer, self._value_buffer):
-                buffer[..., start + moved_from : start + kept, :] = buffer.index_select(-2, source)
-        self.length = start + kept
-        # The rows after the path held other branches' K/V: nothing there can be revealed.
-        self.written = self.length
-        self._refresh_views()
-
-    def reset(self) -> None:
-        self.length = 0
-        self.written = 0
-        if self.is_initialized:
-            self._refresh_views()
-
 
 class RollbackCache(DynamicCache):
-    """A DynamicCache whose layers can each be rolled back to a length in O(1).
-
-    Every length the model asks for (past length, mask sizes, query offset) is the *longest*
-    layer's: during drafting the layers that are not bypassed all share that length, while
-    bypassed ones lag and are never read. This keeps masks and positions right even when
-    layer 0's attention is bypassed.
-    """
+    """A DynamicCache of ``rows`` rows, each with its own length (see the module doc)."""
 
     def __init__(
         self,
-        sliding_windows: list[int | None],
+        sliding_windows: Sequence[int | None],
+        rows: int = 1,
         dtype: torch.dtype | None = None,
         initial_capacity: int | None = None,
     ) -> None:
         super().__init__()
-        self.layers = [RollbackLayer(window, dtype, initial_capacity) for window in sliding_windows]
+        if rows < 1:
+            raise ValueError(f"a cache holds at least one row, not {rows}")
+        self.dtype = dtype
+        self.capacity = max(1, initial_capacity or _MIN_CAPACITY)
+        self.growth_seconds = 0.0  # time spent growing the buffers (a step that grew is not its kind's usual cost)
+        self.lengths = [0] * rows
+        self._write_index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (q, rows, positions)
+        self.layers = [CacheLayer(window, self) for window in sliding_windows]
         self.layer_class_to_replicate = None
 
     @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+    @property
     def length(self) -> int:
-        return max((layer.length for layer in self.layers), default=0)
+        """The longest row's length (a one-row cache's length)."""
+        return self.longest
+
+    @property
+    def common_length(self) -> int | None:
+        """The one length every row holds, or None where they differ."""
+        first = self.lengths[0]
+        return first if all(n == first for n in self.lengths) else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
+        return self.longest
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.longest + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.length
+        return self.longest
+
+    def reserve(self, positions: int) -> None:
+        """Room for ``positions`` per row (buffers doubled when short; their dtype never changes)."""
+        if positions <= self.capacity:
+            return
+        self.capacity = max(2 * self.capacity, positions)
+        start = perf_counter()
+        for layer in self.layers:
+            layer.grow(self.capacity)
+        self.growth_seconds += perf_counter() - start
+
+    def write_index(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row indices ``[B, 1]`` and buffer positions ``[B, q]`` a block of ``q`` is written at
+        (made once per forward: every layer writes at the same places)."""
+        if self._write_index is None or self._write_index[0] != q:
+            device = self.device
+            rows = torch.arange(self.rows, device=device)[:, None]
+            where = torch.tensor(self.lengths, device=device)[:, None] + torch.arange(q, device=device)
+            self._write_index = (q, rows, where)
+        return self._write_index[1], self._write_index[2]
+
+    @property
+    def device(self) -> torch.device:
+        for layer in self.layers:
+            if layer.is_initialized:
+                return layer.device
+        return torch.device("cpu")
+
+    def set_lengths(self, lengths: Sequence[int]) -> None:
+        """Each row's length (a roll back, or forward over K/V the last forward wrote)."""
+        if len(lengths) != self.rows:
+            raise ValueError(f"{len(lengths)} lengths for {self.rows} rows")
+        self.lengths = [int(n) for n in lengths]
+        self._write_index = None
+
+    def advance(self, q: int) -> None:
+        """Every row on by ``q``: what a forward over a ``[B, q]`` block wrote."""
+        self.set_lengths([n + q for n in self.lengths])
 
     def rollback(self, length: int) -> None:
-        """Cut every layer to ``length`` tokens. Layers shorter than that are a bug upstream."""
-        for layer in self.layers:
-            if layer.length > length:
-                layer.truncate(length)
-            elif layer.length < length and layer.is_initialized:
-                raise RuntimeError(f"layer holds {layer.length} tokens, fewer than the {length} committed")
+        """Every row cut to ``length`` tokens (none of them may hold fewer)."""
+        short = [n for n in self.lengths if n < length]
+        if short:
+            raise RuntimeError(f"a row holds {short[0]} tokens, fewer than the {length} to roll back to")
+        self.set_lengths([length] * self.rows)
 
     def crop(self, tokens_to_remove: int) -> None:
-        target = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
+        # transformers 5.x convention: a negative count removes that many tokens.
+        target = tokens_to_remove if tokens_to_remove > 0 else self.longest + tokens_to_remove
         self.rollback(target)
 
-    def keep_path(self, start: int, rows: Sequence[int]) -> None:
-        """After a token-tree verify wrote block rows ``start..start+n`` in every layer, keep the
-        accepted path: block rows ``rows`` (ascending, the root 0 first, then the accepted nodes'
-        block positions) move to ``start..start+len(rows)-1`` and everything after is cut.
-
-        Rows already in place (a path along the first branch of a depth-first block, every path
-        of a chain) are not copied, so a path that moves none costs what a rollback does; the
-        others are gathered with one index_select per layer, so the cost is O(path).
-        """
-        if not rows or rows[0] < 0 or any(b <= a for a, b in zip(rows, rows[1:], strict=False)):
-            raise ValueError(f"rows {list(rows)} must be ascending block positions")
-        moved_from = next((i for i, row in enumerate(rows) if row != i), len(rows))
-        indices: dict[torch.device, torch.Tensor] = {}  # one index tensor per device the layers live on
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Drop every row not in ``rows`` (finished rows leave the batch); the others keep their order."""
+        index = torch.tensor(list(rows), device=self.device)
         for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            if layer.length < start + rows[-1] + 1:
-                last = start + rows[-1]
-                raise RuntimeError(f"a layer holds {layer.length} tokens; the tree block reaches row {last}")
-            if layer.device not in indices:
-                indices[layer.device] = torch.tensor(rows, device=layer.device)
-            layer.keep_rows(start, indices[layer.device], moved_from)
+            layer.keep(index)
+        self.lengths = [self.lengths[r] for r in rows]
+        self._write_index = None
 
-    def reveal(self, length: int, layers: list[int]) -> None:
-        """Move ``layers`` forward to ``length`` over K/V they wrote before a rollback hid it.
+    def keep_paths(self, starts: Sequence[int], paths: Sequence[Sequence[int]]) -> None:
+        """After a verify wrote row ``b``'s block at ``starts[b]..``, keep its accepted path: block
+        rows ``paths[b]`` (ascending, the root 0 first) move to ``starts[b]..starts[b]+len-1`` and
+        the row's length ends there.
 
-        An exit draft that reuses its shallow layers' K/V writes them while drafting; the
-        verify after it runs only the deeper layers, so the shallow ones are hidden (rolled
-        back, their buffers kept) for the verify and revealed after it.
+        Rows already in place (every path of a chain, a path along a depth-first block's first
+        branch) are not copied, so such a path costs what a rollback does; the others are gathered
+        (one index_select per layer and moved row), O(path).
         """
-        for index in layers:
-            self.layers[index].reveal(length)
+        if len(starts) != self.rows or len(paths) != self.rows:
+            raise ValueError(f"{len(starts)} starts and {len(paths)} paths for {self.rows} rows")
+        for b, (start, path) in enumerate(zip(starts, paths, strict=True)):
+            if not path or path[0] < 0 or any(y <= x for x, y in zip(path, path[1:], strict=False)):
+                raise ValueError(f"rows {list(path)} must be ascending block positions")
+            if start + path[-1] >= self.lengths[b]:
+                last = start + path[-1]
+                raise RuntimeError(f"row {b} holds {self.lengths[b]} tokens; the kept block reaches row {last}")
+            moved_from = next((i for i, row in enumerate(path) if row != i), len(path))
+            if moved_from < len(path):
+                source = torch.tensor([start + r for r in path[moved_from:]], device=self.device)
+                for layer in self.layers:
+                    if not layer.is_initialized:
+                        continue
+                    # index_select copies the source rows out first, so writing them back over
+                    # positions they may overlap is safe. [kv_heads, m', head_dim] each.
+                    for buffer in (layer.key_buffer, layer.value_buffer):
+                        buffer[b, :, start + moved_from : start + len(path)] = buffer[b].index_select(-2, source)
+        self.set_lengths([start + len(path) for start, path in zip(starts, paths, strict=True)])
+
+    def row_view(self, row: int, view: RollbackCache | None = None) -> RollbackCache:
+        """Row ``row`` as a one-row cache over these buffers (``view`` updated in place when given):
+        a drafter that drafts one row at a time writes its K/V through it, where the verify will
+        overwrite them. The caller reserves room first, so the view never grows away from them."""
+        if not any(layer.is_initialized for layer in self.layers):
+            raise RuntimeError("a row view shares buffers a first forward makes: run one over every row first")
+        if view is None:
+            view = RollbackCache([layer.sliding_window for layer in self.layers], 1, self.dtype)
+        view.capacity = self.capacity
+        for mine, theirs in zip(self.layers, view.layers, strict=True):
+            if not mine.is_initialized:
+                continue
+            theirs.dtype, theirs.device = mine.dtype, mine.device
+            theirs.key_buffer = mine.key_buffer[row : row + 1]
+            theirs.value_buffer = mine.value_buffer[row : row + 1]
+            theirs.is_initialized = True
+        view.set_lengths([self.lengths[row]])
+        return view
+
+    def keep_path(self, start: int, rows: Sequence[int]) -> None:
+        """``keep_paths`` with one start and path for every row."""
+        self.keep_paths([start] * self.rows, [rows] * self.rows)
 
 
-def model_cache(model: nn.Module, windows: list[int | None] | None = None) -> RollbackCache:
-    """An empty cache for ``model``: one layer per window (the model's own by default), storing
-    the model's dtype whatever precision a draft writes in."""
+def model_cache(model: nn.Module, windows: Sequence[int | None] | None = None, rows: int = 1) -> RollbackCache:
+    """An empty cache of ``rows`` rows for ``model``: one layer per window (the model's own by
+    default), storing the model's dtype whatever precision a draft writes in."""
     windows = adapters.sliding_windows(model) if windows is None else windows
-    return RollbackCache(windows, dtype=next(model.parameters()).dtype)
+    return RollbackCache(windows, rows, dtype=next(model.parameters()).dtype)

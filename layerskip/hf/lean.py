@@ -31,9 +31,8 @@ from torch.nn import functional as F
 
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.ragged import RaggedCache
 
-# x [1, in] in the compute dtype -> [1, out] in the compute dtype, for one fused group.
+# x [R, in] in the compute dtype -> [R, out] in the compute dtype, for one fused group.
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -237,42 +236,65 @@ def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
 def lean_hidden(
     plan: LeanPlan,
     matmuls: Callable[[int, str], Matmul],
-    token: torch.Tensor,
-    position: int,
+    tokens: torch.Tensor,
     cache: RollbackCache,
     skip_attention: Sequence[int] | set[int],
     skip_mlp: Sequence[int] | set[int],
     compute_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The final hidden state ``[hidden]`` (after the final norm) of ``token [1, 1]`` at ``position``,
-    with the given sublayers bypassed; every kept attention writes its K/V at ``position``.
+    """The final hidden states ``[R, hidden]`` (after the final norm) of ``tokens [R]``, row ``r`` at
+    its position ``cache.lengths[r]``, with the given sublayers bypassed; every kept attention
+    writes each row's K/V at its position, and the cache's rows move on by one.
 
-    ``matmuls(layer, name)`` gives the products, name in "qkv", "o", "gate_up", "down".
+    Every product runs once over all rows. Where the rows' lengths differ, each attends through a
+    mask ``[R, 1, 1, L]`` to its own keys up to its position (within the layer's window); where they
+    share one length, to the same last keys with no mask. ``matmuls(layer, name)`` gives the
+    products, name in "qkv", "o", "gate_up", "down".
     """
+    rows = tokens.shape[0]
+    device = tokens.device
     model_dtype = plan.final_norm[0].dtype
     rotary = plan.rotary(compute_dtype)
-    h = plan.embed(token).reshape(plan.hidden_size)  # [H], the model's dtype
+    common = cache.common_length
+    longest = cache.longest + 1
+    cache.reserve(longest)
+    if common is None:
+        where = torch.tensor(cache.lengths, device=device)  # [R] positions
+        key_positions = torch.arange(longest, device=device)
+        seen = key_positions[None, :] <= where[:, None]  # [R, L]
+    masks: dict[int | None, torch.Tensor | None] = {}
     rotations: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+    h = plan.embed(tokens).reshape(rows, plan.hidden_size)  # [R, H], the model's dtype
     for i, (attn, mlp) in enumerate(zip(plan.attention, plan.mlp)):
         if i not in skip_attention:
             if attn.rotary_key not in rotations:
-                rotations[attn.rotary_key] = rotary.at(position, attn.rotary_key)
+                if common is not None:
+                    rotations[attn.rotary_key] = rotary.at(common, attn.rotary_key)  # [d] for every row
+                else:
+                    rotary.at(longest, attn.rotary_key)  # grows the table to every row's position
+                    cos, sin = rotary.tables[attn.rotary_key]
+                    rotations[attn.rotary_key] = (cos[where][:, None], sin[where][:, None])  # [R, 1, d]
+            if attn.window not in masks:
+                if common is not None:
+                    masks[attn.window] = None
+                else:
+                    window = seen if attn.window is None else seen & (where[:, None] - key_positions < attn.window)
+                    masks[attn.window] = window[:, None, None, :]  # [R, 1, 1, L]
             cos, sin = rotations[attn.rotary_key]
-            out = _attention(attn, matmuls, i, h, cos, sin, position, cache, compute_dtype)
+            qk, value = _rotated_qkv(attn, matmuls, i, h, cos, sin, compute_dtype)  # [R, q + kv, d], [R, kv, d]
+            keys, values = cache.layers[i].update(qk[:, attn.q_heads :, None], value[:, :, None])
+            first = 0 if common is None or attn.window is None else max(0, common + 1 - attn.window)
+            grouped = attn.q_heads != attn.kv_heads
+            keys, values = keys[:, :, first:], values[:, :, first:]
+            out = _attend(attn, matmuls, i, qk, keys, values, masks[attn.window], compute_dtype, grouped)
             h = h + out.to(model_dtype)
         if i not in skip_mlp:
             h = h + _mlp(mlp, matmuls, i, h, compute_dtype).to(model_dtype)
+    cache.advance(1)
     return _rms(h, plan.final_norm).to(model_dtype)
 
 
 def _mlp(
-    mlp: _MLP, matmuls: Callable[[int, str], Matmul], index: int, h: torch.Tensor, compute_dtype: torch.dtype
-) -> torch.Tensor:
-    """One MLP sublayer's output ``[H]`` for the residual stream ``h [H]``."""
-    return _mlp_rows(mlp, matmuls, index, h.unsqueeze(0), compute_dtype)[0]
-
-
-def _mlp_rows(
     mlp: _MLP, matmuls: Callable[[int, str], Matmul], index: int, h: torch.Tensor, compute_dtype: torch.dtype
 ) -> torch.Tensor:
     """One MLP sublayer's output ``[R, H]`` for the residual streams ``h [R, H]``."""
@@ -293,22 +315,8 @@ def _rotated_qkv(
     sin: torch.Tensor,
     compute_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries and keys ``[q_heads + kv_heads, d]``, normed and rotated, and values ``[kv_heads, d]``."""
-    qk, value = _rotated_qkv_rows(attn, matmuls, index, h.unsqueeze(0), cos, sin, compute_dtype)
-    return qk[0], value[0]
-
-
-def _rotated_qkv_rows(
-    attn: _Attention,
-    matmuls: Callable[[int, str], Matmul],
-    index: int,
-    h: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    compute_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_rotated_qkv`` for the residual streams ``h [R, H]``: ``[R, q_heads + kv_heads, d]`` and
-    ``[R, kv_heads, d]`` (``cos``/``sin``: ``[d]`` for every row, or ``[R, 1, d]``)."""
+    """Queries and keys ``[R, q_heads + kv_heads, d]``, normed and rotated, and values ``[R, kv_heads, d]``
+    for the residual streams ``h [R, H]`` (``cos``/``sin``: ``[d]`` for every row, or ``[R, 1, d]``)."""
     q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
     x = _rms(h, attn.norm).to(compute_dtype)  # [R, H]
     qkv = matmuls(index, "qkv")(x)  # [R, (q_heads + 2 kv_heads) d]
@@ -326,48 +334,21 @@ def _attend(
     qk: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    position: int,
+    mask: torch.Tensor | None,
     compute_dtype: torch.dtype,
     grouped: bool,
 ) -> torch.Tensor:
-    """The sublayer's output ``[H]``: the query in ``qk`` over ``keys``/``values`` ``[1, kv_heads,
-    position + 1, d]`` (cut to the layer's window), then the output projection. ``grouped``: fewer
-    K/V heads than query heads, a plain bool (graph capture makes the head counts symbolic)."""
+    """The sublayer's output ``[R, H]``: each row's query in ``qk`` over ``keys``/``values``
+    ``[R, kv_heads, L, d]`` (through ``mask [R, 1, 1, L]`` where given), then the output projection.
+    ``grouped``: fewer K/V heads than query heads, a plain bool (graph capture makes the head
+    counts symbolic)."""
     q_heads, d = attn.q_heads, attn.head_dim
-    start = 0 if attn.window is None else max(0, position + 1 - attn.window)
-    keys, values = keys[:, :, start:], values[:, :, start:]
-    query = qk[:q_heads].view(1, q_heads, 1, d).to(keys.dtype)
-    out = F.scaled_dot_product_attention(query, keys, values, scale=attn.scaling, enable_gqa=grouped)
-    out = matmuls(index, "o")(out.view(1, q_heads * d).to(compute_dtype))[0]  # [H]
+    query = qk[:, :q_heads].unsqueeze(2).to(keys.dtype)  # [R, q_heads, 1, d]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=grouped)
+    out = matmuls(index, "o")(out.reshape(-1, q_heads * d).to(compute_dtype))  # [R, H]
     if attn.post_norm is not None:
         out = _rms(out, attn.post_norm)
     return out
-
-
-def _attention(
-    attn: _Attention,
-    matmuls: Callable[[int, str], Matmul],
-    index: int,
-    h: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position: int,
-    cache: RollbackCache,
-    compute_dtype: torch.dtype,
-) -> torch.Tensor:
-    q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
-    qk, value = _rotated_qkv(attn, matmuls, index, h, cos, sin, compute_dtype)
-    layer = cache.layers[index]
-    if not layer.is_initialized or position + 1 > layer._key_buffer.shape[-2] or layer.length != position:
-        # First write, a buffer to grow, or a layer not at this position: the cache's own update.
-        keys, values = layer.update(qk[q_heads:].view(1, kv_heads, 1, d), value.view(1, kv_heads, 1, d))
-    else:
-        layer._key_buffer[0, :, position] = qk[q_heads:]  # cast to the cache's dtype on write
-        layer._value_buffer[0, :, position] = value
-        layer.length = layer.written = position + 1
-        keys = layer.keys = layer._key_buffer[:, :, : position + 1]
-        values = layer.values = layer._value_buffer[:, :, : position + 1]
-    return _attend(attn, matmuls, index, qk, keys, values, position, compute_dtype, q_heads != kv_heads)
 
 
 def lean_step_function(
@@ -378,29 +359,30 @@ def lean_step_function(
     compute_dtype: torch.dtype,
 ) -> Callable[..., torch.Tensor]:
     """The lean step for one skip set as a pure function, for graph capture (``torch.compile``):
-    ``(token [1, 1], position, rotations {layer type: (cos, sin)}, key buffers, value buffers) ->
-    hidden [H]``. It writes each kept layer's K/V into its buffer at ``position``; the caller
-    moves the cache's lengths (``advance_cache``). Everything else it reads is fixed when built."""
+    ``(tokens [R], position, rotations {layer type: (cos, sin)}, key buffers, value buffers) ->
+    hidden [R, H]`` for rows that share one ``position``. It writes each kept layer's K/V into its
+    buffer at ``position``; the caller moves the cache on. Everything else it reads is fixed when built."""
     skipped_attention, skipped_mlp = set(skip_attention), set(skip_mlp)
     model_dtype = plan.final_norm[0].dtype
     grouped = [a.q_heads != a.kv_heads for a in plan.attention]  # Python bools, fixed before capture
 
     def step(
-        token: torch.Tensor,
+        tokens: torch.Tensor,
         position: int,
         rotations: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
     ) -> torch.Tensor:
-        h = plan.embed(token).reshape(plan.hidden_size)
+        h = plan.embed(tokens).reshape(tokens.shape[0], plan.hidden_size)
         for i, (attn, mlp) in enumerate(zip(plan.attention, plan.mlp)):
             if i not in skipped_attention:
                 cos, sin = rotations[attn.rotary_key]
                 qk, value = _rotated_qkv(attn, matmuls, i, h, cos, sin, compute_dtype)
-                keys[i][0, :, position] = qk[attn.q_heads :]
-                values[i][0, :, position] = value
-                seen_keys, seen_values = keys[i][:, :, : position + 1], values[i][:, :, : position + 1]
-                out = _attend(attn, matmuls, i, qk, seen_keys, seen_values, position, compute_dtype, grouped[i])
+                keys[i][:, :, position] = qk[:, attn.q_heads :]
+                values[i][:, :, position] = value
+                first = 0 if attn.window is None else max(0, position + 1 - attn.window)
+                seen_keys, seen_values = keys[i][:, :, first : position + 1], values[i][:, :, first : position + 1]
+                out = _attend(attn, matmuls, i, qk, seen_keys, seen_values, None, compute_dtype, grouped[i])
                 h = h + out.to(model_dtype)
             if i not in skipped_mlp:
                 h = h + _mlp(mlp, matmuls, i, h, compute_dtype).to(model_dtype)
@@ -410,102 +392,12 @@ def lean_step_function(
 
 
 def step_inputs(
-    plan: LeanPlan, position: int, cache: RollbackCache, skip_attention: Sequence[int], compute_dtype: torch.dtype
+    plan: LeanPlan, position: int, cache: RollbackCache, compute_dtype: torch.dtype
 ) -> tuple[dict[str | None, tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor], list[torch.Tensor]]:
-    """The rotations and K/V buffers ``lean_step_function``'s step reads at ``position`` (buffers
-    grown first where they are full)."""
+    """The rotations and K/V buffers ``lean_step_function``'s step reads at ``position`` (the
+    buffers grown first where they are full)."""
     rotary = plan.rotary(compute_dtype)
     rotations = {a.rotary_key: rotary.at(position, a.rotary_key) for a in plan.attention}
-    for index, layer in enumerate(cache.layers[: len(plan.attention)]):
-        if index not in skip_attention and position + 1 > layer._key_buffer.shape[-2]:
-            layer._allocate(layer._key_buffer, layer._value_buffer, 2 * (position + 1))
-    keys = [layer._key_buffer for layer in cache.layers[: len(plan.attention)]]
-    values = [layer._value_buffer for layer in cache.layers[: len(plan.attention)]]
-    return rotations, keys, values
-
-
-def advance_cache(cache: RollbackCache, position: int, skip_attention: Sequence[int], layers: int) -> None:
-    """After a step function wrote K/V at ``position``: every kept layer now holds ``position + 1``."""
-    for index, layer in enumerate(cache.layers[:layers]):
-        if index not in skip_attention:
-            layer.length = layer.written = position + 1
-            layer._refresh_views()
-
-
-@torch.inference_mode()
-def lean_hidden_rows(
-    plan: LeanPlan,
-    matmuls: Callable[[int, str], Matmul],
-    tokens: torch.Tensor,
-    cache: RaggedCache,
-    skip_attention: Sequence[int] | set[int],
-    skip_mlp: Sequence[int] | set[int],
-    compute_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``lean_hidden`` for every row of a ragged batch at once: ``tokens [R]``, row ``r`` at position
-    ``cache.lengths[r]``, returns the final hidden states ``[R, hidden]``.
-
-    Each kept attention writes row ``r``'s K/V at its own position and attends, through a mask
-    ``[R, 1, 1, L]``, to that row's keys up to it (within the layer's window); every product runs
-    once over all rows. The caller moves the cache's lengths on by one afterwards.
-    """
-    rows = tokens.shape[0]
-    device = tokens.device
-    model_dtype = plan.final_norm[0].dtype
-    rotary = plan.rotary(compute_dtype)
-    where = torch.tensor(cache.lengths, device=device)  # [R] positions
-    longest = int(max(cache.lengths)) + 1
-    cache.reserve(longest)
-    key_positions = torch.arange(longest, device=device)
-    seen = key_positions[None, :] <= where[:, None]  # [R, L]
-    masks: dict[int | None, torch.Tensor] = {}
-    rotations: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
-    index = torch.arange(rows, device=device)
-    h = plan.embed(tokens).reshape(rows, plan.hidden_size)  # [R, H], the model's dtype
-    for i, (attn, mlp) in enumerate(zip(plan.attention, plan.mlp)):
-        if i not in skip_attention:
-            if attn.rotary_key not in rotations:
-                rotary.at(longest, attn.rotary_key)  # grows the table to every row's position
-                cos, sin = rotary.tables[attn.rotary_key]
-                rotations[attn.rotary_key] = (cos[where][:, None], sin[where][:, None])  # [R, 1, d]
-            if attn.window not in masks:
-                window = seen if attn.window is None else seen & (where[:, None] - key_positions < attn.window)
-                masks[attn.window] = window[:, None, None, :]  # [R, 1, 1, L]
-            cos, sin = rotations[attn.rotary_key]
-            out = _attention_rows(attn, matmuls, i, h, cos, sin, cache, index, where, longest, masks[attn.window])
-            h = h + out.to(model_dtype)
-        if i not in skip_mlp:
-            h = h + _mlp_rows(mlp, matmuls, i, h, compute_dtype).to(model_dtype)
-    return _rms(h, plan.final_norm).to(model_dtype)
-
-
-def _attention_rows(
-    attn: _Attention,
-    matmuls: Callable[[int, str], Matmul],
-    index: int,
-    h: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache: RaggedCache,
-    rows: torch.Tensor,
-    where: torch.Tensor,
-    longest: int,
-    mask: torch.Tensor,
-) -> torch.Tensor:
-    """One attention sublayer's output ``[R, H]`` for the residual streams ``h [R, H]``."""
-    q_heads, kv_heads, d = attn.q_heads, attn.kv_heads, attn.head_dim
-    qk, value = _rotated_qkv_rows(attn, matmuls, index, h, cos, sin, cos.dtype)  # [R, q + kv, d], [R, kv, d]
-    layer = cache.layers[index]
-    if not layer.is_initialized:
-        raise RuntimeError("a batched draft runs after the prefill has filled every layer")
-    layer.key_buffer[rows, :, where] = qk[:, q_heads:].to(layer.dtype)  # [R, kv, d] at each row's position
-    layer.value_buffer[rows, :, where] = value.to(layer.dtype)
-    keys, values = layer.key_buffer[:, :, :longest], layer.value_buffer[:, :, :longest]
-    query = qk[:, :q_heads].unsqueeze(2).to(keys.dtype)  # [R, q_heads, 1, d]
-    out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=q_heads != kv_heads
-    )
-    out = matmuls(index, "o")(out.reshape(-1, q_heads * d).to(cos.dtype))  # [R, H]
-    if attn.post_norm is not None:
-        out = _rms(out, attn.post_norm)
-    return out
+    cache.reserve(position + 1)
+    layers = cache.layers[: len(plan.attention)]
+    return rotations, [layer.key_buffer for layer in layers], [layer.value_buffer for layer in layers]

@@ -1,11 +1,12 @@
-"""One full-model forward over a flattened token tree, through the model's own Hugging Face forward.
+"""The masks of a verify block over B rows, each a chain or a flattened token tree at its own length.
 
-A verify block for a tree is ``[pending, node 0, ..., node n-1]``: the pending token (the root,
+``hf.forward.block_hidden`` runs the model's own Hugging Face forward with them. A verify block
+for a tree is ``[pending, node 0, ..., node n-1]``: the pending token (the root,
 block position 0) and the tree's nodes in depth-first order (node ``i`` at block position
 ``i + 1``), each with a parent earlier in the block. Every block row must see exactly what it
 would see in a plain causal forward of its own root-to-node path:
 
-* the whole committed prefix (cache rows ``0..start-1``, positions ``0..start-1``),
+* the whole committed prefix of its row (cache positions ``0..start-1``, positions ``0..start-1``),
 * its ancestors, the root and itself, and no other node;
 * position id ``start + depth`` (the root has depth 0), so rotary / learned position
   embeddings are those of the path;
@@ -33,8 +34,6 @@ from torch import nn
 
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
-from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import full_hidden
 
 # The parent index of the root's children: the pending token, block position 0. The same value
 # as ``layerskip.sampling.ROOT`` (hf/ imports nothing of layerskip but its errors).
@@ -72,20 +71,6 @@ def block_visibility(parents: Sequence[int], device: torch.device | str = "cpu")
         # Parents come first, so the parent's row is complete: inherit it.
         visible[node + 1] |= visible[parent + 1]
     return visible.to(device)
-
-
-def _visible_keys(parents: Sequence[int], start: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """``[n+1, start+n+1]`` bool over [committed prefix | block], with a sliding window by position."""
-    size = len(parents) + 1
-    block = block_visibility(parents, device)  # [n+1, n+1]
-    allowed = torch.cat([torch.ones(size, start, dtype=torch.bool, device=device), block], dim=1)
-    if window is not None:
-        query_pos = start + torch.tensor(block_depths(parents), device=device)  # [n+1]
-        key_pos = torch.cat([torch.arange(start, device=device), query_pos])  # [start+n+1]
-        # Every allowed key is at or before its query's position (prefix, ancestors), so the
-        # causal half of HF's sliding rule already holds; this is its window half.
-        allowed &= (query_pos[:, None] - key_pos[None, :]) < window
-    return allowed
 
 
 def _mask_format(model: nn.Module) -> bool:
@@ -141,45 +126,51 @@ def model_masks(
     return by_type
 
 
-def tree_attention_mask(
-    model: nn.Module, parents: Sequence[int], start: int, device: torch.device
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The attention mask(s) for a tree block at positions from ``start`` over a cache holding
-    ``start`` tokens: ``[1, 1, n+1, start+n+1]`` tensors (``model_masks``)."""
-    return model_masks(model, lambda window: _visible_keys(parents, start, window, device)[None])
+def block_masks(
+    model: nn.Module,
+    lengths: Sequence[int],
+    parents: Sequence[Sequence[int] | None],
+    q: int,
+    device: torch.device,
+) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
+    """The masks and position ids of a verify block of ``q`` positions per row: row ``b`` holds
+    ``lengths[b]`` committed tokens and its block ``[pending, node 0..q-2]`` has ``parents[b]``
+    (None: a chain). Returns the masks ``[B, 1, q, max(lengths) + q]`` (``model_masks``) and the
+    positions ``[B, q]`` (``lengths[b] + depth``).
 
+    Row ``b``'s query ``i`` sees every committed key of its own row, its block's root, its
+    ancestors and itself (written at buffer positions ``lengths[b] + k``), and nothing past them
+    (another row's longer block, stale K/V); on a sliding-window layer only keys whose position is
+    within the window of the query's."""
+    rows = len(lengths)
+    start = torch.tensor(list(lengths), device=device)[:, None]  # [B, 1]
+    chain = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+    seen = torch.stack(
+        [chain if p is None else block_visibility(p, device) for p in parents]
+    )  # [B, q, q]: block row i sees block row k
+    depths = torch.stack(
+        [torch.arange(q, device=device) if p is None else torch.tensor(block_depths(p), device=device) for p in parents]
+    )  # [B, q]
+    query = start + depths  # [B, q] positions
+    key = torch.arange(max(lengths) + q, device=device)[None, :]  # [1, K] buffer positions
+    offset = key - start  # [B, K]: a key's place in its row's block (negative: the committed prefix)
+    in_block = (offset >= 0) & (offset < q)
+    inside = offset.clamp(0, q - 1)  # [B, K]
+    block_seen = seen.gather(2, inside[:, None, :].expand(rows, q, -1))  # [B, q, K]
+    allowed = (offset < 0)[:, None, :] | (in_block[:, None, :] & block_seen)
+    key_position = torch.where(offset < 0, key, start + depths.gather(1, inside))  # [B, K]
 
-def tree_hidden(
-    model: nn.Module, block_ids: torch.Tensor, parents: Sequence[int], cache: RollbackCache, start: int
-) -> torch.Tensor:
-    """Final hidden states ``[n+1, H]`` of a tree block ``block_ids [1, n+1]`` (``[pending, *nodes]``).
+    def visible(window: int | None) -> torch.Tensor:
+        if window is None:
+            return allowed
+        return allowed & ((query[:, :, None] - key_position[:, None, :]) < window)
 
-    ``cache`` holds the committed prefix, ``start`` tokens in every layer that runs; the
-    forward appends the K/V of all n+1 block rows at cache rows ``start..start+n`` (keep the
-    accepted path with ``RollbackCache.keep_path``). Row ``j`` equals the last hidden state of a
-    plain causal forward over prefix + the root-to-node path of block position ``j``.
-    """
-    if block_ids.shape != (1, len(parents) + 1):
-        raise ValueError(f"block_ids {tuple(block_ids.shape)} does not hold the root and {len(parents)} nodes")
-    if cache.length != start:
-        raise RuntimeError(f"the cache holds {cache.length} tokens, not the {start} committed; roll it back first")
-    device = block_ids.device
-    positions = (start + torch.tensor(block_depths(parents), device=device)).unsqueeze(0)  # [1, n+1]
-    mask = tree_attention_mask(model, parents, start, device)
-    return adapters.stack_hidden(model, block_ids, cache, positions, attention_mask=mask)[0]
+    limit = adapters.max_positions(model)
+    # Only filler rows, which no real row sees, could pass the model's last position.
+    positions = query if limit is None else query.clamp(max=limit - 1)
+    return model_masks(model, visible), positions
 
 
 def is_chain(parents: Sequence[int]) -> bool:
     """Whether every node's parent is the node before it: the block is a plain causal one."""
     return all(parent == node - 1 for node, parent in enumerate(parents))
-
-
-def block_hidden(
-    model: nn.Module, block_ids: torch.Tensor, parents: Sequence[int], cache: RollbackCache, start: int
-) -> torch.Tensor:
-    """Final hidden states ``[n+1, H]`` of the verify block ``block_ids [1, n+1]`` whose nodes have
-    ``parents``: what ``tree_hidden`` computes. A block whose parents form a chain runs as the
-    model's plain causal forward (no mask to build, the model's fastest path): the same rows."""
-    if is_chain(parents):
-        return full_hidden(model, block_ids, cache, start, block_ids.shape[1])
-    return tree_hidden(model, block_ids, parents, cache, start)

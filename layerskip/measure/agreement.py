@@ -72,7 +72,7 @@ class TeacherForcedDraft:
         ids = torch.tensor([[*reference.prompt, *reference.continuation[:-1]]], device=device)  # [1, P+C-1]
         with torch.inference_mode(), draft_model.active(attention, mlp):
             # Position P-1 predicts continuation[0]; the last position predicts continuation[-1].
-            hidden = draft_model.hidden(ids, None, 0)[0, len(reference.prompt) - 1 :]  # [C, hidden]
+            hidden = draft_model.hidden(ids, None)[0, len(reference.prompt) - 1 :]  # [C, hidden]
             if head_rows is None:
                 self.rows = None
                 logits = draft_model.head(None)(hidden).float()  # [C, V]

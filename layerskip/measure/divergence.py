@@ -62,7 +62,7 @@ from torch import nn
 
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
-from layerskip.hf.forward import positions
+from layerskip.hf.forward import positions, stack_forward
 from layerskip.integration.baselines import hf_greedy_logits
 
 ROUNDING = "rounding"
@@ -360,7 +360,7 @@ class DivergenceCheck:
                 return {}
             block = sequence[start : start + width]
             block += [sequence[-1]] * (width - len(block))
-            hidden = adapters.stack_hidden(
+            hidden = stack_forward(
                 self.model, torch.tensor([block], device=self.device), cache, positions(start, width, self.device)
             )[0]
             if start <= target < start + width:
@@ -398,7 +398,7 @@ class DivergenceCheck:
             gaps.update(self._head_gaps(name, hidden, row, gap))
 
         ids = torch.tensor([prefix], device=self.device)
-        whole = adapters.stack_hidden(model, ids, None, positions(0, len(prefix), self.device))[0]  # [n, H]
+        whole = stack_forward(model, ids, None, positions(0, len(prefix), self.device))[0]  # [n, H]
         heads("one forward over the prefix", whole[-1:], 0)
         generated = len(prefix) - len(prompt)  # p: the position's input token is the p-th after the prompt
         if generated == 0:
@@ -409,13 +409,13 @@ class DivergenceCheck:
         for q in self.block_sizes:
             # The cache's history: the prompt's prefill, then the generated tokens in q-row blocks.
             cache = model_cache(model, windows)
-            adapters.stack_hidden(
+            stack_forward(
                 model, torch.tensor([prompt], device=self.device), cache, positions(0, len(prompt), self.device)
             )
             start = len(prompt) + (generated - 1) // q * q  # the q-row block holding the position's input token
             for begin in range(len(prompt), start, q):
                 block = torch.tensor([prefix[begin : begin + q]], device=self.device)
-                adapters.stack_hidden(model, block, cache, positions(begin, q, self.device))
+                stack_forward(model, block, cache, positions(begin, q, self.device))
             # The position as row ``row`` of every block width that holds it (a verify's width is
             # its draft's length plus one, padded or not): one more forward each over the same cache.
             row = len(prefix) - 1 - start
@@ -425,6 +425,6 @@ class DivergenceCheck:
                 tail = prefix[start:] + (filler * width)[: width - row - 1]
                 cache.rollback(start)
                 block = torch.tensor([tail], device=self.device)
-                hidden = adapters.stack_hidden(model, block, cache, positions(start, width, self.device))[0]
+                hidden = stack_forward(model, block, cache, positions(start, width, self.device))[0]
                 heads(f"row {row} of {width}, cache in blocks of {q}", hidden, row)
         return gaps
