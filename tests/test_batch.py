@@ -73,6 +73,7 @@ class Rotation:
 
     def choose(self, kinds: kinds_module.StepKinds) -> str:
         if len(kinds.kinds) == 1:  # a menu without a choice (one row left) leaves the cycle where it is
+            self.ran.append(kinds.kinds[0])
             return kinds.kinds[0]
         kind = next(self.cycle)
         while kind not in kinds.kinds:

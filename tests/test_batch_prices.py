@@ -7,8 +7,8 @@ import math
 import pytest
 
 from layerskip.drafts.costs import expected_tokens
-from layerskip.engine.step_kinds import EXPLORE_AFTER, StepKinds
 from layerskip.engine.batch_prices import BatchPrices
+from layerskip.engine.step_kinds import EXPLORE_AFTER, StepKinds
 
 
 def _prices(acceptance: float = 0.8) -> BatchPrices:

@@ -69,7 +69,7 @@ def test_bad_thread_settings_are_refused(bad: object) -> None:
 def test_no_thread_setting_on_a_gpu_and_none_to_tune_on_one_core() -> None:
     assert not ThreadTuner("auto", torch.device("cuda")).enabled
     torch.set_num_threads(1)
-    assert ThreadTuner("auto", torch.device("cpu")).phases["verify"].candidates == (1,)
+    assert ThreadTuner("auto", torch.device("cpu")).phase_threads("verify").candidates == (1,)
 
 
 def test_the_callers_thread_count_comes_back_even_after_an_error() -> None:
@@ -157,12 +157,12 @@ def test_the_verify_follows_the_drafts_count_and_learns_alone_without_draft_forw
                 draft.units = 3
             with tuner.phase("verify") as verify:
                 assert verify.threads == draft.threads
-        assert tuner.phases["verify"].uses == {}  # learnt nothing: the draft decides
+        assert tuner.phase_threads("verify").uses == {}  # learnt nothing: the draft decides
         with tuner.phase("draft") as lookup:
             lookup.units = 0  # a lookup draft: no forwards, no signal; the verify takes the draft's best
         with tuner.phase("verify") as verify:
-            assert verify.threads == tuner.phases["draft"].best()
-        assert tuner.phases["verify"].uses == {}
+            assert verify.threads == tuner.phase_threads("draft").best()
+        assert tuner.phase_threads("verify").uses == {}
     lookup_only = ThreadTuner("auto", torch.device("cpu"))  # never a draft forward: the verify learns
     with lookup_only.session():
         for _ in range(3):
@@ -170,14 +170,14 @@ def test_the_verify_follows_the_drafts_count_and_learns_alone_without_draft_forw
                 lookup.units = 0
             with lookup_only.phase("verify"):
                 pass
-    assert sum(lookup_only.phases["verify"].uses.values()) == 3
+    assert sum(lookup_only.phase_threads("verify").uses.values()) == 3
 
 
 def test_the_prefill_runs_on_the_drafts_best_count_once_it_is_known() -> None:
     torch.set_num_threads(2)
     tuner = ThreadTuner("auto", torch.device("cpu"))
-    tuner.phases["draft"].record(1, 1.0)
-    tuner.phases["draft"].record(2, 5.0)  # busy machine: one thread is faster
+    tuner.phase_threads("draft").record(1, 1.0)
+    tuner.phase_threads("draft").record(2, 5.0)  # busy machine: one thread is faster
     with tuner.session():
         with tuner.phase("verify") as prefill:
             prefill.units = 0

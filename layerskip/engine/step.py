@@ -110,7 +110,7 @@ class Stepper:
         prompts = [row.output.history for row in self.rows]
         longest = max(len(p) for p in prompts)
         block = torch.tensor([[*p, *[p[-1]] * (longest - len(p))] for p in prompts], device=self.device)
-        with self.threads.phase("verify") as run, self._around_verify(self.cache.lengths, block):
+        with self.threads.phase("verify", len(self.rows)) as run, self._around_verify(self.cache.lengths, block):
             run.units = 0  # the prefill teaches nothing about a step
             if len(prompts) * longest > PREFILL_PADDING * sum(len(p) for p in prompts):
                 lasts = self._prefill_rows(prompts)
@@ -151,11 +151,12 @@ class Stepper:
         committed = list(self.cache.lengths)
         # Each row's block: [pending, its tree's nodes], then fillers up to the width the verify runs.
         sizes = [len(p.tree) + 1 for p in proposals]
-        wanted = [
-            n if self.prepared is None else self.prepared.verify_block(n, c)
-            for n, c in zip(sizes, committed, strict=True)
-        ]
-        width = max(wanted)
+        width = max(sizes)
+        if self.prepared is not None:
+            # The policy's verify padding is about the rows of the verify's products (some CPUs run
+            # a few-row product slower than a 4-row one): B rows of width w are B * w of them.
+            rows = len(self.rows)
+            width = -(-self.prepared.verify_block(rows * width, max(committed)) // rows)
         blocks, parents = [], []
         for row, proposal, size in zip(self.rows, proposals, sizes, strict=True):
             tree, fillers = proposal.tree, width - size
@@ -165,7 +166,7 @@ class Stepper:
             parents.append([*tree.parents, *range(len(tree) - 1, len(tree) - 1 + fillers)])
         ids = torch.tensor(blocks, device=self.device)  # [B, width]
         own = kind == DRAFT  # the rows' own drafters proposed: they watch (and may shape) the verify
-        with self.threads.phase("verify") as run, self._around_verify(committed, ids, own, width):
+        with self.threads.phase("verify", len(self.rows)) as run, self._around_verify(committed, ids, own, width):
             run.units = 1
             hidden = block_hidden(self.model, ids, self.cache, parents)  # [B, width, H]
             verdicts = verify_rows(
@@ -210,7 +211,7 @@ class Stepper:
             if steps > 0:
                 histories = [row.output.history for row in self.rows]
                 generators = [row.generator for row in self.rows]
-                with self.threads.phase("draft") as run:
+                with self.threads.phase("draft", len(self.rows)) as run:
                     run.units = steps
                     drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators)
                 rows = zip(self.rows, drafts.rows, strict=True)
@@ -243,7 +244,7 @@ class Stepper:
         # The row's own drafter, through its view of the cache (room for its draft reserved first).
         self.cache.reserve(self.cache.longest + budget + 2)
         row.view = self.cache.row_view(b, row.view)
-        with self.threads.phase("draft") as run:
+        with self.threads.phase("draft", 1) as run:  # one row's draft
             proposal = row.drafter.propose(DraftRequest(row.output.history, row.view, budget, self.device))
             # Forwards run ~ tokens proposed (a draft that stopped at once still ran one); a
             # lookup or an empty plain draft ran none and teaches nothing.

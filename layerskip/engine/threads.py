@@ -130,8 +130,10 @@ class ThreadTuner:
             raise ValueError(f"threads must be 'auto' or a positive integer (got {threads!r})")
         self.enabled = torch.device(device).type == "cpu"
         available = torch.get_num_threads()
-        counts = candidate_counts(available) if threads == "auto" else (int(threads),)
-        self.phases = {name: PhaseThreads(counts) for name in PHASES}
+        self.counts = candidate_counts(available) if threads == "auto" else (int(threads),)
+        # Per phase and number of rows: a step over many rows is other work than one over one row
+        # (wider products, another best count), so each learns its own.
+        self.phases: dict[tuple[str, int], PhaseThreads] = {}
         self.last_draft_threads: int | None = None
         self.used: dict[str, int] = {}  # "phase:threads" -> runs in the current session, for stats
 
@@ -147,9 +149,19 @@ class ThreadTuner:
             if torch.get_num_threads() != previous:
                 torch.set_num_threads(previous)
 
+    def phase_threads(self, name: str, rows: int = 1) -> PhaseThreads:
+        """The thread choice of phase ``name`` over ``rows`` rows."""
+        if (name, rows) not in self.phases:
+            # Several rows: products wide enough for every core, and a count that moved would bend
+            # the batch's measured rates of its kinds of step; they run at the first candidate
+            # (every thread, or the caller's fixed count).
+            self.phases[(name, rows)] = PhaseThreads(self.counts if rows == 1 else self.counts[:1])
+        return self.phases[(name, rows)]
+
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[PhaseRun]:
-        """Run one phase under its chosen count; its time per unit is recorded afterwards.
+    def phase(self, name: str, rows: int = 1) -> Iterator[PhaseRun]:
+        """Run one phase of a step over ``rows`` rows under its chosen count; its time per unit is
+        recorded afterwards.
 
         The caller sets ``run.units`` (drafted tokens for a draft; 0 = do not learn from this run,
         e.g. a prompt-lookup draft that ran no forward, or the prefill).
@@ -158,10 +170,10 @@ class ThreadTuner:
         if not self.enabled:
             yield run
             return
-        draft = self.phases["draft"]
+        draft = self.phase_threads("draft", rows)
         follows_draft = name == "verify" and (self.last_draft_threads is not None or bool(draft.average))
         if not follows_draft:
-            run.threads = self.phases[name].next()
+            run.threads = self.phase_threads(name, rows).next()
         elif self.last_draft_threads is not None:
             run.threads = self.last_draft_threads
         else:  # the prefill, or a verify after a lookup draft: the draft's best so far
@@ -177,7 +189,7 @@ class ThreadTuner:
             # only a draft that ran forwards sets the verify's count
             self.last_draft_threads = run.threads if run.units > 0 else None
         if run.units > 0 and not follows_draft:
-            self.phases[name].record(run.threads, seconds / run.units)
+            self.phase_threads(name, rows).record(run.threads, seconds / run.units)
 
 
 @dataclass
