@@ -271,8 +271,10 @@ class Decoder:
             policy = None if self.draft is None else self.draft.policy
             lookup = policy.draft if policy is not None and policy.draft.lookup_max_ngram else None
             run = DraftRun(max(len(p) for p in ids), settings.max_new_tokens, settings.sampling, None)
-            # One lean product drafting for every row: built where there are rows to share it.
-            batch_draft = None if self.draft is None or len(rows) < 2 else self.draft.batch_draft(run, ids)
+            # One lean product drafting for every row: built where there are rows to share it, and
+            # not for a tree policy (it drafts chains; the rows' own drafters draft the trees).
+            shared = self.draft is not None and len(rows) > 1 and not self.draft.policy.draft.uses_trees
+            batch_draft = self.draft.batch_draft(run, ids) if shared else None
             has_draft = self.draft is not None or drafters is not None
 
             def menu_for(size: int) -> StepKinds:
