@@ -121,6 +121,10 @@ class DraftRequest:
     cache: RollbackCache
     max_tokens: int
     device: torch.device
+    # Tokens the user's logits processors forbid at the next position (an EOS before
+    # ``min_new_tokens``, suppressed tokens): the verify would reject a draft of them, so a draft
+    # leaves them out (proposals only; the verify decides what is kept).
+    masked: frozenset[int] = frozenset()
 
     @property
     def pending(self) -> int:

@@ -77,6 +77,14 @@ class DraftHead:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    def positions_of(self, tokens: Iterable[int]) -> torch.Tensor:
+        """Positions in this head's output of those token ids it scores (``[m]``)."""
+        ids = torch.tensor(sorted(set(tokens)), dtype=torch.long, device=self.full_weight.device)
+        if self.rows is None:
+            return ids[(ids >= 0) & (ids < self.vocab_size)]
+        rows = self.rows[: self.count]
+        return torch.isin(rows, ids).nonzero().squeeze(1)
+
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Map positions in this head's output to vocabulary ids."""
         return index if self.rows is None else self.rows[index]

@@ -130,9 +130,12 @@ class SkipDrafter(BaseDrafter):
         q_rows: list[torch.Tensor] = []
         confidences: list[float] = []
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per position: best tokens [K], probs [K]
+        masked = self.head.positions_of(request.masked) if request.masked else None
         with self.draft_model.active(self.attention, self.mlp):
             for _ in range(min(request.max_tokens, self.settings.max_draft_tokens)):
                 logits = self.draft_model.logits(token, request.cache, self.head)[0]  # [n]
+                if masked is not None:
+                    logits[masked] = -torch.inf
                 if self.sampling is None:
                     index = logits.argmax()
                 else:

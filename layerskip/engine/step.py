@@ -211,9 +211,10 @@ class Stepper:
             if steps > 0:
                 histories = [row.output.history for row in self.rows]
                 generators = [row.generator for row in self.rows]
+                masked = [self._masked(row) for row in self.rows]
                 with self.threads.phase("draft", len(self.rows)) as run:
                     run.units = steps
-                    drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators)
+                    drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators, masked)
                 rows = zip(self.rows, drafts.rows, strict=True)
                 return Proposals(tuple(self._longer_lookup(row, draft, steps) for row, draft in rows))
         return Proposals(tuple(self._propose(b, row, kind) for b, row in enumerate(self.rows)))
@@ -245,11 +246,18 @@ class Stepper:
         self.cache.reserve(self.cache.longest + budget + 2)
         row.view = self.cache.row_view(b, row.view)
         with self.threads.phase("draft", 1) as run:  # one row's draft
-            proposal = row.drafter.propose(DraftRequest(row.output.history, row.view, budget, self.device))
+            request = DraftRequest(row.output.history, row.view, budget, self.device, self._masked(row))
+            proposal = row.drafter.propose(request)
             # Forwards run ~ tokens proposed (a draft that stopped at once still ran one); a
             # lookup or an empty plain draft ran none and teaches nothing.
             run.units = max(1, len(proposal)) if proposal.source == base.SKIP else 0
         return proposal
+
+    @staticmethod
+    def _masked(row: Row) -> frozenset[int]:
+        """Tokens the row's processors forbid next: its drafts leave them out."""
+        masked_next = getattr(row.verifier, "masked_next", None)
+        return masked_next(row.output.history) if masked_next is not None else frozenset()
 
     def _observe(self) -> None:
         if self.observer is not None:

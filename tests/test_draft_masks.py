@@ -1,0 +1,47 @@
+"""Drafts leave out the tokens the user's processors forbid next (an EOS before ``min_new_tokens``,
+suppressed tokens): the verify would reject them. Proposals only: the output stays the verify's."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import random_prompt, tiny_model
+
+from layerskip.drafts.base import DraftRequest
+from layerskip.drafts.builder import DraftRun
+from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.hf.cache import model_cache
+from layerskip.hf.forward import block_hidden
+
+POLICY = SkipPolicy(skip_attention=(1,), draft=DraftSettings(max_draft_tokens=3))
+CPU = torch.device("cpu")
+
+
+@torch.inference_mode()
+def test_a_rows_drafter_leaves_out_masked_tokens() -> None:
+    model = tiny_model("llama")
+    prompt = random_prompt()
+    decoder = Decoder.for_policy(model, POLICY)
+    drafter = decoder._drafter(len(prompt), DecodeSettings(8, eos_token_ids=()), None)
+    cache = model_cache(model)
+    block_hidden(model, torch.tensor([prompt[:-1]]), cache)
+    first = drafter.propose(DraftRequest(prompt, cache, 3, CPU)).tokens
+    cache.rollback(len(prompt) - 1)
+    again = drafter.propose(DraftRequest(prompt, cache, 3, CPU, frozenset({first[0]}))).tokens
+    assert first and again and again[0] != first[0]
+
+
+@torch.inference_mode()
+def test_the_batched_draft_leaves_out_each_rows_masked_tokens() -> None:
+    model = tiny_model("gemma3_text")
+    prompts = [random_prompt(seed=1), random_prompt(seed=2)]
+    decoder = Decoder.for_policy(model, POLICY)
+    draft = decoder.draft.batch_draft(DraftRun(len(prompts[0]), 8, None, None), prompts)
+    cache = model_cache(model, rows=2)
+    block_hidden(model, torch.tensor([p[:-1] for p in prompts]), cache)
+    free = draft.propose(cache, prompts, [3, 3], 3, [None, None]).rows
+    masked = [frozenset({free[0].tokens[0]}), frozenset()]
+    again = draft.propose(cache, prompts, [3, 3], 3, [None, None], masked).rows
+    assert again[0].tokens[0] != free[0].tokens[0]
+    assert again[1].tokens == free[1].tokens  # row 1 had nothing masked
+    assert cache.lengths == [len(prompts[0]) - 1] * 2
