@@ -1,5 +1,6 @@
-"""Drafts leave out the tokens the user's processors forbid next (an EOS before ``min_new_tokens``,
-suppressed tokens): the verify would reject them. Proposals only: the output stays the verify's."""
+"""Drafts apply what the user's processors do next (an EOS masked before ``min_new_tokens``,
+suppressed tokens, a repetition penalty): the verify would reject what ignored them. Proposals
+only: the output stays the verify's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from layerskip.drafts.base import DraftRequest
 from layerskip.drafts.builder import DraftRun
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
+from layerskip.engine.verify_head import TokenEdits
 from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import block_hidden
 
@@ -27,8 +29,12 @@ def test_a_rows_drafter_leaves_out_masked_tokens() -> None:
     block_hidden(model, torch.tensor([prompt[:-1]]), cache)
     first = drafter.propose(DraftRequest(prompt, cache, 3, CPU)).tokens
     cache.rollback(len(prompt) - 1)
-    again = drafter.propose(DraftRequest(prompt, cache, 3, CPU, frozenset({first[0]}))).tokens
+    masked = TokenEdits((), lambda v: v, masked=(first[0],))
+    again = drafter.propose(DraftRequest(prompt, cache, 3, CPU, lambda drafted: masked)).tokens
     assert first and again and again[0] != first[0]
+    cache.rollback(len(prompt) - 1)
+    penalised = TokenEdits((first[0],), lambda v: v - 1e4)  # a penalty that pushes it far down
+    assert drafter.propose(DraftRequest(prompt, cache, 3, CPU, lambda drafted: penalised)).tokens[0] != first[0]
 
 
 @torch.inference_mode()
@@ -40,8 +46,32 @@ def test_the_batched_draft_leaves_out_each_rows_masked_tokens() -> None:
     cache = model_cache(model, rows=2)
     block_hidden(model, torch.tensor([p[:-1] for p in prompts]), cache)
     free = draft.propose(cache, prompts, [3, 3], 3, [None, None]).rows
-    masked = [frozenset({free[0].tokens[0]}), frozenset()]
+    banned = TokenEdits((), lambda v: v, masked=(free[0].tokens[0],))
+    masked = [lambda drafted: banned, None]
     again = draft.propose(cache, prompts, [3, 3], 3, [None, None], masked).rows
     assert again[0].tokens[0] != free[0].tokens[0]
     assert again[1].tokens == free[1].tokens  # row 1 had nothing masked
     assert cache.lengths == [len(prompts[0]) - 1] * 2
+
+
+@torch.inference_mode()
+def test_each_drafted_position_gets_its_own_edits() -> None:
+    """A processor whose mask depends on the text (no_repeat_ngram_size) is asked again after
+    every drafted token, with the tokens drafted so far."""
+    model = tiny_model("llama")
+    prompt = random_prompt()
+    decoder = Decoder.for_policy(model, POLICY)
+    drafter = decoder._drafter(len(prompt), DecodeSettings(8, eos_token_ids=()), None)
+    cache = model_cache(model)
+    block_hidden(model, torch.tensor([prompt[:-1]]), cache)
+    free = drafter.propose(DraftRequest(prompt, cache, 3, CPU)).tokens
+    asked: list[list[int]] = []
+
+    def after(drafted: list[int]) -> TokenEdits | None:
+        asked.append(list(drafted))
+        return TokenEdits((), lambda v: v, masked=(free[1],)) if len(drafted) == 1 else None
+
+    cache.rollback(len(prompt) - 1)
+    again = drafter.propose(DraftRequest(prompt, cache, 3, CPU, after)).tokens
+    assert asked[:2] == [[], free[:1]]
+    assert again[0] == free[0] and again[1] != free[1]

@@ -27,6 +27,7 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, load_json
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.measure import llamacpp
 from layerskip.measure.batches import LAYOUTS, figures_as_dicts, run_batches, summarise_batches
 from layerskip.measure.bench import (
     METHODS,
@@ -138,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run N spinning processes during the timed runs, to measure on a machine that is not idle",
     )
     parser.add_argument("--assistant-model", help="a second, smaller model for hf-assistant")
+    parser.add_argument(
+        "--gguf",
+        metavar="PATH",
+        help="the GGUF file methods llama.cpp and llama.cpp-lookup run (default: the file --model was loaded from, "
+        "an embedded model's or a .gguf path); needs llama-cpp-python: " + llamacpp.INSTALL,
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt at most")
     add_chat_argument(parser)
     parser.add_argument(
@@ -217,6 +224,8 @@ def _main(argv: list[str] | None) -> int:
     sampling = _sampling(args)
     args.generation = _generation(args)
     if args.batch_size is not None:  # "," included: refused as naming no size, never the per-prompt run
+        if args.gguf is not None:
+            raise LayerskipError("--batch-size measures HF batched generate and the plug-in; drop --gguf")
         if sampling is not None:
             raise LayerskipError("--batch-size measures greedy decoding; drop --temperature, --top-p and --top-k")
         return run_batch_bench(args, command)
@@ -224,6 +233,7 @@ def _main(argv: list[str] | None) -> int:
         raise LayerskipError(f"--busy-processes must be >= 0 (got {args.busy_processes})")
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     check_methods(names, bool(args.policy), bool(args.assistant_model))
+    llamacpp.check_request(names, args.model, args.gguf, sampling is not None, args.generation)
     if not isinstance(args.ablate, bool) and set(args.ablate) - set(ABLATIONS):
         unknown = sorted(set(args.ablate) - set(ABLATIONS))
         raise LayerskipError(f"unknown --ablate name(s) {unknown}; choose from {', '.join(ABLATIONS)}")
@@ -240,6 +250,7 @@ def _main(argv: list[str] | None) -> int:
     prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
     for prompt, ids in zip(prompts, prompt_ids):
         check_fits(model, len(ids), args.max_new_tokens, f"prompt {prompt.id}")
+    gguf = _gguf_peer(args, names, prompt_ids, LOOKUP_TOKENS)
     methods = build_methods(
         model,
         names,
@@ -252,6 +263,8 @@ def _main(argv: list[str] | None) -> int:
         sampling=sampling,
         seed=args.seed,
         generation=args.generation,
+        gguf=gguf,
+        lookup_tokens=LOOKUP_TOKENS,
     )
     with busy_processes(args.busy_processes):
         rows = run_benchmark(
@@ -279,6 +292,7 @@ def _main(argv: list[str] | None) -> int:
         "threads": list(args.threads),
         "busy_processes": args.busy_processes,
         "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
+        **({"gguf": str(gguf.path)} if gguf is not None else {}),  # the file llama.cpp's methods ran
         "policies": {label: policy.to_dict() for label, policy in policies.items()},
         "draft_memory_mb": {m.name: m.draft_memory_mb for m in methods if m.draft_memory_mb is not None},
         "memory": memory,
@@ -295,6 +309,21 @@ def _main(argv: list[str] | None) -> int:
     if slower:
         print(f"\nslower than HF generate here: {', '.join(slower)}")
     return 0
+
+
+LOOKUP_TOKENS = 10  # tokens a prompt-lookup draft proposes: hf-pld, self-spec-lookup and llama.cpp-lookup alike
+
+
+def _gguf_peer(
+    args: argparse.Namespace, names: list[str], prompt_ids: list[list[int]], lookup_tokens: int
+) -> llamacpp.GGUFPeer | None:
+    """The GGUF file and KV cache size of the llama.cpp methods (None: none was asked for). The
+    context holds the longest prompt, the new tokens (or the warm-up's, if more) and one draft more."""
+    if not llamacpp.wanted(names):
+        return None
+    new_tokens = max(args.max_new_tokens, BenchConfig.warmup_tokens)
+    context = max(len(ids) for ids in prompt_ids) + new_tokens + lookup_tokens + 1
+    return llamacpp.GGUFPeer(llamacpp.gguf_path(args.model, args.gguf), context)
 
 
 def _sampling(args: argparse.Namespace) -> Sampling | None:

@@ -11,7 +11,7 @@ in ``learn``. The engine uses drafters through this interface only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,6 +113,20 @@ def off_first_branch(verdict: Verdict) -> bool:
     return any(node != depth for depth, node in enumerate(verdict.path))
 
 
+class LogitEdits(Protocol):
+    """Few-token logits edits (``engine.verify_head.TokenEdits``): ``masked`` tokens get -inf;
+    ``tokens`` get ``apply(their logits [n]) -> [n]``."""
+
+    tokens: tuple[int, ...]
+    masked: tuple[int, ...]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
+# drafted tokens so far -> the processors' edits of the next token (None: none it can say cheaply)
+EditsAfter = Callable[[Sequence[int]], LogitEdits | None]
+
+
 @dataclass
 class DraftRequest:
     """What a drafter may look at: the sequence so far and the cache, which holds all of it but ``pending``."""
@@ -121,10 +135,12 @@ class DraftRequest:
     cache: RollbackCache
     max_tokens: int
     device: torch.device
-    # Tokens the user's logits processors forbid at the next position (an EOS before
-    # ``min_new_tokens``, suppressed tokens): the verify would reject a draft of them, so a draft
-    # leaves them out (proposals only; the verify decides what is kept).
-    masked: frozenset[int] = frozenset()
+    # What the user's logits processors do to the token after the history and the tokens drafted
+    # so far, where they touch few tokens (an EOS masked before ``min_new_tokens``, a repetition
+    # penalty, an n-gram that may not repeat): a draft that ignored them would propose what the
+    # verify rejects, so it applies them too (to its proposals only; the verify decides what is
+    # kept). None: no such processors.
+    edits: EditsAfter | None = None
 
     @property
     def pending(self) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from layerskip.drafts.base import SKIP, Proposal, Proposals
+from layerskip.drafts.base import SKIP, EditsAfter, Proposal, Proposals
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.model import DraftModel
 from layerskip.hf.cache import RollbackCache
@@ -43,22 +43,18 @@ class BatchSkipDraft:
         budgets: Sequence[int],
         steps: int,
         generators: Sequence[torch.Generator | None],
-        masked: Sequence[frozenset[int]] = (),
+        edits: Sequence[EditsAfter | None] = (),
     ) -> Proposals:
         """Row ``r`` drafts after ``histories[r]`` (its last token pending, the rest in the cache),
-        at most ``budgets[r]`` tokens of the ``steps`` drafted, never a token of ``masked[r]`` (the
-        user's processors forbid it); the cache's lengths come back as they were (the draft's K/V
-        stay written after them, for the verify to overwrite)."""
+        at most ``budgets[r]`` tokens of the ``steps`` drafted, each row's logits through its
+        processors' edits (``edits[r]``, given the row's drafted tokens) as the verify applies them;
+        the cache's lengths come back as they
+        were (the draft's K/V stay written after them, for the verify to overwrite)."""
         for history in histories:
             self.head.add(history)
         committed = list(cache.lengths)
         device = self.draft_model.device
-        forbidden = None  # [R, n] True where a row's processors forbid the head's token
-        if any(masked):
-            forbidden = torch.zeros(len(histories), self.head.count, dtype=torch.bool, device=device)
-            for r, tokens in enumerate(masked):
-                if tokens:
-                    forbidden[r, self.head.positions_of(tokens)] = True
+        edited = [(r, after) for r, after in enumerate(edits) if after is not None]
         token = torch.tensor([history[-1] for history in histories], device=device)  # [R]
         chosen: list[torch.Tensor] = []
         q_rows: list[list[torch.Tensor]] = [[] for _ in histories]
@@ -66,8 +62,11 @@ class BatchSkipDraft:
             for _ in range(steps):
                 hidden = self.draft_model.hidden(token[:, None], cache)[:, 0]  # [R, H]; the rows move on by one
                 logits = self.head(hidden)  # [R, n]
-                if forbidden is not None:
-                    logits = logits.masked_fill(forbidden, -torch.inf)
+                drafted = torch.stack(chosen, dim=1).tolist() if chosen and edited else None  # [R, i]
+                for r, after in edited:
+                    edit = self.head.editor(after(drafted[r] if drafted else []))
+                    if edit is not None:
+                        edit(logits[r])  # in place
                 if self.sampling is None:
                     index = logits.argmax(-1)
                 else:

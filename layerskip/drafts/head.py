@@ -10,10 +10,12 @@ whatever the subset.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+
+from layerskip.drafts.base import LogitEdits
 
 
 class DraftHead:
@@ -47,6 +49,7 @@ class DraftHead:
         self.weight = weight.new_empty(capacity, weight.shape[1], dtype=dtype or weight.dtype)
         self.bias = None if bias is None else bias.new_empty(capacity, dtype=dtype or bias.dtype)
         self.members: set[int] = set()
+        self.position: dict[int, int] = {}  # token id -> its row in the buffer
         self.count = 0
         self._append(rows)
 
@@ -58,7 +61,9 @@ class DraftHead:
         self.weight[self.count : end] = self.full_weight.index_select(0, ids)  # cast to the buffer's dtype
         if self.bias is not None:
             self.bias[self.count : end] = self.full_bias.index_select(0, ids)
-        self.members.update(ids.tolist())
+        added = ids.tolist()
+        self.members.update(added)
+        self.position.update((token, self.count + k) for k, token in enumerate(added))
         self.count = end
 
     def add(self, tokens: Iterable[int]) -> None:
@@ -77,13 +82,38 @@ class DraftHead:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def positions_of(self, tokens: Iterable[int]) -> torch.Tensor:
-        """Positions in this head's output of those token ids it scores (``[m]``)."""
-        ids = torch.tensor(sorted(set(tokens)), dtype=torch.long, device=self.full_weight.device)
+    def positions_of(self, tokens: Sequence[int]) -> list[int] | None:
+        """Positions in this head's output of ``tokens``, in their order; None where it scores
+        not all of them."""
         if self.rows is None:
-            return ids[(ids >= 0) & (ids < self.vocab_size)]
-        rows = self.rows[: self.count]
-        return torch.isin(rows, ids).nonzero().squeeze(1)
+            ok = all(0 <= t < self.vocab_size for t in tokens)
+            return list(tokens) if ok else None
+        found = [self.position.get(t, -1) for t in tokens]
+        return None if -1 in found else found
+
+    def editor(self, edits: LogitEdits | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What applies the processors' ``edits`` to one row of this head's logits ``[n]`` (in
+        place): masked tokens to -inf, edited ones through ``edits.apply`` where the head scores
+        them all (a truncated head scores every token of the text, which is what penalties touch).
+        None: nothing to apply."""
+        if edits is None:
+            return None
+        masked = [p for p in (self.positions_of([t]) for t in edits.masked) if p is not None]
+        device = self.full_weight.device
+        masked_rows = torch.tensor([p[0] for p in masked], dtype=torch.long, device=device)
+        edited = self.positions_of(edits.tokens) if edits.tokens else None
+        edited_rows = None if edited is None else torch.tensor(edited, dtype=torch.long, device=device)
+        if not masked and edited_rows is None:
+            return None
+
+        def apply(logits: torch.Tensor) -> torch.Tensor:
+            if edited_rows is not None:
+                logits[edited_rows] = edits.apply(logits[edited_rows].float()).to(logits.dtype)
+            if masked:
+                logits[masked_rows] = -torch.inf
+            return logits
+
+        return apply
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Map positions in this head's output to vocabulary ids."""

@@ -130,12 +130,12 @@ class SkipDrafter(BaseDrafter):
         q_rows: list[torch.Tensor] = []
         confidences: list[float] = []
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per position: best tokens [K], probs [K]
-        masked = self.head.positions_of(request.masked) if request.masked else None
         with self.draft_model.active(self.attention, self.mlp):
             for _ in range(min(request.max_tokens, self.settings.max_draft_tokens)):
                 logits = self.draft_model.logits(token, request.cache, self.head)[0]  # [n]
-                if masked is not None:
-                    logits[masked] = -torch.inf
+                if request.edits is not None:  # the user's processors, as the verify applies them
+                    edit = self.head.editor(request.edits(torch.stack(tokens).tolist() if tokens else []))
+                    logits = edit(logits) if edit is not None else logits
                 if self.sampling is None:
                     index = logits.argmax()
                 else:

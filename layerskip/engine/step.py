@@ -29,7 +29,16 @@ import torch
 from torch import nn
 
 from layerskip.drafts import base
-from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Proposals, TokenTree, Verdict, off_first_branch
+from layerskip.drafts.base import (
+    Drafter,
+    DraftRequest,
+    EditsAfter,
+    Proposal,
+    Proposals,
+    TokenTree,
+    Verdict,
+    off_first_branch,
+)
 from layerskip.drafts.builder import BatchSkipDraft, DraftSettings, PreparedDraft, match_lookup
 from layerskip.engine.output import TokenOutput
 from layerskip.engine.step_kinds import DRAFT, LOOKUP, StepKinds
@@ -211,10 +220,10 @@ class Stepper:
             if steps > 0:
                 histories = [row.output.history for row in self.rows]
                 generators = [row.generator for row in self.rows]
-                masked = [self._masked(row) for row in self.rows]
+                edits = [self._edits(row) for row in self.rows]
                 with self.threads.phase("draft", len(self.rows)) as run:
                     run.units = steps
-                    drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators, masked)
+                    drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators, edits)
                 rows = zip(self.rows, drafts.rows, strict=True)
                 return Proposals(tuple(self._longer_lookup(row, draft, steps) for row, draft in rows))
         return Proposals(tuple(self._propose(b, row, kind) for b, row in enumerate(self.rows)))
@@ -246,7 +255,7 @@ class Stepper:
         self.cache.reserve(self.cache.longest + budget + 2)
         row.view = self.cache.row_view(b, row.view)
         with self.threads.phase("draft", 1) as run:  # one row's draft
-            request = DraftRequest(row.output.history, row.view, budget, self.device, self._masked(row))
+            request = DraftRequest(row.output.history, row.view, budget, self.device, self._edits(row))
             proposal = row.drafter.propose(request)
             # Forwards run ~ tokens proposed (a draft that stopped at once still ran one); a
             # lookup or an empty plain draft ran none and teaches nothing.
@@ -254,10 +263,13 @@ class Stepper:
         return proposal
 
     @staticmethod
-    def _masked(row: Row) -> frozenset[int]:
-        """Tokens the row's processors forbid next: its drafts leave them out."""
-        masked_next = getattr(row.verifier, "masked_next", None)
-        return masked_next(row.output.history) if masked_next is not None else frozenset()
+    def _edits(row: Row) -> EditsAfter | None:
+        """What the row's processors do to each token its draft proposes: the draft applies it too."""
+        next_edits = getattr(row.verifier, "next_edits", None)
+        if next_edits is None:
+            return None
+        history = row.output.history
+        return lambda drafted: next_edits([*history, *drafted])
 
     def _observe(self) -> None:
         if self.observer is not None:

@@ -95,11 +95,12 @@ class HookedVerifier:
         contexts = [history, *([*history, *tree.path_tokens(node)] for node in range(len(tree)))]
         return edits(contexts, self.head.weight.shape[0])
 
-    def masked_next(self, history: list[int]) -> frozenset[int]:
-        """Tokens the processors forbid right after ``history`` (none where they cannot say cheaply)."""
+    def next_edits(self, history: list[int]) -> TokenEdits | None:
+        """What the processors do to the token right after ``history``, where they touch few
+        tokens (None where they cannot say cheaply)."""
         edits = getattr(self.hook, "edits", None)
         found = None if edits is None else edits([history], self.head.weight.shape[0])
-        return frozenset(found[0].masked) if found else frozenset()
+        return found[0] if found else None
 
     def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
         edits = self.edits(proposal, history)

@@ -294,16 +294,18 @@ def lean_hidden(
     return _rms(h, plan.final_norm).to(model_dtype)
 
 
+def _post_norm(out: torch.Tensor, norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    """A sublayer's output through its own norm where the family has one (Gemma 2/3's sandwich)."""
+    return out if norm is None else _rms(out, norm)
+
+
 def _mlp(
     mlp: _MLP, matmuls: Callable[[int, str], Matmul], index: int, h: torch.Tensor, compute_dtype: torch.dtype
 ) -> torch.Tensor:
     """One MLP sublayer's output ``[R, H]`` for the residual streams ``h [R, H]``."""
     x = _rms(h, mlp.norm).to(compute_dtype)  # [R, H]
     gate, up = matmuls(index, "gate_up")(x).chunk(2, dim=-1)
-    out = matmuls(index, "down")(mlp.activation(gate) * up)  # [R, H]
-    if mlp.post_norm is not None:
-        out = _rms(out, mlp.post_norm)
-    return out
+    return _post_norm(matmuls(index, "down")(mlp.activation(gate) * up), mlp.post_norm)  # [R, H]
 
 
 def _rotated_qkv(
@@ -345,10 +347,7 @@ def _attend(
     q_heads, d = attn.q_heads, attn.head_dim
     query = qk[:, :q_heads].unsqueeze(2).to(keys.dtype)  # [R, q_heads, 1, d]
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=grouped)
-    out = matmuls(index, "o")(out.reshape(-1, q_heads * d).to(compute_dtype))  # [R, H]
-    if attn.post_norm is not None:
-        out = _rms(out, attn.post_norm)
-    return out
+    return _post_norm(matmuls(index, "o")(out.reshape(-1, q_heads * d).to(compute_dtype)), attn.post_norm)
 
 
 def lean_step_function(

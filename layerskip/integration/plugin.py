@@ -1,6 +1,6 @@
 """Self-speculative decoding from ``model.generate()``: transformers' ``custom_generate`` plug-in.
 
-Two entry points, both ending in our engine (``Decoder.decode``):
+Two entry points, both ending in our engine (``Decoder.decode_batch``: one prompt is a batch of one):
 
 - ``self_speculative_generate``, the callable form (``custom_generate=<callable>``):
   ``generate`` prepares everything (config, processors, stopping criteria, cache) and calls it
@@ -26,7 +26,9 @@ import torch
 from torch import nn
 from transformers.generation import GenerateDecoderOnlyOutput
 
-from layerskip.engine.decoding import Decoder, DecodeSettings, check_batch
+from layerskip.engine.decoding import DecodeSettings, check_batch
+from layerskip.engine.output import StopCheck
+from layerskip.engine.verifiers import LogitsHook
 from layerskip.errors import LayerskipError
 from layerskip.integration.decoders import PolicySpec, decoder_for
 from layerskip.integration.generate_args import UNSUPPORTED, EngineCall, engine_calls
@@ -99,15 +101,15 @@ def self_speculative_generate(
         recorders = [ScoreRecorder(call.logits_hook, call.warpers, call.padding) if record else None for call in calls]
         # Stopping criteria get the scores so far only where plain generate keeps them (output_scores).
         output_scores = bool(record and generation_config.output_scores)
-        if len(calls) > 1:  # no streamer and no score record with a batch (refused above)
-            results = decoder.decode_batch(
-                [call.prompt for call in calls],
-                calls[0].settings,
-                logits_hooks=[call.logits_hook for call in calls],
-                stop_checks=[call.stop_check() for call in calls],
-            )
-        else:
-            results = [_decode(decoder, calls[0], streamer, recorders[0], output_scores)]
+        # A streamer and a score record take a batch of one (engine_calls refuses more rows).
+        rows = [_row(call, streamer, recorder, output_scores) for call, recorder in zip(calls, recorders, strict=True)]
+        results = decoder.decode_batch(
+            [call.prompt for call in calls],
+            calls[0].settings,
+            logits_hooks=[hook for hook, _, _ in rows],
+            stop_checks=[stop for _, stop, _ in rows],
+            on_tokens=[listen for _, _, listen in rows],
+        )
     finally:
         if streamer is not None:  # also on an error, so a reader of a TextIteratorStreamer is released
             streamer.end()
@@ -127,10 +129,11 @@ def self_speculative_generate(
     )
 
 
-def _decode(
-    decoder: Decoder, call: EngineCall, streamer: Any, recorder: ScoreRecorder | None, output_scores: bool = False
-) -> tuple[list[int], GenerationStats]:
-    """One row through the engine; accepted tokens go to the streamer and the score record."""
+def _row(
+    call: EngineCall, streamer: Any, recorder: ScoreRecorder | None, output_scores: bool
+) -> tuple[LogitsHook | None, StopCheck | None, Callable[[list[int]], None] | None]:
+    """One row's logits hook, stop check and token listener: accepted tokens go to the streamer
+    and the score record, whose processing stands in for the row's hook."""
     listeners: list[Callable[[list[int]], None]] = []
     if recorder is not None:
         listeners.append(recorder.on_tokens)
@@ -141,13 +144,9 @@ def _decode(
         for listener in listeners:
             listener(tokens)
 
-    return decoder.decode(
-        call.prompt,
-        call.settings,
-        on_tokens=on_tokens if listeners else None,
-        logits_hook=recorder.process if recorder is not None else call.logits_hook,
-        stop_check=call.stop_check(recorder.so_far if recorder is not None and output_scores else None),
-    )
+    hook = recorder.process if recorder is not None else call.logits_hook
+    stop = call.stop_check(recorder.so_far if recorder is not None and output_scores else None)
+    return hook, stop, on_tokens if listeners else None
 
 
 def _sequences(

@@ -6,6 +6,10 @@ throughput against ``hf-ar`` (HF ``generate``, greedy). Greedy outputs are compa
 hf-ar's token for token; each method's first divergence is classed ``rounding`` or ``defect``
 against an fp32 copy of the weights (``measure.divergence``), after the timed runs.
 
+Peers that compute with other arithmetic (``llama.cpp``, ``llama.cpp-lookup``: a GGUF's quantised
+weights in llama.cpp, ``measure.llamacpp``) are timed alike; their outputs are counted where they
+equal hf-ar's, and their divergences are not classed (``PromptResult.computes_with`` says why).
+
 Sampled (``BenchConfig.sampling``): every method, hf-ar included, samples with the same
 temperature / top-k / top-p, seeded per prompt (``prompt_seed``). Draws are not compared token for
 token (a draft changes which random numbers a draw uses, not the distribution it draws from:
@@ -36,6 +40,7 @@ from layerskip.hf import adapters
 from layerskip.integration.baselines import hf_custom_generate, hf_generate
 from layerskip.integration.decoders import decoder_for
 from layerskip.machine import code_version, this_machine
+from layerskip.measure import llamacpp
 from layerskip.measure.divergence import DEFECT, ROUNDING, DivergenceCheck
 from layerskip.measure.memory import MethodMemory, call_growth_mb
 from layerskip.measure.timing import Runner, run_interleaved, throughput
@@ -53,6 +58,7 @@ METHODS = (
     "hf-pld",
     "hf-early-exit",
     "hf-assistant",
+    *llamacpp.METHODS,
 )
 
 
@@ -62,6 +68,8 @@ class Method:
     run: Runner  # (prompt ids, max new tokens) -> (new tokens, stats or None)
     policy: SkipPolicy | None = None
     draft_memory_mb: float | None = None  # the draft's low-precision copies, if any
+    # Another program's arithmetic (llama.cpp on a quantised GGUF: ``llamacpp.label``); None: the HF model's.
+    computes_with: str | None = None
 
 
 @dataclass
@@ -77,6 +85,9 @@ class PromptResult:
     divergence: dict[str, Any] | None = None  # measure.divergence.Divergence.to_dict(): where, and its class
     peak_memory_mb: float | None = None
     stats: GenerationStats | None = None  # None for HF methods (they expose no step counts)
+    # Set where the method computes with other arithmetic than the HF model's (llama.cpp on a
+    # quantised GGUF): ``identical`` is then a plain count of equal outputs, no divergence is classed.
+    computes_with: str | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -138,6 +149,7 @@ def build_methods(
     sampling: Sampling | None = None,
     seed: int = 0,
     generation: dict[str, Any] | None = None,
+    gguf: llamacpp.GGUFPeer | None = None,
 ) -> list[Method]:
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
@@ -163,19 +175,28 @@ def build_methods(
     ``generation``: HF ``generate`` arguments that add logits processors (``min_new_tokens``,
     ``repetition_penalty``, ``no_repeat_ngram_size``, ``suppress_tokens`` ...), given to every method
     alike: HF's methods take them directly, ours through the plug-in (``model.generate`` with
-    ``custom_generate``), where HF turns them into processors as it does for plain ``generate``."""
+    ``custom_generate``), where HF turns them into processors as it does for plain ``generate``.
+
+    ``gguf``: the file and context of ``llama.cpp`` and ``llama.cpp-lookup`` (``measure.llamacpp``),
+    which run greedily at HF's methods' thread count; they take no sampling and no ``generation``."""
     check_methods(names, bool(policies), assistant is not None)
     if not threads:
         raise LayerskipError("threads needs at least one setting ('auto' or a count)")
+    if llamacpp.wanted(names):
+        if gguf is None:
+            raise LayerskipError(f"{', '.join(llamacpp.wanted(names))} need a GGUF file (gguf=GGUFPeer(...))")
+        llamacpp.check_request(names, str(gguf.path), str(gguf.path), sampling is not None, generation)
     draws = _Draws(sampling, seed, tuple(sorted((generation or {}).items())))
-    args = (model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, tree_ablation, draws)
+    args = (model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, tree_ablation, draws, gguf)
     methods = _methods_for(*args, threads[0], None)
     for setting in threads[1:]:
         suffix = f"@t{setting}" if setting != "auto" else "@auto"
         hf_threads = setting if isinstance(setting, int) else None
         again = _methods_for(*args, setting, hf_threads)
         for method in again:
-            if setting == "auto" and method.name.startswith("hf-") and method.name != "hf-custom":
+            # HF's methods and llama.cpp take counts, not "auto": the first setting ran them at the process's count.
+            takes_counts = method.name.startswith("hf-") and method.name != "hf-custom" or method.computes_with
+            if setting == "auto" and takes_counts:
                 continue
             methods.append(replace(method, name=method.name + suffix))
     if BASELINE not in [m.name for m in methods]:
@@ -233,6 +254,7 @@ def _methods_for(
     ablate: bool | Sequence[str],
     tree_ablation: bool,
     draws: _Draws,
+    gguf: llamacpp.GGUFPeer | None,
     threads: int | str,
     hf_threads: int | None,
 ) -> list[Method]:
@@ -309,7 +331,22 @@ def _methods_for(
             methods.append(Method(name, hf(assistant_early_exit=depth)))
         elif name == "hf-assistant":
             methods.append(Method(name, hf(assistant_model=assistant)))
+        elif name in llamacpp.METHODS and gguf is not None:
+            runner = llamacpp.LlamaCppRunner(
+                gguf,
+                torch.get_num_threads() if hf_threads is None else hf_threads,  # as HF's methods run
+                eos_token_ids,
+                lookup_tokens if name == "llama.cpp-lookup" else None,
+                expected_vocab=_vocabulary(model),
+            )
+            methods.append(Method(name, runner, computes_with=llamacpp.label(runner.quantisation)))
     return methods
+
+
+def _vocabulary(model: nn.Module) -> int | None:
+    """Rows of the model's output layer: the token ids a prompt can hold (None where it has none)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return None if head is None else int(head.weight.shape[0])
 
 
 def _draft_memory(decoder: Decoder) -> float | None:
@@ -363,13 +400,16 @@ def run_benchmark(
             list(zip(prompts, prompt_ids, runs)), desc="divergence check", disable=not config.progress, leave=False
         ):
             reference = by_method[BASELINE].tokens
-            outputs = {m.name: by_method[m.name].tokens for m in methods}
+            # Other arithmetic (llama.cpp) is counted where it equals hf-ar, never classed.
+            classed = [m for m in methods if m.computes_with is None]
+            outputs = {m.name: by_method[m.name].tokens for m in classed}
             # A `defect` verdict is checked once more against the method's own forward schedule (run again).
-            reruns = {m.name: _rerun(m.run, ids, config.max_new_tokens) for m in methods if m.name != BASELINE}
+            reruns = {m.name: _rerun(m.run, ids, config.max_new_tokens) for m in classed if m.name != BASELINE}
             found = check.classify_many(ids, reference, outputs, reruns)
             for method in methods:
                 run = by_method[method.name]
-                divergence = found[method.name]
+                divergence = found.get(method.name)
+                same = divergence is None if method.computes_with is None else list(run.tokens) == list(reference)
                 rows.append(
                     PromptResult(
                         prompt.id,
@@ -377,10 +417,11 @@ def run_benchmark(
                         method.name,
                         len(run.tokens),
                         run.seconds,
-                        divergence is None,
+                        same,
                         None if divergence is None else divergence.to_dict(),
                         run.peak_memory_mb,
                         run.stats,
+                        method.computes_with,
                     )
                 )
     return rows
@@ -395,12 +436,16 @@ def measure_memory(
 ) -> dict[str, Any] | None:
     """Each method's memory (``measure.memory``): ``loaded_mb``, what the process held with the
     model loaded and no draft built, plus the method's draft copies, plus the most one untimed
-    call on the longest prompt added. None where this system cannot measure a call's peak."""
+    call on the longest prompt added. None where this system cannot measure a call's peak.
+    Methods that run another program's model (llama.cpp) get no figure: it would count the HF
+    model, which they do not use, and miss their own."""
     if loaded_mb is None or not methods or not prompt_ids:
         return None
     longest = max(prompt_ids, key=len)
     figures: dict[str, dict[str, float]] = {}
     for method in methods:
+        if method.computes_with is not None:
+            continue
         growth = call_growth_mb(_rerun(method.run, longest, max_new_tokens), device)
         if growth is None:
             return None
@@ -436,7 +481,8 @@ def summarise(
     def figures(subset: list[PromptResult], baseline: list[PromptResult]) -> dict[str, Any]:
         tps, base = _throughput(subset), _throughput(baseline)
         compared = any(r.identical is not None for r in subset)
-        is_plain = subset[0].method in ("hf-ar", "ar")
+        computes_with = subset[0].computes_with  # other arithmetic: equal outputs counted, nothing classed
+        is_plain = subset[0].method in ("hf-ar", "ar", "llama.cpp")
         ours = [r.stats for r in subset if r.stats is not None]
         stats = GenerationStats.combined(ours) if len(ours) == len(subset) else None
         divergences = [r.divergence for r in subset if r.divergence]
@@ -448,7 +494,8 @@ def summarise(
             "acceptance_rate": None if is_plain or stats is None or not stats.drafted else stats.acceptance_rate,
             # None for a sampled run: its draws were not compared with hf-ar's.
             "identical_fraction": sum(bool(r.identical) for r in subset) / len(subset) if compared else None,
-            **(divergence_counts(subset) if compared else {}),
+            **(divergence_counts(subset) if compared and computes_with is None else {}),
+            **({"computes_with": computes_with} if computes_with else {}),
             "n_prompts": len(subset),
             "new_tokens": sum(r.new_tokens for r in subset),
             "divergences": divergences,

@@ -63,7 +63,11 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 
 def _identity(figures: dict[str, Any]) -> str:
-    """``identical / rounding / defect`` counts; older results (no classes) show the fraction identical."""
+    """``identical / rounding / defect`` counts; older results (no classes) show the fraction identical.
+    A method with its own arithmetic (llama.cpp on a quantised GGUF) shows how many outputs equal hf-ar's."""
+    if figures.get("computes_with") and figures.get("identical_fraction") is not None:
+        equal = round(figures["identical_fraction"] * figures["n_prompts"])
+        return f"{equal} of {figures['n_prompts']} equal, not classed"
     if "n_identical" not in figures:
         # A sampled run compares no draws: its fraction is None.
         fraction = figures.get("identical_fraction")
@@ -169,11 +173,32 @@ def markdown_report(results: dict[str, Any]) -> str:
             else []
         ),
         markdown_table(results),
+        *own_arithmetic_note(results),
         *section(divergences, divergences_by_prompt(results)),
         *section("Held-out check (categories the policy was not tuned on):", held_out_table(results)),
         *section("Time per generated token (ms):", profile_table(results)),
     ]
     return "\n\n".join(parts)
+
+
+def own_arithmetic_note(results: dict[str, Any]) -> list[str]:
+    """The note under the table for methods that run another program's model (llama.cpp): their
+    outputs are not the HF model's, so their equal outputs are counted and nothing more is claimed."""
+    named = {
+        name: o["computes_with"] for name, f in results["methods"].items() if (o := f["overall"]).get("computes_with")
+    }
+    if not named:
+        return []
+    groups: dict[str, list[str]] = {}
+    for name, what in named.items():
+        groups.setdefault(what, []).append(name)
+    methods = "; ".join(f"{', '.join(names)} ({what})" for what, names in groups.items())
+    return [
+        f"Not compared token for token: {methods} compute with the GGUF's own weight type (a "
+        "quantised GGUF's weights against 8-bit activations), not as HF computes the model, so their outputs are "
+        "not expected to equal hf-ar's; the table counts those that do and classes none of their divergences. "
+        "Their speedup is over a different computation, not a lossless one."
+    ]
 
 
 def section(lead: str, table: str) -> list[str]:
