@@ -292,7 +292,8 @@ def _main(argv: list[str] | None) -> int:
         "threads": list(args.threads),
         "busy_processes": args.busy_processes,
         "prompts": {"source": args.prompts, "n": len(prompts), "categories": sorted({p.category for p in prompts})},
-        **({"gguf": str(gguf.path)} if gguf is not None else {}),  # the file llama.cpp's methods ran
+        # The file llama.cpp's methods ran, by name: a result file holds no path of the machine that made it.
+        **({"gguf": gguf.path.name} if gguf is not None else {}),
         "policies": {label: policy.to_dict() for label, policy in policies.items()},
         "draft_memory_mb": {m.name: m.draft_memory_mb for m in methods if m.draft_memory_mb is not None},
         "memory": memory,
