@@ -19,14 +19,19 @@ POLICY = SkipPolicy(skip_attention=(1,), draft=DraftSettings(max_draft_tokens=3)
 CPU = torch.device("cpu")
 
 
-@torch.inference_mode()
-def test_a_rows_drafter_leaves_out_masked_tokens() -> None:
+def _prefilled_drafter(prompt: list[int]) -> tuple:
+    """A row's drafter of ``POLICY`` on the tiny Llama, and a cache holding all of ``prompt`` but its last token."""
     model = tiny_model("llama")
-    prompt = random_prompt()
-    decoder = Decoder.for_policy(model, POLICY)
-    drafter = decoder._drafter(len(prompt), DecodeSettings(8, eos_token_ids=()), None)
+    drafter = Decoder.for_policy(model, POLICY)._drafter(len(prompt), DecodeSettings(8, eos_token_ids=()), None)
     cache = model_cache(model)
     block_hidden(model, torch.tensor([prompt[:-1]]), cache)
+    return drafter, cache
+
+
+@torch.inference_mode()
+def test_a_rows_drafter_leaves_out_masked_tokens() -> None:
+    prompt = random_prompt()
+    drafter, cache = _prefilled_drafter(prompt)
     first = drafter.propose(DraftRequest(prompt, cache, 3, CPU)).tokens
     cache.rollback(len(prompt) - 1)
     masked = TokenEdits((), lambda v: v, masked=(first[0],))
@@ -58,12 +63,8 @@ def test_the_batched_draft_leaves_out_each_rows_masked_tokens() -> None:
 def test_each_drafted_position_gets_its_own_edits() -> None:
     """A processor whose mask depends on the text (no_repeat_ngram_size) is asked again after
     every drafted token, with the tokens drafted so far."""
-    model = tiny_model("llama")
     prompt = random_prompt()
-    decoder = Decoder.for_policy(model, POLICY)
-    drafter = decoder._drafter(len(prompt), DecodeSettings(8, eos_token_ids=()), None)
-    cache = model_cache(model)
-    block_hidden(model, torch.tensor([prompt[:-1]]), cache)
+    drafter, cache = _prefilled_drafter(prompt)
     free = drafter.propose(DraftRequest(prompt, cache, 3, CPU)).tokens
     asked: list[list[int]] = []
 

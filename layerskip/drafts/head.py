@@ -96,7 +96,7 @@ class DraftHead:
         place): masked tokens to -inf, edited ones through ``edits.apply`` where the head scores
         them all (a truncated head scores every token of the text, which is what penalties touch).
         None: nothing to apply."""
-        if edits is None:
+        if edits is None or not (edits.masked or edits.tokens):
             return None
         masked = [p for p in (self.positions_of([t]) for t in edits.masked) if p is not None]
         device = self.full_weight.device

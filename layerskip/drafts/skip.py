@@ -130,11 +130,12 @@ class SkipDrafter(BaseDrafter):
         q_rows: list[torch.Tensor] = []
         confidences: list[float] = []
         tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per position: best tokens [K], probs [K]
+        drafted: list[int] = []  # the ids so far, for the processors (read back only where asked)
         with self.draft_model.active(self.attention, self.mlp):
             for _ in range(min(request.max_tokens, self.settings.max_draft_tokens)):
                 logits = self.draft_model.logits(token, request.cache, self.head)[0]  # [n]
                 if request.edits is not None:  # the user's processors, as the verify applies them
-                    edit = self.head.editor(request.edits(torch.stack(tokens).tolist() if tokens else []))
+                    edit = self.head.editor(request.edits(drafted))
                     logits = edit(logits) if edit is not None else logits
                 if self.sampling is None:
                     index = logits.argmax()
@@ -144,6 +145,8 @@ class SkipDrafter(BaseDrafter):
                     q_rows.append(self.head.to_full_vocab(probs))
                 chosen = self.head.token_ids(index)
                 tokens.append(chosen)
+                if request.edits is not None:
+                    drafted.append(int(chosen))
                 if self.alternatives:
                     top = torch.topk(logits.float().softmax(-1), min(1 + self.alternatives, logits.shape[-1]))
                     tops.append((self.head.token_ids(top.indices), top.values))

@@ -125,6 +125,7 @@ class RollbackCache(DynamicCache):
         self.capacity = max(1, initial_capacity or _MIN_CAPACITY)
         self.growth_seconds = 0.0  # time spent growing the buffers (a step that grew is not its kind's usual cost)
         self.lengths = [0] * rows
+        self._common: int | None = 0
         self._write_index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (q, rows, positions)
         self.layers = [CacheLayer(window, self) for window in sliding_windows]
         self.layer_class_to_replicate = None
@@ -144,9 +145,8 @@ class RollbackCache(DynamicCache):
 
     @property
     def common_length(self) -> int | None:
-        """The one length every row holds, or None where they differ."""
-        first = self.lengths[0]
-        return first if all(n == first for n in self.lengths) else None
+        """The one length every row holds, or None where they differ (worked out when lengths change)."""
+        return self._common
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.longest
@@ -189,6 +189,11 @@ class RollbackCache(DynamicCache):
         if len(lengths) != self.rows:
             raise ValueError(f"{len(lengths)} lengths for {self.rows} rows")
         self.lengths = [int(n) for n in lengths]
+        self._lengths_changed()
+
+    def _lengths_changed(self) -> None:
+        first = self.lengths[0]
+        self._common = first if all(n == first for n in self.lengths) else None
         self._write_index = None
 
     def advance(self, q: int) -> None:
@@ -213,7 +218,7 @@ class RollbackCache(DynamicCache):
         for layer in self.layers:
             layer.keep(index)
         self.lengths = [self.lengths[r] for r in rows]
-        self._write_index = None
+        self._lengths_changed()
 
     def keep_paths(self, starts: Sequence[int], paths: Sequence[Sequence[int]]) -> None:
         """After a verify wrote row ``b``'s block at ``starts[b]..``, keep its accepted path: block

@@ -143,6 +143,9 @@ class LlamaCppRunner:
                     n_threads=threads,
                     n_threads_batch=threads,
                     draft_model=draft,
+                    # A draft model makes llama-cpp-python keep every position's logits, but it sizes
+                    # that buffer by this argument (n_batch rows without it): past them it fails.
+                    logits_all=draft is not None,
                     verbose=False,
                 )
         except ValueError as exc:  # "Failed to load model from file: ...": the log may say why
