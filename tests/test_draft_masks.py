@@ -50,10 +50,10 @@ def test_the_batched_draft_leaves_out_each_rows_masked_tokens() -> None:
     draft = decoder.draft.batch_draft(DraftRun(len(prompts[0]), 8, None, None), prompts)
     cache = model_cache(model, rows=2)
     block_hidden(model, torch.tensor([p[:-1] for p in prompts]), cache)
-    free = draft.propose(cache, prompts, [3, 3], 3, [None, None]).rows
+    free = draft.propose_rows(cache, prompts, [3, 3], 3, [None, None], [None, None]).rows
     banned = TokenEdits((), lambda v: v, masked=(free[0].tokens[0],))
     masked = [lambda drafted: banned, None]
-    again = draft.propose(cache, prompts, [3, 3], 3, [None, None], masked).rows
+    again = draft.propose_rows(cache, prompts, [3, 3], 3, [None, None], masked).rows
     assert again[0].tokens[0] != free[0].tokens[0]
     assert again[1].tokens == free[1].tokens  # row 1 had nothing masked
     assert cache.lengths == [len(prompts[0]) - 1] * 2

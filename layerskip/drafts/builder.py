@@ -26,7 +26,6 @@ from torch import nn
 
 from layerskip.drafts.auto import MAX_ACCEPTANCE, AutoDrafter, AutoState, best_skip_rate
 from layerskip.drafts.base import Drafter, NoDrafter
-from layerskip.drafts.batch_skip import BatchSkipDraft
 from layerskip.drafts.branching import BranchingDrafter
 from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost
@@ -34,7 +33,7 @@ from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.hybrid import HybridDrafter
-from layerskip.drafts.lookup import LookupDrafter, match_lookup
+from layerskip.drafts.lookup import LookupDrafter
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
 from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy, check_vocabulary_ids
@@ -60,13 +59,14 @@ __all__ = [
     "prepare_draft",
     # types
     "AutoState",
-    "BatchSkipDraft",
     "DraftCosts",
     "DraftHead",
     "DraftModel",
     "DraftSettings",
     "ExitAdapter",
     "SelectionState",
+    "LookupDrafter",
+    "SkipDrafter",
     "SkipPolicy",
     # the policy argument
     "AUTO",
@@ -79,7 +79,6 @@ __all__ = [
     "capturing_layer_output",
     "expected_tokens",
     "fill_adapter_cache",
-    "match_lookup",
 ]
 
 
@@ -422,7 +421,12 @@ class PreparedDraft:
             return skip
         return HybridDrafter(LookupDrafter(settings), skip)
 
-    def batch_draft(self, run: DraftRun, prompts: list[list[int]]) -> BatchSkipDraft | None:
+    def lookup_drafter(self) -> LookupDrafter | None:
+        """The policy's prompt lookup for a batch's lookup steps (None: the policy has none)."""
+        settings = self.policy.draft
+        return LookupDrafter(settings) if settings.lookup_max_ngram else None
+
+    def batch_draft(self, run: DraftRun, prompts: list[list[int]]) -> SkipDrafter | None:
         """The skip draft for a batch's rows at once (None where the draft has no lean step, or
         none at all): the policy's skip sets (``auto``: the whole draft model) and one shared
         head, ``auto``'s chosen size or the policy's rows."""
@@ -438,7 +442,7 @@ class PreparedDraft:
             attention, mlp = (), ()
         growth = sum(len(p) for p in prompts) + len(prompts) * run.max_new_tokens
         head = self.draft_model.head(rows, growth=growth)
-        return BatchSkipDraft(self.draft_model, tuple(attention), tuple(mlp), head, run.sampling)
+        return SkipDrafter(self.draft_model, tuple(attention), tuple(mlp), policy.draft, head, run.sampling, None)
 
     def _auto_drafter(self, run: DraftRun) -> AutoDrafter:
         """``auto``'s drafter; it builds its skip drafter once it has chosen the head size."""

@@ -161,9 +161,16 @@ class LookupDrafter(BaseDrafter):
         cap = min(s.lookup_max_tokens, request.max_tokens)
         if s.tree_matches > 1:
             return self._tree(request, cap)
-        match = match_lookup(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap)
+        match = self.match(request.history, cap)
         self.run_length.track(match, len(request.history))
         return Proposal.chain(self.run_length.cut(match), LOOKUP)
+
+    def match(self, history: list[int], cap: int, longest_only: bool = False) -> LookupMatch:
+        """The first match of ``history``'s last n-gram, at most ``cap`` tokens: the policy's
+        n-gram lengths, or only its longest (a repeat that long is a strong witness)."""
+        s = self.settings
+        shortest = s.lookup_max_ngram if longest_only else s.lookup_min_ngram
+        return match_lookup(history, shortest, s.lookup_max_ngram, cap)
 
     def _tree(self, request: DraftRequest, cap: int) -> Proposal:
         """Several matches merged into a token tree of at most the policy's node budget, the

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from layerskip.drafts.base import SKIP, BaseDrafter, Drafter, DraftRequest, Proposal, Verdict, chain_run
+from layerskip.drafts.base import (
+    SKIP,
+    BaseDrafter,
+    Drafter,
+    DraftRequest,
+    EditsAfter,
+    Proposal,
+    Proposals,
+    Verdict,
+    chain_run,
+)
 from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.policy import DraftSettings
+from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import Sampling, sample
 from layerskip.stats import DeviceClock
 
@@ -125,53 +136,119 @@ class SkipDrafter(BaseDrafter):
         start = self.clock.now() if self.length is not None else 0.0
         self.head.add(request.history[self._known :])
         self._known = len(request.history)
-        token = torch.tensor([[request.pending]], device=request.device)  # [1, 1]
-        tokens: list[torch.Tensor] = []
-        q_rows: list[torch.Tensor] = []
-        confidences: list[float] = []
-        tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per position: best tokens [K], probs [K]
-        drafted: list[int] = []  # the ids so far, for the processors (read back only where asked)
+        limit = min(request.max_tokens, self.settings.max_draft_tokens)
+        stop = self._stop if self.stop is not None or self.length is not None else None
+        (chain,) = self._draft(request.cache, [request.pending], [limit], [self.generator], [request.edits], stop)
+        if self.length is not None:
+            seconds = self.clock.now() - start  # the confidences were read back: device work is done
+            self.length.observe_draft(len(chain.tokens), seconds)
+            chain = replace(chain, seconds=seconds)
+        self._last = chain
+        return chain
+
+    def propose_rows(
+        self,
+        cache: RollbackCache,
+        histories: Sequence[list[int]],
+        budgets: Sequence[int],
+        steps: int,
+        generators: Sequence[torch.Generator | None],
+        edits: Sequence[EditsAfter | None],
+    ) -> Proposals:
+        """Every row of a batch drafts ``steps`` tokens in one lean product per token: row ``r``
+        after ``histories[r]`` (its last token pending, the rest in the cache's row ``r``), keeping
+        at most ``budgets[r]``, its logits through its processors' edits (``edits[r]``). The head is
+        shared by the rows (it learns every row's text); the cache's lengths come back as they were.
+        A fixed length for every row: one row's stop would not shorten the product."""
+        for history in histories:
+            self.head.add(history)
+        limits = [max(0, min(budget, steps)) for budget in budgets]
+        pending = [history[-1] for history in histories]
+        committed = list(cache.lengths)
+        chains = self._draft(cache, pending, limits, generators, edits, None, steps)
+        cache.set_lengths(committed)
+        return Proposals(tuple(chain.proposal() for chain in chains))
+
+    def _stop(self, confidences: list[float]) -> bool:
+        """Whether one row's draft ends after its latest token (its confidences so far)."""
+        if self.stop is not None and self.stop.stop(confidences[-1]):
+            return True
+        return self.length is not None and not self.length.draft_more(confidences)
+
+    def _draft(
+        self,
+        cache: RollbackCache,
+        pending: list[int],
+        limits: list[int],
+        generators: Sequence[torch.Generator | None],
+        edits: Sequence[EditsAfter | None],
+        stop: Callable[[list[float]], bool] | None,
+        steps: int | None = None,
+    ) -> list[ChainDraft]:
+        """The draft loop of R rows: each lean forward drafts one token for every row still drafting
+        (``[R, 1]`` in, ``[R, n]`` logits out). Row ``r`` keeps at most ``limits[r]`` tokens and ends
+        early where ``stop`` says so of its confidences; the loop runs ``steps`` tokens (default: the
+        longest limit) or until every row has ended. The cache's rows move on by the tokens run (an exit
+        draft that reuses its K/V carries on from there)."""
+        rows = len(pending)
+        device = self.draft_model.device
+        token = torch.tensor(pending, device=device)  # [R]
+        chosen: list[torch.Tensor] = []  # per drafted position: [R] ids
+        q_rows: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        confidences: list[list[float]] = [[] for _ in range(rows)]
+        tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # per position: best tokens, probs [R, K]
+        drafted: list[list[int]] = [[] for _ in range(rows)]  # the ids so far, for the processors
+        edited = [(r, after) for r, after in enumerate(edits) if after is not None]
+        ended = [limit <= 0 for limit in limits]
+        total = max(limits) if steps is None else steps
         with self.draft_model.active(self.attention, self.mlp):
-            for _ in range(min(request.max_tokens, self.settings.max_draft_tokens)):
-                logits = self.draft_model.logits(token, request.cache, self.head)[0]  # [n]
-                if request.edits is not None:  # the user's processors, as the verify applies them
-                    edit = self.head.editor(request.edits(drafted))
-                    logits = edit(logits) if edit is not None else logits
+            for position in range(total):
+                if all(ended):
+                    break
+                logits = self.draft_model.logits(token[:, None], cache, self.head)  # [R, n]; rows move on by one
+                for r, after in edited:  # the user's processors, as the verify applies them
+                    edit = self.head.editor(after(drafted[r]))
+                    if edit is not None:
+                        logits[r] = edit(logits[r])
                 if self.sampling is None:
-                    index = logits.argmax()
+                    index = logits.argmax(-1)  # [R]
                 else:
-                    probs = self.sampling.probs(logits)
-                    index = sample(probs, self.generator)
-                    q_rows.append(self.head.to_full_vocab(probs))
-                chosen = self.head.token_ids(index)
-                tokens.append(chosen)
-                if request.edits is not None:
-                    drafted.append(int(chosen))
+                    probs = self.sampling.probs(logits)  # [R, n]
+                    index = torch.stack([sample(probs[r], g) for r, g in enumerate(generators)]).reshape(-1)
+                    for r in range(rows):
+                        if not ended[r]:
+                            q_rows[r].append(self.head.to_full_vocab(probs[r]))
+                token = self.head.token_ids(index).reshape(-1)  # [R]
+                chosen.append(token)
+                if edited:
+                    for r, t in enumerate(token.tolist()):
+                        drafted[r].append(t)
                 if self.alternatives:
                     top = torch.topk(logits.float().softmax(-1), min(1 + self.alternatives, logits.shape[-1]))
                     tops.append((self.head.token_ids(top.indices), top.values))
-                if self.stop is not None and self.stop.stop(float(top2_confidence(logits))):
-                    break
-                if self.length is not None:
-                    confidences.append(float(top2_confidence(logits)))
-                    if not self.length.draft_more(confidences):
-                        break
-                token = chosen.view(1, 1)
-        ids = torch.stack(tokens).tolist() if tokens else []
-        seconds = 0.0
-        if self.length is not None:
-            seconds = self.clock.now() - start  # the confidences were read back: device work is done
-            self.length.observe_draft(len(ids), seconds)
-        chain = ChainDraft(
-            tokens=ids,
-            q=torch.stack(q_rows) if q_rows else None,
-            confidence=confidences,
-            seconds=seconds,
-            top_tokens=torch.stack([t for t, _ in tops]) if tops else None,  # [k, K]
-            top_probs=torch.stack([p for _, p in tops]) if tops else None,
-        )
-        self._last = chain
-        return chain
+                if stop is not None:
+                    for r, confidence in enumerate(top2_confidence(logits).tolist()):
+                        if not ended[r]:
+                            confidences[r].append(confidence)
+                            ended[r] = stop(confidences[r])
+                for r in range(rows):
+                    ended[r] = ended[r] or position + 1 >= limits[r]
+        ids = torch.stack(chosen, dim=1).tolist() if chosen else [[] for _ in range(rows)]  # [R, drafted]
+        chains = []
+        for r, row_ids in enumerate(ids):
+            keep = min(limits[r], len(q_rows[r]) if self.sampling is not None else len(row_ids))
+            if stop is not None:
+                keep = min(keep, len(confidences[r]))
+            chains.append(
+                ChainDraft(
+                    tokens=row_ids[:keep],
+                    q=torch.stack(q_rows[r][:keep]) if q_rows[r] and keep else None,
+                    confidence=confidences[r][:keep],
+                    top_tokens=torch.stack([t[r] for t, _ in tops[:keep]]) if tops and keep else None,  # [k, K]
+                    top_probs=torch.stack([p[r] for _, p in tops[:keep]]) if tops and keep else None,
+                )
+            )
+        return chains
 
     @contextlib.contextmanager
     def watch_verify(self, block: int) -> Iterator[None]:

@@ -268,8 +268,7 @@ class Decoder:
                         generator,
                     )
                 )
-            policy = None if self.draft is None else self.draft.policy
-            lookup = policy.draft if policy is not None and policy.draft.lookup_max_ngram else None
+            lookup = None if self.draft is None else self.draft.lookup_drafter()
             run = DraftRun(max(len(p) for p in ids), settings.max_new_tokens, settings.sampling, None)
             # One lean product drafting for every row: built where there are rows to share it, and
             # not for a tree policy (it drafts chains; the rows' own drafters draft the trees).

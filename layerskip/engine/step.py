@@ -39,7 +39,7 @@ from layerskip.drafts.base import (
     Verdict,
     off_first_branch,
 )
-from layerskip.drafts.builder import BatchSkipDraft, DraftSettings, PreparedDraft, match_lookup
+from layerskip.drafts.builder import LookupDrafter, PreparedDraft, SkipDrafter
 from layerskip.engine.output import TokenOutput
 from layerskip.engine.step_kinds import DRAFT, LOOKUP, StepKinds
 from layerskip.engine.threads import ThreadTuner
@@ -91,11 +91,11 @@ class Stepper:
     cache: RollbackCache
     rows: list[Row]
     kinds: StepKinds
-    lookup: DraftSettings | None  # the policy's lookup settings (None: the policy has no lookup)
+    lookup: LookupDrafter | None  # the policy's lookup, for the batch's lookup steps (None: it has none)
     threads: ThreadTuner
     clock: DeviceClock
     device: torch.device
-    batch_draft: BatchSkipDraft | None = None
+    batch_draft: SkipDrafter | None = None  # every row drafting in one product (its propose_rows)
     prepared: PreparedDraft | None = None  # the policy's draft (its verify padding)
     started: float = 0.0  # the clock when the batch began (set-up included)
     observer: StepObserver | None = None
@@ -223,7 +223,7 @@ class Stepper:
                 edits = [self._edits(row) for row in self.rows]
                 with self.threads.phase("draft", len(self.rows)) as run:
                     run.units = steps
-                    drafts = self.batch_draft.propose(self.cache, histories, budgets, steps, generators, edits)
+                    drafts = self.batch_draft.propose_rows(self.cache, histories, budgets, steps, generators, edits)
                 rows = zip(self.rows, drafts.rows, strict=True)
                 return Proposals(tuple(self._longer_lookup(row, draft, steps) for row, draft in rows))
         return Proposals(tuple(self._propose(b, row, kind) for b, row in enumerate(self.rows)))
@@ -235,14 +235,8 @@ class Stepper:
         if self.lookup is None:
             return draft
         cap = min(row.output.remaining - 1, 2 * steps)
-        repeat = self._lookup_draft(row, self.lookup.lookup_max_ngram, cap)
+        repeat = Proposal.chain(self.lookup.match(row.output.history, cap, longest_only=True).tokens, base.LOOKUP)
         return repeat if len(repeat) > len(draft) else draft
-
-    def _lookup_draft(self, row: Row, min_ngram: int, cap: int) -> Proposal:
-        """Prompt lookup for one row: n-grams from ``min_ngram`` to the policy's longest, at most ``cap`` tokens."""
-        assert self.lookup is not None
-        match = match_lookup(row.output.history, min_ngram, self.lookup.lookup_max_ngram, cap)
-        return Proposal.chain(match.tokens, base.LOOKUP)
 
     def _propose(self, b: int, row: Row, kind: str) -> Proposal:
         budget = row.output.remaining - 1
@@ -250,7 +244,8 @@ class Stepper:
             return Proposal.nothing()
         if kind == LOOKUP:
             assert self.lookup is not None
-            return self._lookup_draft(row, self.lookup.lookup_min_ngram, min(budget, self.lookup.max_draft_tokens))
+            cap = min(budget, self.lookup.settings.max_draft_tokens)
+            return Proposal.chain(self.lookup.match(row.output.history, cap).tokens, base.LOOKUP)
         # The row's own drafter, through its view of the cache (room for its draft reserved first).
         self.cache.reserve(self.cache.longest + budget + 2)
         row.view = self.cache.row_view(b, row.view)
