@@ -29,6 +29,7 @@ from layerskip.hf import cache as cache_module
 from layerskip.hf.cache import RollbackCache, model_cache
 from layerskip.hf.forward import block_hidden, full_logits
 from layerskip.hf.lean import LEAN_FAMILIES
+from layerskip.measure.batches import BASELINE, OURS, OURS_PLAIN, run_batches, summarise_batches
 from layerskip.sampling import Sampling
 
 NEW_TOKENS = 30
@@ -283,3 +284,18 @@ def test_the_time_spent_growing_the_ragged_cache_is_counted_apart(monkeypatch: p
     assert cache.growth_seconds == before
     cache.reserve(capacity + 1)
     assert cache.capacity >= capacity + 1 and cache.growth_seconds > before
+
+
+def test_the_batch_bench_runs_hf_our_plain_step_and_ours_on_the_same_batches() -> None:
+    """``scripts/bench.py --batch-size``'s measure: three methods per batch, every row identical,
+    ours priced against HF's and against the engine's own plain decoding."""
+    model = tiny_model("llama")
+    prompts = [random_prompt(seed=seed, length=8 + seed) for seed in range(3)]
+    policy = SkipPolicy(skip_attention=(1,), draft=DraftSettings(max_draft_tokens=3))
+    figures = run_batches(model, prompts, ["a", "b", "c"], [1, 2], ["similar"], 6, [], 0, policy, 1, False)
+    assert {f.method for f in figures} == {BASELINE, OURS, OURS_PLAIN}
+    assert all(f.identical_rows == f.size for f in figures)
+    rows = summarise_batches(figures)
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["vs_plain"] == round(row["ours_tokens_per_second"] / row["plain_tokens_per_second"], 3)

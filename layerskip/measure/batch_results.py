@@ -28,7 +28,8 @@ _ROW = Obj(
         "row_latency_ours_s": Number(),
         "identical_rows": int,
         "rows": int,
-    }
+    },
+    optional={"plain_tokens_per_second": Maybe(Number(positive=True)), "vs_plain": Maybe(Number(positive=True))},
 )
 BATCHES_SHAPE = Obj(
     required={
@@ -100,9 +101,9 @@ def run_section(run: BatchRun) -> str:
         f"`{d['command']}` ([{run.name}](results/batches/{run.name}/batches.json)), "
         f"{d['max_new_tokens']} new tokens, greedy; commit {commit_label(d['environment'])}.",
         "",
-        "| batch | layout | HF batched tok/s | ours tok/s | speedup | row latency HF / ours (s) | identical rows "
-        "| steps chosen |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | layout | HF batched tok/s | our plain tok/s | ours tok/s | vs HF | vs our plain "
+        "| row latency HF / ours (s) | identical rows | steps chosen |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     steps = {
         (run["size"], run["layout"]): run.get("steps") or {}
@@ -112,9 +113,12 @@ def run_section(run: BatchRun) -> str:
     for row in sorted(d["batches"], key=lambda r: (r["layout"], r["batch_size"])):
         chosen = steps.get((row["batch_size"], row["layout"]), {})
         kinds = ", ".join(f"{kind} {count}" for kind, count in chosen.items() if isinstance(count, int))
+        plain, vs_plain = row.get("plain_tokens_per_second"), row.get("vs_plain")
         lines.append(
             f"| {row['batch_size']} | {row['layout']} | {row['hf_tokens_per_second']:.1f} | "
+            f"{'-' if plain is None else f'{plain:.1f}'} | "
             f"{row['ours_tokens_per_second']:.1f} | {row['speedup']:.2f}× | "
+            f"{'-' if vs_plain is None else f'{vs_plain:.2f}×'} | "
             f"{row['row_latency_hf_s']:.2f} / {row['row_latency_ours_s']:.2f} | "
             f"{row['identical_rows']}/{row['rows']} | {kinds or 'one prompt: no batch'} |"
         )
@@ -128,7 +132,9 @@ def batches_section(runs: list[BatchRun]) -> str:
     intro = (
         '<a id="batches"></a>\n## Batches\n\n'
         "HF's batched `generate` against the self-speculative plug-in (`model.generate(custom_generate=...)`) "
-        "on the same left-padded batch, both through `model.generate`, interleaved after a warm-up, the "
+        'on the same left-padded batch, and the plug-in decoding plainly (`skip_policy="plain"`, where '
+        "a run has it: the engine's own plain step, so drafting is seen to pay or not), all through "
+        "`model.generate`, interleaved after a warm-up, the "
         "median of the repeats (`scripts/bench.py --batch-size`). Throughput is the batch's new tokens over "
         "its seconds; every row comes back when its batch does, so a row's latency is the batch's seconds. "
         "`similar` batches hold prompts of neighbouring lengths, `mixed` ones prompts from the shortest to "

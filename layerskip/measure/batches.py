@@ -1,8 +1,10 @@
-"""Batches: HF's batched ``generate`` against self-speculative batches through ``model.generate``.
+"""Batches: HF's batched ``generate`` against self-speculative batches through ``model.generate``,
+and the same engine decoding plainly (the plug-in with ``"plain"``): a batch's drafting pays only
+where it beats the engine's own plain step.
 
-Both methods get the same left-padded batch (``input_ids`` and ``attention_mask``) and the same
+All methods get the same left-padded batch (``input_ids`` and ``attention_mask``) and the same
 generation arguments; ours adds ``custom_generate`` (the plug-in) and ``skip_policy``. Each batch
-size and layout runs both methods back to back, in an order that alternates between repeats,
+size and layout runs the methods back to back, in an order that alternates between repeats,
 after one warm-up of each; a method's figure is its median over the repeats. Throughput is the
 batch's new tokens (up to each row's EOS) over the batch's seconds; every row of a batch comes
 back when the batch does, so a row's latency is the batch's seconds. Rows are compared with
@@ -31,6 +33,7 @@ from layerskip.stats import DeviceClock
 LAYOUTS = ("similar", "mixed")
 BASELINE = "hf-batched"
 OURS = "self-spec-batched"
+OURS_PLAIN = "plain-batched"  # the engine's own plain step, no draft
 
 
 @dataclass
@@ -146,13 +149,14 @@ def run_batches(
     progress: bool = True,
     generation: dict[str, Any] | None = None,
 ) -> list[BatchFigure]:
-    """Both methods on every (size, layout) batch, interleaved; one figure per method and batch.
+    """Every method on every (size, layout) batch, interleaved; one figure per method and batch.
     ``generation``: HF arguments that add logits processors, given to both methods alike."""
     device = next(model.parameters()).device
     clock = DeviceClock(device)
     runners = {
         BASELINE: batch_runner(model, max_new_tokens, eos, pad, None, generation=generation),
         OURS: batch_runner(model, max_new_tokens, eos, pad, skip_policy, generation=generation),
+        OURS_PLAIN: batch_runner(model, max_new_tokens, eos, pad, "plain", generation=generation),
     }
     lengths = [len(ids) for ids in prompt_ids]
     warm = pick_batch(lengths, min(2, len(lengths)), "similar")
@@ -191,13 +195,16 @@ def run_batches(
 
 
 def summarise_batches(figures: Sequence[BatchFigure]) -> list[dict[str, Any]]:
-    """One row per (size, layout): both methods' tokens per second, the speedup, identical rows."""
+    """One row per (size, layout): each method's tokens per second, ours over HF's and over our
+    plain decoding's, identical rows."""
     table = []
     keyed = {(f.size, f.layout, f.method): f for f in figures}
     for size, layout in sorted({(f.size, f.layout) for f in figures}):
         hf, ours = keyed.get((size, layout, BASELINE)), keyed.get((size, layout, OURS))
+        plain = keyed.get((size, layout, OURS_PLAIN))
         if hf is None or ours is None:
             continue
+        plain_rate = plain.tokens_per_second if plain is not None else None
         table.append(
             {
                 "batch_size": size,
@@ -205,6 +212,8 @@ def summarise_batches(figures: Sequence[BatchFigure]) -> list[dict[str, Any]]:
                 "hf_tokens_per_second": round(hf.tokens_per_second, 2),
                 "ours_tokens_per_second": round(ours.tokens_per_second, 2),
                 "speedup": round(ours.tokens_per_second / hf.tokens_per_second, 3) if hf.tokens_per_second else None,
+                "plain_tokens_per_second": round(plain_rate, 2) if plain_rate is not None else None,
+                "vs_plain": round(ours.tokens_per_second / plain_rate, 3) if plain_rate else None,
                 "row_latency_hf_s": round(hf.seconds, 3),
                 "row_latency_ours_s": round(ours.seconds, 3),
                 "identical_rows": ours.identical_rows,
