@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from layerskip.drafts.costs import expected_tokens
-from layerskip.engine.batch_prices import BatchPrices
-from layerskip.engine.step_kinds import EXPLORE_AFTER, StepKinds
+from layerskip.engine.step_kinds import EXPLORE_AFTER, BatchPrices, StepKinds
 
 
 def _prices(acceptance: float = 0.8) -> BatchPrices:
@@ -77,3 +77,23 @@ def test_without_prices_every_kind_is_tried_once_the_plain_step_first() -> None:
     assert kinds.choose() == "plain"
     kinds.observe("plain", 2, 0.02)
     assert kinds.choose() == "lookup"
+
+
+def test_under_a_pricer_steps_cost_their_shape_and_a_hopeless_draft_is_never_explored() -> None:
+    # A verify whose cost follows its positions only (many rows on a CPU): 4 rows of 7 positions
+    # cost 7 plain steps, more than six drafted tokens could repay even if all were accepted.
+    prices = replace(_prices(), verify=lambda n: 0.001 * n)
+    kinds = StepKinds(("plain", "skip:3", "skip:6"), prices=prices.priced(("plain", "skip:3", "skip:6"), 4))
+    kinds.pricer, kinds.rows = prices, 4
+    assert kinds.step_seconds(9.9, 7, 6, 0) == pytest.approx(prices.step_seconds(4, 7, 6, 0))  # not the clock's
+    assert kinds.step_seconds(9.9, 1, 0, 0) == pytest.approx(0.040)
+    assert kinds.price_scale() == 1.0
+    assert kinds.hopeless("skip:6") and kinds.hopeless("skip:3") and not kinds.hopeless("plain")
+    for _ in range(400):
+        kinds.observe(kinds.choose(), 4, 0.040)
+    assert set(kinds.steps) == {"plain"}
+    # Without the pricer the same kinds are tried now and then.
+    timed = StepKinds(("plain", "skip:6"), prices=prices.priced(("plain", "skip:6"), 4))
+    for _ in range(400):  # once 25 times its priced 0.328 s have passed
+        timed.observe(timed.choose(), 4, 0.040)
+    assert "skip:6" in timed.steps

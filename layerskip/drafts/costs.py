@@ -55,7 +55,7 @@ class DraftCosts:
     draft_step: dict[int, float]
     info: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
     precision: str = ""  # the draft copy the draft steps were timed on, where the calibration chose it
-    # A batch's steps by row count (engine.batch_prices): a plain batched step, and a batched draft
+    # A batch's steps by row count (engine.step_kinds): a plain batched step, and a batched draft
     # step of the smallest head size (empty where the draft cannot draft rows together).
     batch_plain: dict[int, float] = field(default_factory=dict)
     batch_draft: dict[int, float] = field(default_factory=dict)

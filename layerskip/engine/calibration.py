@@ -3,7 +3,7 @@
 Measured with the latency model (``engine.latency``): a plain step and the engine's greedy
 verify per block length (the verify curve t(n)), one draft step (nothing bypassed, the draft's
 precision) per candidate head size, and a batch's plain and draft steps per row count
-(``engine.batch_prices`` prices a batch's steps with them); where the policy lets it, the draft's
+(``engine.step_kinds`` prices a batch's steps with them); where the policy lets it, the draft's
 precision first (int4 or int8, each copy's agreement with the model and draft step priced:
 ``engine.precision_choice``). It is cached in the ``calibration`` cache (``layerskip.result_cache``:
 ``$LAYERSKIP_CALIBRATION_CACHE``, default ``calibration/`` in the model cache,
@@ -183,7 +183,7 @@ def _measure(
     batch = BatchStepTimings({}, {})
     if draft_model.lean is not None:  # a batch drafts its rows together only through the lean step
         # The smallest head a batch may draft with: the draft curve's shape over rows, which
-        # engine.batch_prices scales to the head size a batch chooses.
+        # engine.step_kinds scales to the head size a batch chooses.
         head = min((size for size in key["head_sizes"] if size), default=0)
         batch = batch_step_timings(model, draft_model, context, key["batch_rows"], head, BATCH_REPEATS)
         info["batch_draft_head"] = head

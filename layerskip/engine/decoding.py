@@ -28,7 +28,6 @@ from layerskip.drafts.builder import (
     load_policy,
     prepare_draft,
 )
-from layerskip.engine.batch_prices import BatchPrices
 from layerskip.engine.calibration import prepare_calibration
 from layerskip.engine.output import (
     CacheObserver,
@@ -40,7 +39,7 @@ from layerskip.engine.output import (
     seeded_generator,
 )
 from layerskip.engine.step import Row, StepObserver, Stepper
-from layerskip.engine.step_kinds import StepKinds, step_kinds
+from layerskip.engine.step_kinds import BatchPrices, StepKinds, step_kinds
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import LogitsHook, verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
@@ -277,9 +276,9 @@ class Decoder:
             has_draft = self.draft is not None or drafters is not None
 
             def menu_for(size: int) -> StepKinds:
-                return step_kinds(size, has_draft, lookup is not None, batch_draft is not None)
+                return self._step_kinds(size, settings, has_draft, lookup is not None, batch_draft is not None)
 
-            kinds = self._step_kinds(len(rows), settings, has_draft, lookup is not None, batch_draft is not None)
+            kinds = menu_for(len(rows))
             stepper = Stepper(
                 self.model,
                 model_cache(self.model, self.cache_windows(), rows=len(rows)),
@@ -313,7 +312,8 @@ class Decoder:
         key = (rows, settings.sampling is None, menu.kinds)
         if key not in self.batch_rates and self.draft is not None and self.draft.auto is not None and rows > 1:
             prices = BatchPrices.from_auto(self.draft.auto)  # at the head size batch_draft chose
-            menu.prices = prices.priced(menu.kinds, rows) if prices is not None else {}
+            if prices is not None:
+                menu.prices, menu.pricer, menu.rows = prices.priced(menu.kinds, rows), prices, rows
         return self.batch_rates.setdefault(key, menu)  # the rates the last such batch measured
 
     def _finish(self, stats: GenerationStats, fallbacks_before: int) -> None:

@@ -4,7 +4,8 @@ Every row keeps what a generation keeps (its output and stop conditions, its dra
 its stats); the rows share one ``RollbackCache`` (``hf.cache``: a length per row), which holds each
 row's history but its last token (``pending``). A step is
 
-    propose:   each row's candidates, by the kind of step the batch chose (``engine.step_kinds``):
+    propose:   each row's candidates, by the kind of step the batch chose (``engine.step_kinds``, priced by
+               ``auto``'s calibration where it has one):
                nothing, prompt lookup, the batched skip draft, or each row's own drafter (a token
                tree or a chain, drafted through the row's view of the cache)
     verify:    one forward over ``[B, width]``: row b is [pending, its candidates, fillers] at
@@ -103,6 +104,7 @@ class Stepper:
     menu_for: Callable[[int], StepKinds] | None = None
     finished: list[Row] = field(default_factory=list)
     steps: dict[str, int] = field(default_factory=dict)  # steps of each kind this batch took
+    _batched_forwards: int = 0  # draft forwards of this step's batched skip draft
 
     def run(self) -> list[Row]:
         """Prefill, then steps until every row has finished; the rows in the caller's order."""
@@ -187,6 +189,8 @@ class Stepper:
         # Each row's accepted path's K/V moved into place, the rest cut (along a chain: a rollback).
         self.cache.keep_paths(committed, [TokenTree.block_rows(v.path) for v in verdicts])
         seconds = self.clock.now() - start
+        own = sum(len(p) for p in proposals if p.source == base.SKIP) if kind == DRAFT else 0
+        batched = self._batched_forwards if kind.startswith("skip:") else 0
         tokens = 0
         for row, proposal, verdict in zip(self.rows, proposals, verdicts, strict=True):
             draft_seconds = drafted - start if proposal.source != base.NONE else 0.0
@@ -196,7 +200,8 @@ class Stepper:
             record_outcome(row.stats, row.drafter if own else None, outcome, kept)
         # A step that grew the cache's buffers rates its kind without that: growth comes a few
         # times per batch (the buffers double) and would brand whichever kind happened to run.
-        self.kinds.observe(kind, tokens, seconds - (self.cache.growth_seconds - grown))
+        wall = seconds - (self.cache.growth_seconds - grown)
+        self.kinds.observe(kind, tokens, self.kinds.step_seconds(wall, width, batched, own))
         self.steps[kind] = self.steps.get(kind, 0) + 1
         self._observe()
         self._leave()
@@ -217,6 +222,7 @@ class Stepper:
         if kind.startswith("skip:") and self.batch_draft is not None:
             budgets = [row.output.remaining - 1 for row in self.rows]
             steps = min(int(kind.split(":")[1]), max(budgets))
+            self._batched_forwards = max(steps, 0)
             if steps > 0:
                 histories = [row.output.history for row in self.rows]
                 generators = [row.generator for row in self.rows]
@@ -283,11 +289,9 @@ class Stepper:
         if staying:
             self.cache.keep_rows(staying)
             if self.menu_for is not None:
-                # A menu without a choice for the rows left (one row: its own drafter) replaces the
-                # batch's: there is nothing to explore. Otherwise the batch's menu and rates go on.
-                smaller = self.menu_for(len(staying))
-                if len(smaller.kinds) == 1:
-                    self.kinds = smaller
+                # The menu of the rows left, priced for that many (one row: its own drafter), with
+                # the rates the last batch of that size measured.
+                self.kinds = self.menu_for(len(staying))
         self.rows = [self.rows[b] for b in staying]
 
 

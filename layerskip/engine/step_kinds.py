@@ -1,28 +1,54 @@
-"""Which kind of step a batch takes next: the batch's own choice between kinds of proposal.
+"""Which kind of step a batch takes next, and what each kind is priced at.
 
 The kinds: a plain step (every row verifies just its pending token: what a batched ``generate``
 does), prompt lookup only (free to draft, so it always fits in the verify), the batched skip draft
 of a fixed length (``skip:N``: one lean product for all rows per drafted token), or each row's own
 drafter (the policy's: for ``auto``, lookup, the int4 skip draft or nothing, each step priced by
-the row itself). Their tokens per second are measured as the batch runs (and carried to the
-decoder's next batch of that size), and the fastest is chosen; before a kind has run, ``auto``'s
-calibration prices it (``engine.batch_prices``: the plain and draft steps of a batch timed per row
-count), so the first batch starts with the kind priced best. Each other kind is tried again once
-the time since its last trial (or its priced seconds) is many times that trial's cost, so exploring
-costs a few percent at most. A plain step is always on the menu, so a batch is not slower than
-plain batched decoding beyond that.
+the row itself).
+
+A kind's rate is the tokens its recent steps kept over their seconds. Under ``auto`` those seconds
+are priced, not read off the clock: each step's shape (rows, verify width, draft forwards) costs
+what ``auto``'s calibration says (``BatchPrices``), so two kinds are compared at one context length
+and in one sitting, however busy the machine was while each ran; wall-clock rates on a shared CPU
+swing by a fifth between identical runs, and a kind measured early in a batch (short contexts)
+looked faster than one measured late. Only the tokens are measured. Without a calibration (a
+policy file) the rates are wall-clock ones.
+
+Before a kind has run, its price stands for it (the first batch starts with the kind priced best).
+Each other kind is tried again once the time since its last trial (or its priced seconds) is many
+times that trial's cost, so exploring costs a few percent at most; a kind that could not beat the
+best even if every drafted token were accepted is never tried. A plain step is always on the menu,
+so a batch is not slower than plain batched decoding beyond that.
 
 A batch of one row takes its row's own drafter every step: that drafter prices each of its steps
 itself (``auto``: lookup, the skip draft or nothing, its length by cost), which the batch's kinds,
 measured over several steps, only approximate; with more rows, the rows share one verify and the
 batch's choice is what decides.
+
+Prices, with ``R`` rows, per-token acceptance ``a`` of the skip draft and ``E(a, g)`` the tokens a
+draft of ``g`` yields (``drafts.costs.expected_tokens``):
+
+    plain, lookup  R tokens in V(R, 1) (a row without a lookup match verifies its pending token alone)
+    skip:N         R * E(a, N) tokens in N * D(R) + V(R, N + 1)
+    draft          rows' own drafters, one row after another, at their best length g:
+                   R * E(a, g) tokens in R * g * c + V(R, g + 1)
+
+``V(R, 1)`` is the calibrated plain batched step of ``R`` rows; a wider block grows it as one row's
+verify curve grows from ``R`` positions to ``R * n`` (a forward's cost follows the tokens it
+holds). ``D(R)`` is the calibrated batched draft step of ``R`` rows scaled to the batch's head size
+by the one-row draft step ``c`` of that size. Row counts between the calibrated ones are
+interpolated, beyond them extrapolated (``drafts.costs.block_cost``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from layerskip.drafts.builder import MAX_ACCEPTANCE, AutoState, block_cost, expected_tokens
+
 PLAIN, LOOKUP, DRAFT = "plain", "lookup", "draft"
+
 # The batched skip draft's lengths on the menu (kind "skip:N"): a longer draft pays where the
 # draft is right more often; which one does on this model, text and machine is measured.
 SKIP_LENGTHS = (3, 6)
@@ -35,6 +61,82 @@ RECENT_STEPS = 8
 EXPLORE_AFTER = 25.0
 
 
+Price = tuple[float, float]  # (expected tokens, seconds) of one step of the whole batch
+
+
+@dataclass
+class BatchPrices:
+    """A batch's step prices from calibrated costs (see the module's formulas)."""
+
+    plain: dict[int, float]  # seconds of a plain batched step by row count
+    draft_rows: dict[int, float]  # seconds of a batched draft step by row count (the calibration's head)
+    verify: Callable[[int], float]  # seconds of one row's verify of n positions
+    draft_step: float  # seconds of one row's draft step with the batch's head
+    acceptance: float  # per-token acceptance of the skip draft
+    max_draft: int  # the longest draft a row's own drafter makes
+
+    @classmethod
+    def from_auto(cls, state: AutoState) -> BatchPrices | None:
+        """Prices from ``auto``'s calibration and running estimates, at the head size it chose last
+        (None where the calibration holds no batch steps)."""
+        costs = state.costs
+        if not costs.batch_plain or not costs.batch_draft:
+            return None
+        rows = max(state.head_rows, 0)
+        acceptance = min(MAX_ACCEPTANCE, state.full_head_acceptance() * state.coverage.share(rows))
+        return cls(
+            costs.batch_plain,
+            costs.batch_draft,
+            state.verify_seconds,
+            costs.draft_step[rows],
+            acceptance,
+            state.settings.max_draft_tokens,
+        )
+
+    def verify_rows(self, rows: int, width: int) -> float:
+        """Seconds of one verify forward over ``rows`` rows of ``width`` positions."""
+        return block_cost(self.plain, rows) * self.verify(rows * width) / self.verify(rows)
+
+    def draft_rows_step(self, rows: int) -> float:
+        """Seconds of one batched draft step of ``rows`` rows with the batch's head."""
+        # One row's batched draft step, extrapolated where the calibration starts at 2 rows (never
+        # below half the cheapest timed: a steep curve must not send it to 0).
+        one = max(block_cost(self.draft_rows, 1), 0.5 * min(self.draft_rows.values()))
+        return self.draft_step * block_cost(self.draft_rows, rows) / one
+
+    def step_seconds(self, rows: int, width: int, batched_forwards: int, own_forwards: int) -> float:
+        """Seconds of a step of this shape: ``batched_forwards`` draft forwards of all rows at once,
+        ``own_forwards`` one-row draft forwards (the rows' own drafters, one after another), and a
+        verify of ``rows`` rows of ``width`` positions."""
+        return (
+            batched_forwards * self.draft_rows_step(rows)
+            + own_forwards * self.draft_step
+            + self.verify_rows(rows, width)
+        )
+
+    def price(self, kind: str, rows: int, acceptance: float | None = None) -> Price | None:
+        """Expected tokens and seconds of one step of ``kind`` (None: a kind not priced here), at the
+        running acceptance or at ``acceptance``."""
+        a = self.acceptance if acceptance is None else acceptance
+        if kind in (PLAIN, LOOKUP):
+            return float(rows), self.verify_rows(rows, 1)
+        if kind.startswith("skip:"):
+            steps = int(kind.split(":")[1])
+            return rows * expected_tokens(a, steps), self.step_seconds(rows, steps + 1, steps, 0)
+        if kind == DRAFT:
+            offers = [
+                (rows * expected_tokens(a, g), self.step_seconds(rows, g + 1, 0, rows * g))
+                for g in range(1, self.max_draft + 1)
+            ]
+            return max(offers, key=lambda offer: offer[0] / offer[1])
+        return None
+
+    def priced(self, kinds: Sequence[str], rows: int) -> dict[str, Price]:
+        """Each of ``kinds`` this prices, for a batch of ``rows`` rows."""
+        prices = {kind: self.price(kind, rows) for kind in kinds}
+        return {kind: price for kind, price in prices.items() if price is not None}
+
+
 @dataclass
 class StepKinds:
     """The batch's running tokens per second of each kind of step, and which to run next."""
@@ -44,9 +146,19 @@ class StepKinds:
     last_seconds: dict[str, float] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)  # seconds of other kinds since each was tried
     steps: dict[str, int] = field(default_factory=dict)
-    # (expected tokens, seconds) of a step of each kind priced before it ran (engine.batch_prices):
+    # (expected tokens, seconds) of a step of each kind priced before it ran (``BatchPrices``):
     # a kind's rate until it has been measured.
     prices: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Where set, every step's seconds are priced from its shape (``step_seconds``), not timed, and
+    # a drafting kind that could not beat the best even with every token accepted is not explored.
+    pricer: BatchPrices | None = None
+    rows: int = 0
+
+    def step_seconds(self, wall: float, width: int, batched_forwards: int, own_forwards: int) -> float:
+        """A step's seconds as the rates count them: priced from its shape under a pricer, else ``wall``."""
+        if self.pricer is None:
+            return wall
+        return self.pricer.step_seconds(self.rows, width, batched_forwards, own_forwards)
 
     def rate(self, kind: str) -> float:
         recent = self.recent.get(kind)
@@ -58,7 +170,10 @@ class StepKinds:
     def price_scale(self) -> float:
         """How much longer this batch's steps take than priced, over the priced kinds it measured
         (1 before any): the calibration times short contexts, a batch's rows hold longer ones, and
-        that slows every kind of step alike, so an unmeasured kind's price is scaled by it."""
+        that slows every kind of step alike, so an unmeasured kind's price is scaled by it. Steps
+        priced from their shapes need no scale."""
+        if self.pricer is not None:
+            return 1.0
         measured = priced = 0.0
         for kind, recent in self.recent.items():
             if kind in self.prices and recent:
@@ -72,9 +187,20 @@ class StepKinds:
                 return kind
         for kind in self.kinds:
             last = self.last_seconds[kind] if kind in self.last_seconds else self.prices[kind][1]
-            if self.since.get(kind, 0.0) > EXPLORE_AFTER * last:
+            if self.since.get(kind, 0.0) > EXPLORE_AFTER * last and not self.hopeless(kind):
                 return kind
         return max(self.kinds, key=self.rate)
+
+    def hopeless(self, kind: str) -> bool:
+        """Whether ``kind`` drafts and could not beat the best other kind's rate even if its every
+        drafted token were accepted (priced only: many rows make a wide verify dear)."""
+        if self.pricer is None or kind in (PLAIN, LOOKUP):
+            return False
+        best_case = self.pricer.price(kind, self.rows, acceptance=MAX_ACCEPTANCE)
+        if best_case is None:
+            return False
+        others = [self.rate(other) for other in self.kinds if other != kind]
+        return bool(others) and best_case[0] / best_case[1] < max(others)
 
     def observe(self, kind: str, tokens: int, seconds: float) -> None:
         recent = self.recent.setdefault(kind, [])
