@@ -69,7 +69,9 @@ def test_priced_kinds_start_from_the_best_price_and_are_explored_by_their_priced
     kinds = StepKinds(("plain", "skip:3"), prices={"plain": (4.0, 0.041), "skip:3": (10.0, 0.05)})
     while "plain" not in kinds.recent:
         kinds.observe(kinds.choose(), 10, 0.05)
-    assert kinds.steps["skip:3"] == math.floor(EXPLORE_AFTER * 0.041 / 0.05) + 1  # 21 steps: 1.05 s > 1.025 s
+    # skip:3 rates 200 tokens/s, the plain step's price 4 / 0.041: it waits that many times longer.
+    behind = 200.0 / (4.0 / 0.041)
+    assert kinds.steps["skip:3"] == math.floor(EXPLORE_AFTER * 0.041 * behind / 0.05) + 1
 
 
 def test_without_prices_every_kind_is_tried_once_the_plain_step_first() -> None:
@@ -94,6 +96,6 @@ def test_under_a_pricer_steps_cost_their_shape_and_a_hopeless_draft_is_never_exp
     assert set(kinds.steps) == {"plain"}
     # Without the pricer the same kinds are tried now and then.
     timed = StepKinds(("plain", "skip:6"), prices=prices.priced(("plain", "skip:6"), 4))
-    for _ in range(400):  # once 25 times its priced 0.328 s have passed
+    for _ in range(1000):  # once 25 times its priced 0.328 s, times how far it is behind, have passed
         timed.observe(timed.choose(), 4, 0.040)
     assert "skip:6" in timed.steps

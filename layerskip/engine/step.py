@@ -191,17 +191,21 @@ class Stepper:
         seconds = self.clock.now() - start
         own = sum(len(p) for p in proposals if p.source == base.SKIP) if kind == DRAFT else 0
         batched = self._batched_forwards if kind.startswith("skip:") else 0
-        tokens = 0
+        kept_by_row = []
         for row, proposal, verdict in zip(self.rows, proposals, verdicts, strict=True):
             draft_seconds = drafted - start if proposal.source != base.NONE else 0.0
             outcome = StepOutcome(proposal, verdict, width, draft_seconds, seconds - (drafted - start))
             kept = row.output.emit(outcome.tokens)
-            tokens += kept
+            kept_by_row.append(kept)
             record_outcome(row.stats, row.drafter if own else None, outcome, kept)
         # A step that grew the cache's buffers rates its kind without that: growth comes a few
         # times per batch (the buffers double) and would brand whichever kind happened to run.
         wall = seconds - (self.cache.growth_seconds - grown)
-        self.kinds.observe(kind, tokens, self.kinds.step_seconds(wall, width, batched, own))
+        # A batch ends when its last row does: a step brings that end closer by the fewest tokens a
+        # row kept (a row that ran ahead finishes early and leaves the others to steps that cost
+        # nearly as much with fewer rows), so a kind is rated by that, for every row.
+        useful = len(kept_by_row) * min(kept_by_row)
+        self.kinds.observe(kind, useful, self.kinds.step_seconds(wall, width, batched, own))
         self.steps[kind] = self.steps.get(kind, 0) + 1
         self._observe()
         self._leave()

@@ -16,9 +16,16 @@ policy file) the rates are wall-clock ones.
 
 Before a kind has run, its price stands for it (the first batch starts with the kind priced best).
 Each other kind is tried again once the time since its last trial (or its priced seconds) is many
-times that trial's cost, so exploring costs a few percent at most; a kind that could not beat the
-best even if every drafted token were accepted is never tried. A plain step is always on the menu,
-so a batch is not slower than plain batched decoding beyond that.
+times that trial's cost, and as many times more as its rate is below the best's, so exploring costs
+a few percent at most; a kind that could not beat the best even if every drafted token were
+accepted is never tried.
+
+A step's tokens count as its rows times the fewest any row kept: a batch ends when its last row
+does, and a step that moves some rows far ahead and others by one leaves the batch's end where it
+was (the rows ahead finish early, and steps with fewer rows cost nearly as much on a CPU).
+
+A plain step is always on the menu, so a batch is not slower than plain batched decoding beyond
+that.
 
 A batch of one row takes its row's own drafter every step: that drafter prices each of its steps
 itself (``auto``: lookup, the skip draft or nothing, its length by cost), which the batch's kinds,
@@ -185,11 +192,14 @@ class StepKinds:
         for kind in self.kinds:  # each kind without a price once, the plain step first
             if kind not in self.recent and kind not in self.prices:
                 return kind
+        best = max(self.kinds, key=self.rate)
         for kind in self.kinds:
             last = self.last_seconds[kind] if kind in self.last_seconds else self.prices[kind][1]
-            if self.since.get(kind, 0.0) > EXPLORE_AFTER * last and not self.hopeless(kind):
+            # A kind rated far below the best is tried again that many times less often.
+            behind = self.rate(best) / max(self.rate(kind), 1e-9)
+            if self.since.get(kind, 0.0) > EXPLORE_AFTER * last * max(1.0, behind) and not self.hopeless(kind):
                 return kind
-        return max(self.kinds, key=self.rate)
+        return best
 
     def hopeless(self, kind: str) -> bool:
         """Whether ``kind`` drafts and could not beat the best other kind's rate even if its every
