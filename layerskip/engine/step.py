@@ -192,6 +192,7 @@ class Stepper:
         own = sum(len(p) for p in proposals if p.source == base.SKIP) if kind == DRAFT else 0
         batched = self._batched_forwards if kind.startswith("skip:") else 0
         kept_by_row = []
+        remaining = [row.output.remaining for row in self.rows]
         for row, proposal, verdict in zip(self.rows, proposals, verdicts, strict=True):
             draft_seconds = drafted - start if proposal.source != base.NONE else 0.0
             outcome = StepOutcome(proposal, verdict, width, draft_seconds, seconds - (drafted - start))
@@ -201,10 +202,12 @@ class Stepper:
         # A step that grew the cache's buffers rates its kind without that: growth comes a few
         # times per batch (the buffers double) and would brand whichever kind happened to run.
         wall = seconds - (self.cache.growth_seconds - grown)
-        # A batch ends when its last row does: a step brings that end closer by the fewest tokens a
-        # row kept (a row that ran ahead finishes early and leaves the others to steps that cost
-        # nearly as much with fewer rows), so a kind is rated by that, for every row.
-        useful = len(kept_by_row) * min(kept_by_row)
+        # A batch ends when its last row does: a step brings that end closer by what the rows
+        # furthest from their end kept (a row that ran ahead finishes early and leaves the others
+        # to steps that cost nearly as much with fewer rows), so a kind is rated by that, per row.
+        furthest = max(remaining)
+        lagging = [kept for kept, left in zip(kept_by_row, remaining, strict=True) if left == furthest]
+        useful = len(kept_by_row) * sum(lagging) / len(lagging)
         self.kinds.observe(kind, useful, self.kinds.step_seconds(wall, width, batched, own))
         self.steps[kind] = self.steps.get(kind, 0) + 1
         self._observe()

@@ -20,9 +20,10 @@ times that trial's cost, and as many times more as its rate is below the best's,
 a few percent at most; a kind that could not beat the best even if every drafted token were
 accepted is never tried.
 
-A step's tokens count as its rows times the fewest any row kept: a batch ends when its last row
-does, and a step that moves some rows far ahead and others by one leaves the batch's end where it
-was (the rows ahead finish early, and steps with fewer rows cost nearly as much on a CPU).
+A step's tokens count as its rows times what the rows furthest from their end kept (their mean):
+a batch ends when its last row does, and a step that moves some rows far ahead and the last by one
+leaves the batch's end almost where it was (the rows ahead finish early, and steps with fewer rows
+cost nearly as much on a CPU).
 
 A plain step is always on the menu, so a batch is not slower than plain batched decoding beyond
 that.
@@ -149,7 +150,7 @@ class StepKinds:
     """The batch's running tokens per second of each kind of step, and which to run next."""
 
     kinds: tuple[str, ...]
-    recent: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # (tokens, seconds) of the last steps
+    recent: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # (tokens, seconds) of the last steps
     last_seconds: dict[str, float] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)  # seconds of other kinds since each was tried
     steps: dict[str, int] = field(default_factory=dict)
@@ -212,7 +213,7 @@ class StepKinds:
         others = [self.rate(other) for other in self.kinds if other != kind]
         return bool(others) and best_case[0] / best_case[1] < max(others)
 
-    def observe(self, kind: str, tokens: int, seconds: float) -> None:
+    def observe(self, kind: str, tokens: float, seconds: float) -> None:
         recent = self.recent.setdefault(kind, [])
         recent.append((tokens, seconds))
         del recent[:-RECENT_STEPS]
