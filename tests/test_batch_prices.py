@@ -99,3 +99,14 @@ def test_under_a_pricer_steps_cost_their_shape_and_a_hopeless_draft_is_never_exp
     for _ in range(1000):  # once 25 times its priced 0.328 s, times how far it is behind, have passed
         timed.observe(timed.choose(), 4, 0.040)
     assert "skip:6" in timed.steps
+
+
+def test_a_kind_that_runs_dearer_than_priced_next_to_the_plain_step_is_rated_so() -> None:
+    prices = _prices()
+    kinds = StepKinds(("plain", "skip:3"), prices=prices.priced(("plain", "skip:3"), 4), pricer=prices, rows=4)
+    kinds.observe("plain", 4, 0.04, wall=0.08)  # a busy spell: twice the price
+    kinds.observe("skip:3", 10, 0.05, wall=0.20)  # four times its price: twice as dear as the plain step
+    assert kinds.misprice("plain") == 1.0
+    assert kinds.misprice("skip:3") == pytest.approx(2.0)
+    assert kinds.rate("skip:3") == pytest.approx(10 / 0.10)
+    assert kinds.rate("plain") == pytest.approx(4 / 0.04)  # the busy spell cancels

@@ -208,7 +208,7 @@ class Stepper:
         furthest = max(remaining)
         lagging = [kept for kept, left in zip(kept_by_row, remaining, strict=True) if left == furthest]
         useful = len(kept_by_row) * sum(lagging) / len(lagging)
-        self.kinds.observe(kind, useful, self.kinds.step_seconds(wall, width, batched, own))
+        self.kinds.observe(kind, useful, self.kinds.step_seconds(wall, width, batched, own), wall)
         self.steps[kind] = self.steps.get(kind, 0) + 1
         self._observe()
         self._leave()

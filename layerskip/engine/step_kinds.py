@@ -161,6 +161,7 @@ class StepKinds:
     # a drafting kind that could not beat the best even with every token accepted is not explored.
     pricer: BatchPrices | None = None
     rows: int = 0
+    wall: dict[str, list[float]] = field(default_factory=dict)  # the clock's seconds of the recent steps
 
     def step_seconds(self, wall: float, width: int, batched_forwards: int, own_forwards: int) -> float:
         """A step's seconds as the rates count them: priced from its shape under a pricer, else ``wall``."""
@@ -173,7 +174,22 @@ class StepKinds:
         if not recent:
             tokens, seconds = self.prices[kind]
             return tokens / max(seconds * self.price_scale(), 1e-9)
-        return sum(tokens for tokens, _ in recent) / max(sum(seconds for _, seconds in recent), 1e-9)
+        seconds = sum(seconds for _, seconds in recent) * self.misprice(kind)
+        return sum(tokens for tokens, _ in recent) / max(seconds, 1e-9)
+
+    def misprice(self, kind: str) -> float:
+        """How much dearer ``kind``'s recent steps ran than priced, relative to the plain step's (1
+        without a pricer or before both ran): the calibration prices a wide batched verify from one
+        row's verify curve, which some shapes outrun. A ratio of ratios: a busy spell or a longer
+        context slows both alike and cancels (a plain step measured earlier, at shorter contexts,
+        makes the drafting kinds look dearer, the safe side)."""
+        if self.pricer is None or kind == PLAIN or not self.wall.get(kind) or not self.wall.get(PLAIN):
+            return 1.0
+
+        def ratio(name: str) -> float:
+            return sum(self.wall[name]) / max(sum(seconds for _, seconds in self.recent[name]), 1e-9)
+
+        return ratio(kind) / max(ratio(PLAIN), 1e-9)
 
     def price_scale(self) -> float:
         """How much longer this batch's steps take than priced, over the priced kinds it measured
@@ -213,10 +229,16 @@ class StepKinds:
         others = [self.rate(other) for other in self.kinds if other != kind]
         return bool(others) and best_case[0] / best_case[1] < max(others)
 
-    def observe(self, kind: str, tokens: float, seconds: float) -> None:
+    def observe(self, kind: str, tokens: float, seconds: float, wall: float | None = None) -> None:
+        """One step of ``kind``: the tokens it counts for and its seconds (priced, under a pricer,
+        then ``wall`` is the clock's)."""
         recent = self.recent.setdefault(kind, [])
         recent.append((tokens, seconds))
         del recent[:-RECENT_STEPS]
+        if wall is not None:
+            walls = self.wall.setdefault(kind, [])
+            walls.append(wall)
+            del walls[: -len(recent)]
         self.last_seconds[kind] = seconds
         self.steps[kind] = self.steps.get(kind, 0) + 1
         for other in self.kinds:
