@@ -220,14 +220,15 @@ class StepKinds:
 
     def hopeless(self, kind: str) -> bool:
         """Whether ``kind`` drafts and could not beat the best other kind's rate even if its every
-        drafted token were accepted (priced only: many rows make a wide verify dear)."""
+        drafted token were accepted, at the price its trials ran at (priced only: many rows make a
+        wide verify dear)."""
         if self.pricer is None or kind in (PLAIN, LOOKUP):
             return False
         best_case = self.pricer.price(kind, self.rows, acceptance=MAX_ACCEPTANCE)
         if best_case is None:
             return False
         others = [self.rate(other) for other in self.kinds if other != kind]
-        return bool(others) and best_case[0] / best_case[1] < max(others)
+        return bool(others) and best_case[0] / (best_case[1] * self.misprice(kind)) < max(others)
 
     def observe(self, kind: str, tokens: float, seconds: float, wall: float | None = None) -> None:
         """One step of ``kind``: the tokens it counts for and its seconds (priced, under a pricer,
