@@ -110,3 +110,10 @@ def test_a_kind_that_runs_dearer_than_priced_next_to_the_plain_step_is_rated_so(
     assert kinds.misprice("skip:3") == pytest.approx(2.0)
     assert kinds.rate("skip:3") == pytest.approx(10 / 0.10)
     assert kinds.rate("plain") == pytest.approx(4 / 0.04)  # the busy spell cancels
+
+
+def test_a_near_tie_goes_to_the_plain_step() -> None:
+    kinds = StepKinds(("plain", "skip:3"), prices={"plain": (4.0, 0.040), "skip:3": (10.3, 0.100)})
+    assert kinds.choose() == "plain"  # 103 tokens/s against 100: within DRAFT_MARGIN
+    kinds = StepKinds(("plain", "skip:3"), prices={"plain": (4.0, 0.040), "skip:3": (11.0, 0.100)})
+    assert kinds.choose() == "skip:3"

@@ -67,6 +67,8 @@ RECENT_STEPS = 8
 # A kind not chosen is tried again once this many times its last trial's seconds have passed:
 # exploring then costs about 1 / (1 + this) of the time, and a kind whose price fell is found.
 EXPLORE_AFTER = 25.0
+# A drafting kind is chosen over the plain step only where it is rated this much faster.
+DRAFT_MARGIN = 1.05
 
 
 Price = tuple[float, float]  # (expected tokens, seconds) of one step of the whole batch
@@ -209,7 +211,7 @@ class StepKinds:
         for kind in self.kinds:  # each kind without a price once, the plain step first
             if kind not in self.recent and kind not in self.prices:
                 return kind
-        best = max(self.kinds, key=self.rate)
+        best = max(self.kinds, key=self.rated)
         for kind in self.kinds:
             last = self.last_seconds[kind] if kind in self.last_seconds else self.prices[kind][1]
             # A kind rated far below the best is tried again that many times less often.
@@ -217,6 +219,13 @@ class StepKinds:
             if self.since.get(kind, 0.0) > EXPLORE_AFTER * last * max(1.0, behind) and not self.hopeless(kind):
                 return kind
         return best
+
+    def rated(self, kind: str) -> float:
+        """``rate``, a drafting kind's less ``DRAFT_MARGIN`` where the plain step is on the menu:
+        what a draft's verdicts do to the rows' ends (some rows ahead, the batch's end not) is
+        priced only on average, so a near tie goes to the plain step."""
+        rate = self.rate(kind)
+        return rate if kind == PLAIN or PLAIN not in self.kinds else rate / DRAFT_MARGIN
 
     def hopeless(self, kind: str) -> bool:
         """Whether ``kind`` drafts and could not beat the best other kind's rate even if its every
