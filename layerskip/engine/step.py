@@ -189,7 +189,7 @@ class Stepper:
         # Each row's accepted path's K/V moved into place, the rest cut (along a chain: a rollback).
         self.cache.keep_paths(committed, [TokenTree.block_rows(v.path) for v in verdicts])
         seconds = self.clock.now() - start
-        own = sum(len(p) for p in proposals if p.source == base.SKIP) if kind == DRAFT else 0
+        own_forwards = sum(len(p) for p in proposals if p.source == base.SKIP) if kind == DRAFT else 0
         batched = self._batched_forwards if kind.startswith("skip:") else 0
         kept_by_row = []
         remaining = [row.output.remaining for row in self.rows]
@@ -208,7 +208,7 @@ class Stepper:
         furthest = max(remaining)
         lagging = [kept for kept, left in zip(kept_by_row, remaining, strict=True) if left == furthest]
         useful = len(kept_by_row) * sum(lagging) / len(lagging)
-        self.kinds.observe(kind, useful, self.kinds.step_seconds(wall, width, batched, own), wall)
+        self.kinds.observe(kind, useful, self.kinds.step_seconds(wall, width, batched, own_forwards), wall)
         self.steps[kind] = self.steps.get(kind, 0) + 1
         self._observe()
         self._leave()
