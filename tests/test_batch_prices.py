@@ -44,6 +44,17 @@ def test_a_batch_step_is_priced_from_the_calibrated_curves() -> None:
     assert set(prices.priced(("plain", "skip:3", "unknown"), 4)) == {"plain", "skip:3"}
 
 
+def test_a_timed_wide_verify_prices_every_width_on_one_line() -> None:
+    # 4 rows: 40 ms at width 1, 70 ms at width 4 (WIDE_BLOCK): 10 ms a position beyond the first.
+    prices = replace(_prices(), wide={1: 0.025, 4: 0.070})
+    assert prices.verify_rows(4, 1) == pytest.approx(0.040)
+    assert prices.verify_rows(4, 4) == pytest.approx(0.070)
+    assert prices.verify_rows(4, 7) == pytest.approx(0.100)  # skip:6's verify, past the timed width
+    # A wide step timed below the plain one (noise) never prices a wide verify below a plain one.
+    prices = replace(_prices(), wide={1: 0.010, 4: 0.030})
+    assert prices.verify_rows(4, 4) == pytest.approx(0.040)
+
+
 def test_a_draft_that_is_rarely_right_is_priced_below_a_plain_step() -> None:
     rate = {kind: tokens / seconds for kind, (tokens, seconds) in _prices(0.05).priced(("plain", "skip:6"), 4).items()}
     assert rate["plain"] > rate["skip:6"]

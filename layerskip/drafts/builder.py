@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from layerskip.drafts.auto import MAX_ACCEPTANCE, AutoDrafter, AutoState, best_skip_rate
-from layerskip.drafts.base import Drafter, NoDrafter
+from layerskip.drafts.base import Drafter
 from layerskip.drafts.branching import BranchingDrafter
 from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost
@@ -36,7 +36,7 @@ from layerskip.drafts.hybrid import HybridDrafter
 from layerskip.drafts.lookup import LookupDrafter
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
-from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy, check_vocabulary_ids
+from layerskip.drafts.policy import ExitSettings, SkipPolicy, check_vocabulary_ids
 from layerskip.drafts.policy_spec import AUTO, PLAIN, load_policy
 from layerskip.drafts.skip import ChainDrafter, SkipDrafter
 from layerskip.errors import LayerskipError, few
@@ -47,22 +47,17 @@ from layerskip.sampling import Sampling
 # module (tests/test_layout.py): the builder's own names, then the draft's types the engine names,
 # the policy argument it parses, and what its calibration and batches price and time drafts with.
 __all__ = [
-    "DraftModelKey",
     "DraftModels",
     "DraftRun",
     "PreparedDraft",
-    "build_drafter",
     "check_policy_fits",
     "head_rows",
-    "kept_sublayers",
-    "load_exit_adapter",
     "prepare_draft",
     # types
     "AutoState",
     "DraftCosts",
     "DraftHead",
     "DraftModel",
-    "DraftSettings",
     "ExitAdapter",
     "SelectionState",
     "LookupDrafter",
@@ -471,9 +466,3 @@ def prepare_draft(
     """``policy``'s draft prepared for ``model`` (None for plain decoding: no policy); an ``auto``
     policy needs ``costs``, its calibration on this machine (``engine.calibration``)."""
     return None if policy is None else PreparedDraft(model, policy, vocab_rows, models, costs)
-
-
-def build_drafter(model: nn.Module, policy: SkipPolicy | None, run: DraftRun = DraftRun()) -> Drafter:
-    """A ready drafter for one generation; plain decoding's (drafts nothing) without a policy."""
-    prepared = prepare_draft(model, policy)
-    return NoDrafter() if prepared is None else prepared.start(run)

@@ -55,10 +55,12 @@ class DraftCosts:
     draft_step: dict[int, float]
     info: dict[str, Any] = field(default_factory=dict)  # how and where it was measured
     precision: str = ""  # the draft copy the draft steps were timed on, where the calibration chose it
-    # A batch's steps by row count (engine.step_kinds): a plain batched step, and a batched draft
-    # step of the smallest head size (empty where the draft cannot draft rows together).
+    # A batch's steps by row count (engine.step_kinds): a plain batched step, a batched draft step
+    # of the smallest head size and a batched verify of a few positions per row (empty where the
+    # draft cannot draft rows together).
     batch_plain: dict[int, float] = field(default_factory=dict)
     batch_draft: dict[int, float] = field(default_factory=dict)
+    batch_wide: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +71,7 @@ class DraftCosts:
             **({"precision": self.precision} if self.precision else {}),
             **({"batch_plain": _keyed(self.batch_plain)} if self.batch_plain else {}),
             **({"batch_draft": _keyed(self.batch_draft)} if self.batch_draft else {}),
+            **({"batch_wide": _keyed(self.batch_wide)} if self.batch_wide else {}),
         }
 
     @classmethod
@@ -100,10 +103,12 @@ class DraftCosts:
             _precision(data.get("precision", "")),
             _curve("batch_plain", data["batch_plain"], low=1) if "batch_plain" in data else {},
             _curve("batch_draft", data["batch_draft"], low=1) if "batch_draft" in data else {},
+            _curve("batch_wide", data["batch_wide"], low=1) if "batch_wide" in data else {},
         )
         if blocks is not None and set(costs.verify) != set(blocks):
             raise ValueError(f"its verify blocks {few(sorted(costs.verify))} are not the calibrated {sorted(blocks)}")
-        for name, curve in (("batch_plain", costs.batch_plain), ("batch_draft", costs.batch_draft)):
+        for name in ("batch_plain", "batch_draft", "batch_wide"):
+            curve = getattr(costs, name)
             if batch_rows is not None and curve and set(curve) != set(batch_rows):
                 raise ValueError(f"its {name} rows {few(sorted(curve))} are not the calibrated {sorted(batch_rows)}")
         if head_sizes is not None and set(costs.draft_step) != set(head_sizes):

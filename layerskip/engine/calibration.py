@@ -45,8 +45,9 @@ from layerskip.result_cache import ResultCache, cache_env, model_key
 
 # 2: with the draft's precision chosen; 3: with a batch's steps by row count; 4: the plain and
 # verify curve an entry of its own, shared with the search (older entries are measured again);
-# 5: the int4 copy rounded by a least-squares fit per group (its agreement and price changed).
-FORMAT = 5
+# 5: the int4 copy rounded by a least-squares fit per group (its agreement and price changed);
+# 6: a batch's wide verify timed per row count.
+FORMAT = 6
 # The search's default draft lengths + 1 (2 to 9) each timed, none interpolated (on CPU a 2-3-row
 # matmul can cost more than a 4-row one); past them auto interpolates up to 17, a lookup run of 16
 # and the pending token. A longer search extends the curve once (machine_latency).
@@ -190,7 +191,9 @@ def _measure(
     if latency.warning is not None:
         info["warning"] = latency.warning
     chosen = precision if len(key["precisions"]) > 1 else ""
-    return DraftCosts(latency.plain_step_seconds, latency.verify_seconds, draft, info, chosen, batch.plain, batch.draft)
+    return DraftCosts(
+        latency.plain_step_seconds, latency.verify_seconds, draft, info, chosen, batch.plain, batch.draft, batch.wide
+    )
 
 
 def _choose_precision(

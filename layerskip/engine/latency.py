@@ -162,11 +162,19 @@ def head_size_timings(
 @dataclass
 class BatchStepTimings:
     """Median seconds of one batched step per row count: a plain step (every row verifies its
-    pending token, greedy, as the engine's batched verify runs it) and a draft step (every row
-    drafts one token in one lean forward, nothing bypassed)."""
+    pending token, greedy, as the engine's batched verify runs it), a draft step (every row
+    drafts one token in one lean forward, nothing bypassed) and a wide verify (every row verifies
+    ``WIDE_BLOCK`` positions)."""
 
     plain: dict[int, float]
     draft: dict[int, float]
+    wide: dict[int, float] = field(default_factory=dict)
+
+
+# The verify width a batch's wide step is timed at: a skip draft of 3 and its pending token. How a
+# batched verify grows with its width depends on the row count (a few rows' wide block can cost no
+# more than their plain step; sixteen rows' can cost several), so it is timed, not scaled.
+WIDE_BLOCK = 4
 
 
 @torch.inference_mode()
@@ -185,16 +193,18 @@ def batch_step_timings(
     cache.keep_rows([0] * largest)  # every row holds the same context: one prefill, copied
     length = len(context)
     cache.set_lengths([length] * largest)
-    cache.reserve(length + 2)
+    cache.reserve(length + WIDE_BLOCK + 1)
     greedy = engine_verify_head(model)
     ranked = None if not head_size else torch.tensor(sorted({*range(head_size), *context}), dtype=torch.long)
     head = draft_model.head(ranked)
     plain: dict[int, float] = {}
     draft: dict[int, float] = {}
+    wide: dict[int, float] = {}
     for count in sorted(set(rows), reverse=True):
         if cache.rows > count:
             cache.keep_rows(list(range(count)))
         token = torch.full((count,), context[-1], device=device)  # [R]
+        block = token[:, None].expand(count, WIDE_BLOCK)  # [R, WIDE_BLOCK]
         lengths = [length] * count
 
         def plain_step(token: torch.Tensor = token, lengths: list[int] = lengths) -> None:
@@ -202,15 +212,22 @@ def batch_step_timings(
             greedy.argmax(hidden[:, 0])
             cache.set_lengths(lengths)
 
+        def wide_step(block: torch.Tensor = block, lengths: list[int] = lengths) -> None:
+            hidden = block_hidden(model, block, cache)  # [R, WIDE_BLOCK, H]
+            greedy.argmax(hidden.flatten(0, 1))
+            cache.set_lengths(lengths)
+
         def draft_step(token: torch.Tensor = token, lengths: list[int] = lengths) -> None:
             with draft_model.active((), ()):
                 head(draft_model.hidden(token[:, None], cache)[:, 0]).argmax(-1)  # [R, n] -> [R]
             cache.set_lengths(lengths)
 
-        seconds = interleaved_timings({"plain": plain_step, "draft": draft_step}, device, repeats)
+        steps = {"plain": plain_step, "draft": draft_step, "wide": wide_step}
+        seconds = interleaved_timings(steps, device, repeats)
         plain[count] = statistics.median(seconds["plain"])
         draft[count] = statistics.median(seconds["draft"])
-    return BatchStepTimings(plain, draft)
+        wide[count] = statistics.median(seconds["wide"])
+    return BatchStepTimings(plain, draft, wide)
 
 
 @torch.inference_mode()

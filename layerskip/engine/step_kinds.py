@@ -41,9 +41,10 @@ draft of ``g`` yields (``drafts.costs.expected_tokens``):
     draft          rows' own drafters, one row after another, at their best length g:
                    R * E(a, g) tokens in R * g * c + V(R, g + 1)
 
-``V(R, 1)`` is the calibrated plain batched step of ``R`` rows; a wider block grows it as one row's
-verify curve grows from ``R`` positions to ``R * n`` (a forward's cost follows the tokens it
-holds). ``D(R)`` is the calibrated batched draft step of ``R`` rows scaled to the batch's head size
+``V(R, 1)`` and ``V(R, 4)`` are the calibrated plain and wide batched verifies of ``R`` rows; other
+widths lie on the line through them (one row's verify curve, scaled from ``R`` positions to
+``R * n``, underpriced eight rows' wide verify on SmolLM2 and sent the batch into skip steps that
+lost to plain ones). ``D(R)`` is the calibrated batched draft step of ``R`` rows scaled to the batch's head size
 by the one-row draft step ``c`` of that size. Row counts between the calibrated ones are
 interpolated, beyond them extrapolated (``drafts.costs.block_cost``).
 """
@@ -54,6 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from layerskip.drafts.builder import MAX_ACCEPTANCE, AutoState, block_cost, expected_tokens
+from layerskip.engine.latency import WIDE_BLOCK
 
 PLAIN, LOOKUP, DRAFT = "plain", "lookup", "draft"
 
@@ -84,6 +86,7 @@ class BatchPrices:
     draft_step: float  # seconds of one row's draft step with the batch's head
     acceptance: float  # per-token acceptance of the skip draft
     max_draft: int  # the longest draft a row's own drafter makes
+    wide: dict[int, float] = field(default_factory=dict)  # a batched verify of WIDE_BLOCK positions by row count
 
     @classmethod
     def from_auto(cls, state: AutoState) -> BatchPrices | None:
@@ -101,11 +104,19 @@ class BatchPrices:
             costs.draft_step[rows],
             acceptance,
             state.settings.max_draft_tokens,
+            costs.batch_wide,
         )
 
     def verify_rows(self, rows: int, width: int) -> float:
-        """Seconds of one verify forward over ``rows`` rows of ``width`` positions."""
-        return block_cost(self.plain, rows) * self.verify(rows * width) / self.verify(rows)
+        """Seconds of one verify forward over ``rows`` rows of ``width`` positions: linear in the
+        width through the timed plain and wide steps of that many rows (a calibration without wide
+        steps scales the plain step as one row's verify curve grows from ``rows`` positions to
+        ``rows * width``)."""
+        plain = block_cost(self.plain, rows)
+        if not self.wide:
+            return plain * self.verify(rows * width) / self.verify(rows)
+        wide = max(block_cost(self.wide, rows), plain)
+        return plain + (width - 1) * (wide - plain) / (WIDE_BLOCK - 1)
 
     def draft_rows_step(self, rows: int) -> float:
         """Seconds of one batched draft step of ``rows`` rows with the batch's head."""

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-PHASES = ("draft", "verify")
-
 
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask: a container or ``taskset`` can give it
