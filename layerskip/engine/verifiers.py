@@ -44,6 +44,10 @@ class Verifier(Protocol):
         """``hidden [n+1, H]`` of the block after ``history`` (prompt and tokens so far) -> the verdict."""
         ...
 
+    def from_logits(self, logits: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        """The same verdict from the block's full logits ``[n+1, V]``."""
+        ...
+
 
 def greedy_verdict(proposal: Proposal, targets: list[int]) -> Verdict:
     """The verdict from the full model's argmax at each block position (``targets [n+1]``)."""
@@ -60,6 +64,10 @@ class GreedyVerifier:
     def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
         return greedy_verdict(proposal, self.head.argmax(hidden))
 
+    def from_logits(self, logits: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        """The verdict from the block's full logits ``[n+1, V]``, where a batch computed them anyway."""
+        return greedy_verdict(proposal, logits.argmax(dim=-1).tolist())
+
 
 class SampledVerifier:
     def __init__(self, head: VerifyHead, sampling: Sampling, generator: torch.Generator | None) -> None:
@@ -69,6 +77,9 @@ class SampledVerifier:
 
     def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
         return self.choose(self.head.logits(hidden), proposal)
+
+    def from_logits(self, logits: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        return self.choose(logits, proposal)
 
     def choose(self, logits: torch.Tensor, proposal: Proposal) -> Verdict:
         """The verdict from the full model's logits ``[n+1, V]`` of the block."""
@@ -106,7 +117,10 @@ class HookedVerifier:
         edits = self.edits(proposal, history)
         if edits is not None:
             return greedy_verdict(proposal, self.head.argmax(hidden, edits))
-        logits = self._hooked(self.head.logits(hidden), proposal, history)
+        return self.from_logits(self.head.logits(hidden), proposal, history)
+
+    def from_logits(self, logits: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
+        logits = self._hooked(logits, proposal, history)
         if self.sampled is not None:
             return self.sampled.choose(logits, proposal)
         return greedy_verdict(proposal, logits.argmax(dim=-1).tolist())
@@ -140,8 +154,10 @@ def verify_rows(
     histories: Sequence[list[int]],
 ) -> list[Verdict]:
     """The verdicts of a batch's rows (``hidden[r] [n_r+1, H]``), their head applied once for all
-    rows where every row's verifier is greedy or sampled over one head: one product reads the
-    head once, where a product per row would read it once per row."""
+    rows where they share one: one product reads the head once, where a product per row would read
+    it once per row (Gemma-3's full head is 262,144 x 640). The certified head's argmax serves
+    where every row is greedy with at most sparse processor edits; else the full logits of every
+    row, each row deciding from its own."""
     sizes = [h.shape[0] for h in hidden]
     heads = {id(getattr(v, "head", None)) for v in verifiers}
     rows = proposals.rows
@@ -164,8 +180,9 @@ def verify_rows(
             verdicts.append(greedy_verdict(proposal, targets[start : start + size]))
             start += size
         return verdicts
-    if len(heads) == 1 and all(type(v) is SampledVerifier for v in verifiers):
+    if len(heads) == 1:  # some row needs the full logits: one product for every row's
         logits = verifiers[0].head.logits(torch.cat(list(hidden))).split(sizes)
-        return [v.choose(part, proposal) for v, part, proposal in zip(verifiers, logits, rows, strict=True)]
+        each = zip(verifiers, logits, rows, histories, strict=True)
+        return [v.from_logits(part, proposal, history) for v, part, proposal, history in each]
     each = zip(verifiers, hidden, rows, histories, strict=True)
     return [v.verify(h, proposal, history) for v, h, proposal, history in each]
