@@ -231,7 +231,7 @@ def test_auto_greedy_is_lossless_with_lookup_and_skip_steps_mixed(arch: str, mon
     # Prices held at the calibration's: timed on a busy machine, a slow lookup scan or verify would
     # price lookup runs and branches out of the step, and the kinds would not all be reached.
     monkeypatch.setattr(auto_module, "LOOKUP_TIME_SMOOTHING", 0.0)
-    monkeypatch.setattr(AutoState, "observe_verify", lambda self, block, seconds: None)
+    monkeypatch.setattr(AutoState, "observe_verify", lambda self, block, seconds, dense=False: None)
     model = _model(arch)
     prompt = _repetitive_prompt()
     reference, logits = hf_greedy(model, prompt, NEW_TOKENS)

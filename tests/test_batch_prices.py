@@ -53,6 +53,9 @@ def test_a_timed_wide_verify_prices_every_width_on_one_line() -> None:
     # A wide step timed below the plain one (noise) never prices a wide verify below a plain one.
     prices = replace(_prices(), wide={1: 0.010, 4: 0.030})
     assert prices.verify_rows(4, 4) == pytest.approx(0.040)
+    # A row that reads every logit adds the full head's seconds for every position of the block.
+    prices = replace(_prices(), wide={1: 0.025, 4: 0.070}, dense=lambda positions: 0.001 * positions)
+    assert prices.verify_rows(4, 4) == pytest.approx(0.070 + 0.016)
 
 
 def test_a_draft_that_is_rarely_right_is_priced_below_a_plain_step() -> None:

@@ -26,11 +26,15 @@ from transformers import (
 )
 
 import layerskip
+from layerskip.drafts.auto import AutoState
+from layerskip.drafts.costs import DraftCosts
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.engine import verify_head
+from layerskip.engine.verifiers import verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.integration.generate_args import RowProcessors
 from layerskip.integration.token_edits import row_edits
+from layerskip.sampling import Sampling
 
 POLICY = SkipPolicy.skip_layers([1, 2], draft=DraftSettings(max_draft_tokens=3))
 
@@ -147,6 +151,24 @@ def test_sparse_edits_equal_the_processor_bit_for_bit(name: str) -> None:
 def test_processors_that_need_every_logit_have_no_edits() -> None:
     assert RowProcessors((RepetitionPenaltyLogitsProcessor(1.05),), ()).edits([[1, 2]], 40) is not None
     assert RowProcessors((RepetitionPenaltyLogitsProcessor(1.05), Doubling()), ()).edits([[1, 2]], 40) is None
+
+
+def test_a_verify_that_reads_every_logit_says_so_and_is_priced_dearer() -> None:
+    head = engine_verify_head(tiny_model("llama"))
+    sparse = RowProcessors((RepetitionPenaltyLogitsProcessor(1.05),), ())
+    dense = RowProcessors((RepetitionPenaltyLogitsProcessor(1.05), Doubling()), ())
+    assert not verifier_for(head, None, None).needs_logits
+    assert not verifier_for(head, None, None, sparse).needs_logits
+    assert verifier_for(head, None, None, dense).needs_logits
+    assert verifier_for(head, Sampling(temperature=0.7), None, sparse).needs_logits
+    # auto prices such a verify with the full head's extra seconds, and learns in the greedy head's terms.
+    costs = DraftCosts(0.01, {1: 0.01, 2: 0.012, 9: 0.02}, {0: 0.004}, dense_head={1: 0.002, 8: 0.009, 32: 0.03})
+    state = AutoState.start(costs, DraftSettings())
+    assert state.verify_seconds(8, dense=True) == pytest.approx(state.verify_seconds(8) + 0.009)
+    before = state.verify[8]
+    state.observe_verify(8, before + 0.009, dense=True)
+    assert state.verify[8] == pytest.approx(before)
+    assert DraftCosts.from_dict(costs.to_dict()).dense_head == costs.dense_head
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ sampling keeps the model's distribution.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -151,7 +152,11 @@ class AutoState:
 
     # --- the verify curve ------------------------------------------------------------------
 
-    def observe_verify(self, block: int, seconds: float) -> None:
+    def observe_verify(self, block: int, seconds: float, dense: bool = False) -> None:
+        """A verify timed while generating (``dense``: its head read every logit, which the curve,
+        kept in the greedy head's terms, does not hold)."""
+        if dense:
+            seconds -= self.costs.dense_extra(block)
         if block in self.verify:
             self.verify[block] = (1 - VERIFY_SMOOTHING) * self.verify[block] + VERIFY_SMOOTHING * seconds
 
@@ -164,14 +169,16 @@ class AutoState:
         cheaper = [(s, b) for b, s in self.verify.items() if b > block and s < PAD_MARGIN * own]
         return min(cheaper)[1] if cheaper else block
 
-    def verify_seconds(self, block: int) -> float:
-        """A verify of ``block`` positions as the engine runs it (padded)."""
+    def verify_seconds(self, block: int, dense: bool = False) -> float:
+        """A verify of ``block`` positions as the engine runs it (padded); ``dense``: a generation
+        whose verify reads every logit (a user's own processor, sampling), dearer per position."""
         padded = self.padded(block)
-        return self.verify[padded] if padded in self.verify else block_cost(self.verify, padded)
+        seconds = self.verify[padded] if padded in self.verify else block_cost(self.verify, padded)
+        return seconds + (self.costs.dense_extra(padded) if dense else 0.0)
 
     # --- choices ---------------------------------------------------------------------------
 
-    def choose_head(self, prompt: Sequence[int]) -> int:
+    def choose_head(self, prompt: Sequence[int], dense: bool = False) -> int:
         """The head size expected to give the most tokens per second: each size's calibrated draft
         step against the acceptance its coverage allows."""
         self.coverage.seed(prompt)
@@ -180,7 +187,8 @@ class AutoState:
         for size in self.coverage.sizes:
             acceptance = base * self.coverage.share(size)
             cap = self.settings.max_draft_tokens
-            rate = best_skip_rate(acceptance, self.costs.draft_step[size], self.verify_seconds, cap)
+            verify = functools.partial(self.verify_seconds, dense=dense)
+            rate = best_skip_rate(acceptance, self.costs.draft_step[size], verify, cap)
             if math.isfinite(rate) and rate > best_rate:
                 best, best_rate = size, rate
         self.head_rows = best
@@ -196,13 +204,13 @@ class AutoState:
 
     # --- carrying estimators between generations -------------------------------------------
 
-    def length_rule(self, draft_seconds: float) -> DraftLengthByCost:
+    def length_rule(self, draft_seconds: float, dense: bool = False) -> DraftLengthByCost:
         """A draft-length rule priced by the calibration, its acceptance bins from earlier
         generations (before any skip draft: a prior of ``SKIP_PRIOR`` acceptance, as a few
         confident drafts; an int4 copy bypassing little agrees with its model most of the time,
         and the prior decides only the first steps of the first generation)."""
         blocks = range(2, self.settings.node_budget + 2)
-        verify = {b: self.verify_seconds(b) for b in blocks}
+        verify = {b: self.verify_seconds(b, dense) for b in blocks}
         assumed = LengthPrior.assumed(SKIP_PRIOR, SKIP_PRIOR_WEIGHT)
         cap = self.settings.max_draft_tokens
         return DraftLengthByCost.from_prior(cap, draft_seconds, verify, self.length_prior, CARRY_OVER, assumed)
@@ -247,8 +255,9 @@ class AutoDrafter(BaseDrafter):
     or nothing when neither beats a plain step.
     """
 
-    def __init__(self, state: AutoState, make_skip: SkipFactory) -> None:
+    def __init__(self, state: AutoState, make_skip: SkipFactory, dense: bool = False) -> None:
         self.state = state
+        self.dense = dense  # the verify reads every logit: priced so (AutoState.verify_seconds)
         self.make_skip = make_skip
         self.lookup = LookupDrafter(state.settings, state.run_lengths())
         self.skip: ChainDrafter | None = None
@@ -266,8 +275,8 @@ class AutoDrafter(BaseDrafter):
     def propose(self, request: DraftRequest) -> Proposal:
         if self.skip is None:
             self.clock = DeviceClock(request.device)
-            rows = self.state.choose_head(request.history)
-            self.length = self.state.length_rule(self.state.costs.draft_step[rows])
+            rows = self.state.choose_head(request.history, self.dense)
+            self.length = self.state.length_rule(self.state.costs.draft_step[rows], self.dense)
             self.skip = self.make_skip(rows, self.length)
         self._observe(request.history)
         self.last_chain = None
@@ -289,7 +298,7 @@ class AutoDrafter(BaseDrafter):
             return SKIP
         if plan is not None and plan.rate >= skip_rate:
             return LOOKUP
-        plain_rate = 1.0 / self.state.verify_seconds(1)
+        plain_rate = 1.0 / self.state.verify_seconds(1, self.dense)
         return SKIP if skip_rate >= plain_rate else NONE
 
     def _skip_rate(self, budget: int) -> float:
@@ -379,7 +388,7 @@ class AutoDrafter(BaseDrafter):
         start = self.clock.now()
         with self.skip.watch_verify(block):
             yield
-        self.state.observe_verify(block, self.clock.now() - start)
+        self.state.observe_verify(block, self.clock.now() - start, self.dense)
 
     def around_verify(
         self, cache: RollbackCache, start: int, block: torch.Tensor

@@ -85,6 +85,7 @@ class DraftRun:
     max_new_tokens: int = 0  # with the prompt: how far a truncated head may grow
     sampling: Sampling | None = None  # None = greedy
     generator: torch.Generator | None = None
+    dense_verify: bool = False  # the verify reads every logit (a user's own processor, sampling)
 
 
 @dataclass(frozen=True)
@@ -453,7 +454,7 @@ class PreparedDraft:
             )
             return OnTheFlyDrafter(skip, self.model, selection)
 
-        return AutoDrafter(self.auto, make_skip)
+        return AutoDrafter(self.auto, make_skip, run.dense_verify or run.sampling is not None)
 
 
 def prepare_draft(

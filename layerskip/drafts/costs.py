@@ -61,6 +61,13 @@ class DraftCosts:
     batch_plain: dict[int, float] = field(default_factory=dict)
     batch_draft: dict[int, float] = field(default_factory=dict)
     batch_wide: dict[int, float] = field(default_factory=dict)
+    # What a verify's head costs beyond the greedy one where a row needs every logit (a user's own
+    # processor, sampling), by count of positions (engine.latency.dense_head_timings).
+    dense_head: dict[int, float] = field(default_factory=dict)
+
+    def dense_extra(self, positions: int) -> float:
+        """Seconds the full head adds to a verify of ``positions`` positions (0 without a timing)."""
+        return max(block_cost(self.dense_head, positions), 0.0) if self.dense_head else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +79,7 @@ class DraftCosts:
             **({"batch_plain": _keyed(self.batch_plain)} if self.batch_plain else {}),
             **({"batch_draft": _keyed(self.batch_draft)} if self.batch_draft else {}),
             **({"batch_wide": _keyed(self.batch_wide)} if self.batch_wide else {}),
+            **({"dense_head": _keyed(self.dense_head)} if self.dense_head else {}),
         }
 
     @classmethod
@@ -104,6 +112,7 @@ class DraftCosts:
             _curve("batch_plain", data["batch_plain"], low=1) if "batch_plain" in data else {},
             _curve("batch_draft", data["batch_draft"], low=1) if "batch_draft" in data else {},
             _curve("batch_wide", data["batch_wide"], low=1) if "batch_wide" in data else {},
+            _curve("dense_head", data["dense_head"], low=1) if "dense_head" in data else {},
         )
         if blocks is not None and set(costs.verify) != set(blocks):
             raise ValueError(f"its verify blocks {few(sorted(costs.verify))} are not the calibrated {sorted(blocks)}")

@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from layerskip.drafts.builder import DraftCosts, DraftModels, SkipPolicy, best_skip_rate, block_cost
-from layerskip.engine.latency import BatchStepTimings, Latency, batch_step_timings, head_size_timings, measure_latency
+from layerskip.engine.latency import (
+    BatchStepTimings,
+    Latency,
+    batch_step_timings,
+    dense_head_timings,
+    head_size_timings,
+    measure_latency,
+)
 from layerskip.engine.precision_choice import (
     PrecisionPrice,
     agreement,
@@ -46,7 +53,7 @@ from layerskip.result_cache import ResultCache, cache_env, model_key
 # 2: with the draft's precision chosen; 3: with a batch's steps by row count; 4: the plain and
 # verify curve an entry of its own, shared with the search (older entries are measured again);
 # 5: the int4 copy rounded by a least-squares fit per group (its agreement and price changed);
-# 6: a batch's wide verify timed per row count.
+# 6: a batch's wide verify timed per row count, and the full head's cost beyond the greedy one.
 FORMAT = 6
 # The search's default draft lengths + 1 (2 to 9) each timed, none interpolated (on CPU a 2-3-row
 # matmul can cost more than a 4-row one); past them auto interpolates up to 17, a lookup run of 16
@@ -188,11 +195,20 @@ def _measure(
         head = min((size for size in key["head_sizes"] if size), default=0)
         batch = batch_step_timings(model, draft_model, context, key["batch_rows"], head, BATCH_REPEATS)
         info["batch_draft_head"] = head
+    dense = dense_head_timings(model, context, DRAFT_REPEATS)
     if latency.warning is not None:
         info["warning"] = latency.warning
     chosen = precision if len(key["precisions"]) > 1 else ""
     return DraftCosts(
-        latency.plain_step_seconds, latency.verify_seconds, draft, info, chosen, batch.plain, batch.draft, batch.wide
+        latency.plain_step_seconds,
+        latency.verify_seconds,
+        draft,
+        info,
+        chosen,
+        batch.plain,
+        batch.draft,
+        batch.wide,
+        dense,
     )
 
 

@@ -152,10 +152,13 @@ class Decoder:
             return settings
         return replace(settings, eos_token_ids=eos_token_ids(self.model))
 
-    def _drafter(self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None) -> Drafter:
+    def _drafter(
+        self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None, dense: bool = False
+    ) -> Drafter:
         if self.draft is None:
             return NoDrafter()
-        return self.draft.start(DraftRun(prompt_length, settings.max_new_tokens, settings.sampling, generator))
+        run = DraftRun(prompt_length, settings.max_new_tokens, settings.sampling, generator, dense)
+        return self.draft.start(run)
 
     @torch.inference_mode()
     def decode(
@@ -254,19 +257,28 @@ class Decoder:
             clock = DeviceClock(self.device)
             start = clock.now()  # everything this call does is timed, set-up included
             fallbacks_before = self.head.stats.fallbacks
-            rows = []
-            for index, (prompt, hook, stop, stream) in enumerate(zip(ids, hooks, stops, streams, strict=True)):
-                seed = None if settings.seed is None else settings.seed + seed_offset + index
-                generator = seeded_generator(seed, self.device)
-                rows.append(
-                    Row(
-                        index,
-                        TokenOutput(prompt, settings, tokenizer, stream, stop),
-                        drafters[index] if drafters is not None else self._drafter(len(prompt), settings, generator),
-                        verifier_for(self.head, settings.sampling, generator, hook),
-                        generator,
-                    )
+            generators = [
+                seeded_generator(None if settings.seed is None else settings.seed + seed_offset + index, self.device)
+                for index in range(len(ids))
+            ]
+            verifiers = [
+                verifier_for(self.head, settings.sampling, generator, hook)
+                for generator, hook in zip(generators, hooks, strict=True)
+            ]
+            # One row reading every logit makes the batch's verify read them for all (verify_rows).
+            dense = any(verifier.needs_logits for verifier in verifiers)
+            rows = [
+                Row(
+                    index,
+                    TokenOutput(prompt, settings, tokenizer, stream, stop),
+                    drafters[index] if drafters is not None else self._drafter(len(prompt), settings, generator, dense),
+                    verifier,
+                    generator,
                 )
+                for index, (prompt, stop, stream, verifier, generator) in enumerate(
+                    zip(ids, stops, streams, verifiers, generators, strict=True)
+                )
+            ]
             lookup = None if self.draft is None else self.draft.lookup_drafter()
             run = DraftRun(max(len(p) for p in ids), settings.max_new_tokens, settings.sampling, None)
             # One lean product drafting for every row: built where there are rows to share it, and
@@ -276,7 +288,7 @@ class Decoder:
             has_draft = self.draft is not None or drafters is not None
 
             def menu_for(size: int) -> StepKinds:
-                return self._step_kinds(size, settings, has_draft, lookup is not None, batch_draft is not None)
+                return self._step_kinds(size, settings, has_draft, lookup is not None, batch_draft is not None, dense)
 
             kinds = menu_for(len(rows))
             stepper = Stepper(
@@ -305,13 +317,14 @@ class Decoder:
             return results
 
     def _step_kinds(
-        self, rows: int, settings: DecodeSettings, has_draft: bool, has_lookup: bool, batch_draft: bool
+        self, rows: int, settings: DecodeSettings, has_draft: bool, has_lookup: bool, batch_draft: bool, dense: bool
     ) -> StepKinds:
-        """The menu of a batch of ``rows``, with the rates the last batch of that size measured."""
+        """The menu of a batch of ``rows``, with the rates the last batch of that size measured
+        (``dense``: some row's verify reads every logit, which prices every verify dearer)."""
         menu = step_kinds(rows, has_draft, has_lookup, batch_draft)
-        key = (rows, settings.sampling is None, menu.kinds)
+        key = (rows, settings.sampling is None, dense, menu.kinds)
         if key not in self.batch_rates and self.draft is not None and self.draft.auto is not None and rows > 1:
-            prices = BatchPrices.from_auto(self.draft.auto)  # at the head size batch_draft chose
+            prices = BatchPrices.from_auto(self.draft.auto, dense)  # at the head size batch_draft chose
             if prices is not None:
                 menu.prices, menu.pricer, menu.rows = prices.priced(menu.kinds, rows), prices, rows
         return self.batch_rates.setdefault(key, menu)  # the rates the last such batch measured

@@ -230,6 +230,31 @@ def batch_step_timings(
     return BatchStepTimings(plain, draft, wide)
 
 
+# Positions the full head's extra cost is timed at: one row's plain step, a row's long draft, and
+# a batch's wide verify (its product grows from reading the head to computing with it).
+DENSE_POSITIONS = (1, 8, 32)
+
+
+@torch.inference_mode()
+def dense_head_timings(model: nn.Module, context: Sequence[int], repeats: int) -> dict[int, float]:
+    """Seconds a verify's head takes beyond the engine's greedy head when a row needs every logit
+    (a user's own logits processor, sampling), per count of positions: the full fp32 head over the
+    context's last hidden states, less the greedy argmax over them (0 where the greedy head is the
+    full one)."""
+    device = next(model.parameters()).device
+    cache = model_cache(model)
+    hidden = block_hidden(model, torch.tensor([list(context)], device=device), cache)[0]  # [T, H]
+    greedy = engine_verify_head(model)
+    steps: dict[tuple[str, int], Callable[[], object]] = {}
+    for count in DENSE_POSITIONS:
+        rows = hidden[-count:] if count <= hidden.shape[0] else hidden[-1:].expand(count, -1)  # [count, H]
+        steps["full", count] = lambda rows=rows: greedy.logits(rows)
+        steps["greedy", count] = lambda rows=rows: greedy.argmax(rows)
+    seconds = {key: statistics.median(values) for key, values in interleaved_timings(steps, device, repeats).items()}
+    # Never 0: a cost of 0 is refused as no measurement (drafts.costs); a microsecond prices as none.
+    return {count: max(seconds["full", count] - seconds["greedy", count], 1e-6) for count in DENSE_POSITIONS}
+
+
 @torch.inference_mode()
 def verify_timings(
     model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None

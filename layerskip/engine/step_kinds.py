@@ -87,11 +87,13 @@ class BatchPrices:
     acceptance: float  # per-token acceptance of the skip draft
     max_draft: int  # the longest draft a row's own drafter makes
     wide: dict[int, float] = field(default_factory=dict)  # a batched verify of WIDE_BLOCK positions by row count
+    # Seconds the full head adds to a verify of n positions, where some row reads every logit.
+    dense: Callable[[int], float] | None = None
 
     @classmethod
-    def from_auto(cls, state: AutoState) -> BatchPrices | None:
+    def from_auto(cls, state: AutoState, dense: bool = False) -> BatchPrices | None:
         """Prices from ``auto``'s calibration and running estimates, at the head size it chose last
-        (None where the calibration holds no batch steps)."""
+        (None where the calibration holds no batch steps); ``dense``: some row reads every logit."""
         costs = state.costs
         if not costs.batch_plain or not costs.batch_draft:
             return None
@@ -105,6 +107,7 @@ class BatchPrices:
             acceptance,
             state.settings.max_draft_tokens,
             costs.batch_wide,
+            costs.dense_extra if dense else None,
         )
 
     def verify_rows(self, rows: int, width: int) -> float:
@@ -113,10 +116,11 @@ class BatchPrices:
         steps scales the plain step as one row's verify curve grows from ``rows`` positions to
         ``rows * width``)."""
         plain = block_cost(self.plain, rows)
+        extra = self.dense(rows * width) if self.dense is not None else 0.0
         if not self.wide:
-            return plain * self.verify(rows * width) / self.verify(rows)
+            return plain * self.verify(rows * width) / self.verify(rows) + extra
         wide = max(block_cost(self.wide, rows), plain)
-        return plain + (width - 1) * (wide - plain) / (WIDE_BLOCK - 1)
+        return plain + (width - 1) * (wide - plain) / (WIDE_BLOCK - 1) + extra
 
     def draft_rows_step(self, rows: int) -> float:
         """Seconds of one batched draft step of ``rows`` rows with the batch's head."""

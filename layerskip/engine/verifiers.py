@@ -40,6 +40,8 @@ NO_EDITS = TokenEdits((), lambda values: values)  # a row without processors, in
 
 
 class Verifier(Protocol):
+    needs_logits: bool  # whether its verify reads every logit (dearer than the greedy head)
+
     def verify(self, hidden: torch.Tensor, proposal: Proposal, history: list[int]) -> Verdict:
         """``hidden [n+1, H]`` of the block after ``history`` (prompt and tokens so far) -> the verdict."""
         ...
@@ -58,6 +60,8 @@ def greedy_verdict(proposal: Proposal, targets: list[int]) -> Verdict:
 class GreedyVerifier:
     """Greedy needs each row's argmax only: the certified head gives it without the fp32 product."""
 
+    needs_logits = False
+
     def __init__(self, head: VerifyHead) -> None:
         self.head = head
 
@@ -70,6 +74,8 @@ class GreedyVerifier:
 
 
 class SampledVerifier:
+    needs_logits = True
+
     def __init__(self, head: VerifyHead, sampling: Sampling, generator: torch.Generator | None) -> None:
         self.head = head
         self.sampling = sampling
@@ -96,6 +102,9 @@ class HookedVerifier:
         self.head = head
         self.hook = hook
         self.sampled = sampled
+        edits = getattr(hook, "edits", None)
+        sparse = edits is not None and head.certified and edits([[]], head.weight.shape[0]) is not None
+        self.needs_logits = sampled is not None or not sparse
 
     def edits(self, proposal: Proposal, history: list[int]) -> list[TokenEdits] | None:
         """Each block row's edits, where a greedy verify can take them to the certified head."""
