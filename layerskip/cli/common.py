@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import os
 import shlex
 import sys
@@ -151,6 +153,16 @@ def encode_prompts(
     for label, prompt_ids in zip(labels, ids, strict=True):
         check_fits(loaded.model, len(prompt_ids), args.max_new_tokens, label)
     return ids
+
+
+def csv_text(rows: list[dict[str, object]]) -> str:
+    """``rows`` as CSV, the first row's keys as the header; no rows: empty."""
+    buffer = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return buffer.getvalue()
 
 
 def read_prompt(text: str | None, path: str | None) -> str:
