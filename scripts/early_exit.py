@@ -18,7 +18,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from layerskip.cli.common import csv_text, float_list, int_list, model_parser, run_cli
+from layerskip.cli.common import csv_text, float_list, int_list, model_parser, run_cli, table_lines
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.precision import PRECISIONS
@@ -118,19 +118,15 @@ def _main(argv: list[str] | None) -> int:
         "draft_cost_by_depth": {str(d): c for d, c in cost.items()},
         "rows": rows,
     }
-    lines = [
-        f"| exit depth (of {layers}) | threshold | coverage | agreement | agreement when exiting "
-        f"| draft cost (plain steps) | projected speedup, k={args.draft_tokens} |",
-        "|---|---|---|---|---|---|---|",
+    header = [f"exit depth (of {layers})", "threshold", "coverage", "agreement", "agreement when exiting"]
+    header += ["draft cost (plain steps)", f"projected speedup, k={args.draft_tokens}"]
+    cells = [
+        [r["depth"], r["threshold"], f"{r['coverage']:.2f}", f"{r['agreement']:.3f}"]
+        + [f"{when:.3f}" if isinstance(when := r["agreement_when_exiting"], float) else "-"]
+        + [f"{r['draft_cost']:.3f}", f"{r['projected_speedup']:.2f}x"]
+        for r in rows
     ]
-    for r in rows:
-        when = r["agreement_when_exiting"]
-        when = f"{when:.3f}" if isinstance(when, float) else "-"
-        lines.append(
-            f"| {r['depth']} | {r['threshold']} | {r['coverage']:.2f} | {r['agreement']:.3f} | {when} "
-            f"| {r['draft_cost']:.3f} | {r['projected_speedup']:.2f}x |"
-        )
-    table = "\n".join(lines)
+    table = "\n".join(table_lines(header, cells))
     out = Path(args.out)
     write_json_atomic(out / OUTPUT_FILES[0], result)
     write_text_atomic(out / OUTPUT_FILES[1], csv_text(rows))

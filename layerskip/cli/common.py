@@ -8,7 +8,7 @@ import io
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -153,6 +153,15 @@ def encode_prompts(
     for label, prompt_ids in zip(labels, ids, strict=True):
         check_fits(loaded.model, len(prompt_ids), args.max_new_tokens, label)
     return ids
+
+
+def table_lines(header: Sequence[object], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: ``header``, its rule, then one line per row."""
+    return [_table_row(header), "|" + "---|" * len(header), *map(_table_row, rows)]
+
+
+def _table_row(cells: Sequence[object]) -> str:
+    return f"| {' | '.join(map(str, cells))} |"
 
 
 def csv_text(rows: list[dict[str, object]]) -> str:
