@@ -60,12 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = model_parser(__doc__, prog="layerskip-bench")
     add_prompt_arguments(parser)
     parser.add_argument("--per-category", type=int, help="prompts per category")
-    parser.add_argument(
-        "--categories",
-        type=str_list,
-        default=(),
-        help="only these prompt categories, e.g. qa,rag",
-    )
+    parser.add_argument("--categories", type=str_list, default=(), help="only these prompt categories, e.g. qa,rag")
     parser.add_argument("--n-prompts", type=int, help="cap on the number of prompts")
     parser.add_argument(
         "--seed",
@@ -230,8 +225,7 @@ def _main(argv: list[str] | None) -> int:
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     check_methods(names, bool(args.policy), bool(args.assistant_model))
     llamacpp.check_request(names, args.model, args.gguf, sampling is not None, args.generation)
-    if not isinstance(args.ablate, bool) and set(args.ablate) - set(ABLATIONS):
-        unknown = sorted(set(args.ablate) - set(ABLATIONS))
+    if not isinstance(args.ablate, bool) and (unknown := sorted(set(args.ablate) - set(ABLATIONS))):
         raise LayerskipError(f"unknown --ablate name(s) {unknown}; choose from {', '.join(ABLATIONS)}")
     prompts = _prompts(args)
     policies = load_policies(args.policy, resolve_device(args.device))
@@ -348,10 +342,7 @@ def _generation(args: argparse.Namespace) -> dict[str, Any]:
     if args.generation_config:
         config = load_json(args.generation_config, "--generation-config", "pass a JSON object of generate arguments")
         generation = {key: value for key, value in config.items() if key not in _GENERATION_OWN}
-    for key in _GENERATION_FLAGS:
-        value = getattr(args, key)
-        if value is not None:
-            generation[key] = value
+    generation.update({key: getattr(args, key) for key in _GENERATION_FLAGS if getattr(args, key) is not None})
     if isinstance(generation.get("suppress_tokens"), (list, tuple)):  # the flag's text, or a file's list
         try:
             generation["suppress_tokens"] = [int(t) for t in generation["suppress_tokens"]]

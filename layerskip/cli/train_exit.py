@@ -46,13 +46,7 @@ from layerskip.drafts.exit_adapter import KINDS, ExitAdapter, ExitSpec
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS, DraftSettings, ExitSettings, SkipPolicy
 from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
-from layerskip.fileio import (
-    check_output_dir,
-    replace_file,
-    write_bytes_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from layerskip.fileio import check_output_dir, replace_file, write_bytes_atomic, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.machine import code_version, this_machine
 
@@ -264,18 +258,15 @@ def _main(argv: list[str] | None = None) -> int:
     train = data.select(range(counts["train"]))
     validation = data.select(range(counts["train"], counts["train"] + counts["validation"]))
     held_out = data.select(range(counts["train"] + counts["validation"], len(data.domains)))
+    splits = {"train": train, "validation": validation, "held_out": held_out}
     vocab_size = adapters.lm_head(model).weight.shape[0]
     rows = rank_rows(train, vocab_size, args.draft_vocab).to(model.device)
     report: dict[str, object] = {
         "model": lm.name,
         "fingerprint": adapters.weights_fingerprint(model),
         **code_version(),  # "commit", "dirty": the code that trained
-        "positions": {"train": train.positions, "validation": validation.positions, "held_out": held_out.positions},
-        "domains": {
-            "train": sorted(set(train.domains)),
-            "validation": sorted(set(validation.domains)),
-            "held_out": sorted(set(held_out.domains)),
-        },
+        "positions": {name: split.positions for name, split in splits.items()},
+        "domains": {name: sorted(set(split.domains)) for name, split in splits.items()},
         "draft_vocab": len(rows),
         "teacher_seconds": teacher_seconds,
         "exits": [],
