@@ -253,15 +253,9 @@ def _main(argv: list[str] | None) -> int:
         gguf=gguf,
         lookup_tokens=LOOKUP_TOKENS,
     )
+    config = BenchConfig(args.max_new_tokens, progress=not args.no_progress, sampling=sampling)
     with busy_processes(args.busy_processes):
-        rows = run_benchmark(
-            model,
-            methods,
-            prompts,
-            prompt_ids,
-            BenchConfig(args.max_new_tokens, progress=not args.no_progress, sampling=sampling),
-            tokenizer=tokenizer,
-        )
+        rows = run_benchmark(model, methods, prompts, prompt_ids, config, tokenizer=tokenizer)
     memory = measure_memory(methods, prompt_ids, args.max_new_tokens, device, loaded_mb)  # untimed, after the runs
     env = environment(device)
     results = {

@@ -276,6 +276,7 @@ def _main(argv: list[str] | None = None) -> int:
         student = Student(model, layer, rows)
         plain = _agreement(student, None, validation, held_out)
         for kind in args.kinds:
+            name = f"exit-L{layer}-{kind}"
             spec = ExitSpec(layer=layer, kind=kind, rank=args.rank)
             settings = TrainSettings(
                 epochs=args.epochs,
@@ -294,20 +295,13 @@ def _main(argv: list[str] | None = None) -> int:
             }
             adapter = ExitAdapter.fresh(model, spec, provenance)
             began = time.perf_counter()
+            checkpoint = out / "checkpoints" / f"{name}.pt"
             result = train_adapter(
-                model,
-                adapter,
-                rows,
-                train,
-                validation,
-                settings,
-                checkpoint=out / "checkpoints" / f"exit-L{layer}-{kind}.pt",
-                progress=not args.quiet,
+                model, adapter, rows, train, validation, settings, checkpoint=checkpoint, progress=not args.quiet
             )
             seconds = time.perf_counter() - began
             trained = _agreement(student, adapter.module, validation, held_out)
             adapter.provenance["train_seconds"] = seconds
-            name = f"exit-L{layer}-{kind}"
             sha = adapter.save(out / f"{name}.safetensors")
             policy = make_policy(
                 model, lm.name, adapter, sha, f"{name}.safetensors", rows, precision, args, trained_domains
