@@ -26,52 +26,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     code = search_main(
         [
-            "--model",
-            "smollm2-135m",
-            "--n-trials",
-            "16",
-            "--n-prompts",
-            "3",
-            "--reference-tokens",
-            "32",
-            "--max-new-tokens",
-            "48",
-            "--confirm-top",
-            "2",
-            "--lookup",
-            "0,3",
+            *"--model smollm2-135m --n-trials 16 --n-prompts 3 --reference-tokens 32 --max-new-tokens 48".split(),
+            *"--confirm-top 2 --lookup 0,3 --draft-precision model,int4 --draft-vocab 4096,16384".split(),
             # Every trial drafts with bypassed sublayers (lookup may lead where the context repeats),
             # so the exported policy bypasses something; the verdict says if it beats plain decoding.
             "--require-skip-draft",
-            "--draft-precision",
-            "model,int4",
-            "--draft-vocab",
-            "4096,16384",
-            "--storage",
-            f"sqlite:///{OUT / 'study.db'}",
-            "--study-name",
-            "demo",
-            "--out",
-            str(OUT / "policy.json"),
-            "--plots",
-            str(OUT / "plots"),
+            *["--storage", f"sqlite:///{OUT / 'study.db'}", "--study-name", "demo"],
+            *["--out", str(OUT / "policy.json"), "--plots", str(OUT / "plots")],
         ]
     )
     if code:
         return code
     print(f"\n== 2. generating with {OUT / 'policy.json'} vs HF generate ==", flush=True)
+    prompt = builtin_prompts()[6].text  # a summarisation prompt: where drafting from context pays
+    policy = str(OUT / "policy.json")
     return generate_main(
-        [
-            "--model",
-            "smollm2-135m",
-            "--policy",
-            str(OUT / "policy.json"),
-            "--prompt",
-            builtin_prompts()[6].text,  # a summarisation prompt: where drafting from context pays
-            "--max-new-tokens",
-            "96",
-            "--compare",
-        ]
+        ["--model", "smollm2-135m", "--policy", policy, "--prompt", prompt, "--max-new-tokens", "96", "--compare"]
     )
 
 

@@ -26,10 +26,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
-from layerskip.cli.common import check_policies, load_policies, model_parser, run_cli
+from layerskip.cli.common import check_policies, load_policies, model_parser, run_cli, table_lines
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import DraftModels, head_rows
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
@@ -98,10 +99,8 @@ def compile_measurement(model: torch.nn.Module, context: list[int], precision: s
     rows = list(range(4096))
     eager = DraftModels(model).get(precision)
     result: dict[str, object] = {"precision": precision, "inductor_cache": "a fresh temporary directory"}
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     try:
-        with tempfile.TemporaryDirectory() as cold:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cold
+        with tempfile.TemporaryDirectory() as cold, patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cold}):
             for label in ("cold", "cached"):
                 torch._dynamo.reset()
                 compiled = DraftModels(model).get(precision, compile=True)  # a fresh one: compiled anew
@@ -110,10 +109,6 @@ def compile_measurement(model: torch.nn.Module, context: list[int], precision: s
                 result[f"compile_and_first_steps_s_{label}"] = time.perf_counter() - start
             result["compiled_step_ms"] = 1000 * draft_step_seconds(compiled, context, (), (), rows, repeats)
     finally:
-        if previous is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
         torch._dynamo.reset()
     result["eager_step_ms"] = 1000 * draft_step_seconds(eager, context, (), (), rows, repeats)
     result["pays"] = result["compiled_step_ms"] < 0.95 * result["eager_step_ms"]
@@ -199,39 +194,26 @@ def _main(argv: list[str] | None) -> int:
         "total_parameters": total,
         "verify_relative": curves[args.dtype]["relative"],
         "verify_relative_to_plain_step": curves[args.dtype]["to_plain_step"],
-        "verify_curves": {dtype: {k: v for k, v in c.items()} for dtype, c in curves.items()},
+        "verify_curves": curves,
         "draft_memory_mb": memory_mb,
         "rows": rows,
     }
-    header = (
-        "| policy | weights bypassed | step compute kept | draft step (ms) | vs plain step "
-        "| floor (ms) | floor vs plain step | step |"
-    )
-    rule = "|---|---|---|---|---|---|---|---|"
-    if cpu:
-        header += " head | projections | attention | other ops | Python & dispatch |"
-        rule += "---|---|---|---|---|"
-    lines = [header, rule]
-    for r in rows:
-        line = (
-            f"| {r['policy']} | {r['fraction_of_weights_bypassed']:.2f} | {r['fraction_of_step_compute']:.2f} "
-            f"| {r['draft_step_ms']:.1f} | {r['relative_to_plain_step']:.2f} "
-            f"| {r['bandwidth_floor_ms']:.1f} | {r['floor_relative_to_plain_step']:.2f} | {r['draft_step']} |"
-        )
-        if cpu:
-            line += "".join(f" {r[key]:.1f} |" for key in BREAKDOWN)
-        lines.append(line)
-    lines += ["", "| verify block n | " + " | ".join(str(n) for n in VERIFY_BLOCKS) + " |"]
-    lines.append("|---|" + "---|" * len(VERIFY_BLOCKS))
-    for dtype, curve in curves.items():
-        lines.append(
-            f"| {dtype} t(n)/t(1) | " + " | ".join(f"{curve['relative'][str(n)]:.2f}" for n in VERIFY_BLOCKS) + " |"
-        )
-        lines.append(
-            f"| {dtype} t(n) / plain step | "
-            + " | ".join(f"{curve['to_plain_step'][str(n)]:.2f}" for n in VERIFY_BLOCKS)
-            + " |"
-        )
+    header = ["policy", "weights bypassed", "step compute kept", "draft step (ms)", "vs plain step", "floor (ms)"]
+    header += ["floor vs plain step", "step"]
+    header += ["head", "projections", "attention", "other ops", "Python & dispatch"] if cpu else []
+    cells = [
+        [r["policy"], *(f"{r[key]:.2f}" for key in ("fraction_of_weights_bypassed", "fraction_of_step_compute"))]
+        + [f"{r['draft_step_ms']:.1f}", f"{r['relative_to_plain_step']:.2f}", f"{r['bandwidth_floor_ms']:.1f}"]
+        + [f"{r['floor_relative_to_plain_step']:.2f}", r["draft_step"]]
+        + [f"{r[key]:.1f}" for key in (BREAKDOWN if cpu else ())]
+        for r in rows
+    ]
+    curve_cells = [
+        [f"{dtype} {label}", *(f"{curve[key][str(n)]:.2f}" for n in VERIFY_BLOCKS)]
+        for dtype, curve in curves.items()
+        for key, label in (("relative", "t(n)/t(1)"), ("to_plain_step", "t(n) / plain step"))
+    ]
+    lines = [*table_lines(header, cells), "", *table_lines(["verify block n", *VERIFY_BLOCKS], curve_cells)]
     table = "\n".join(lines)
     out = Path(args.out)
     write_json_atomic(out / OUTPUT_FILES[0], result)

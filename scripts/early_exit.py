@@ -13,14 +13,12 @@ independent acceptance (the same model the search's cheap proxy uses, without it
 
 from __future__ import annotations
 
-import csv
-import io
 import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from layerskip.cli.common import float_list, int_list, model_parser, run_cli
+from layerskip.cli.common import csv_text, float_list, int_list, model_parser, run_cli, table_lines
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.precision import PRECISIONS
@@ -32,14 +30,14 @@ from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import code_version
 from layerskip.measure.agreement import build_references, early_exit_frontier
+from layerskip.measure.frontier import expected_tokens
 
 OUTPUT_FILES = ("early_exit.json", "early_exit.csv", "early_exit.md")
 
 
 def projected_speedup(acceptance: float, draft_cost: float, verify_cost: float, k: int) -> float:
     """Tokens per plain-step time of k-token drafts with independent per-token ``acceptance``."""
-    tokens = k + 1 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
-    return tokens / (k * draft_cost + verify_cost)
+    return expected_tokens(acceptance, k) / (k * draft_cost + verify_cost)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -120,26 +118,18 @@ def _main(argv: list[str] | None) -> int:
         "draft_cost_by_depth": {str(d): c for d, c in cost.items()},
         "rows": rows,
     }
-    lines = [
-        f"| exit depth (of {layers}) | threshold | coverage | agreement | agreement when exiting "
-        f"| draft cost (plain steps) | projected speedup, k={args.draft_tokens} |",
-        "|---|---|---|---|---|---|---|",
+    header = [f"exit depth (of {layers})", "threshold", "coverage", "agreement", "agreement when exiting"]
+    header += ["draft cost (plain steps)", f"projected speedup, k={args.draft_tokens}"]
+    cells = [
+        [r["depth"], r["threshold"], f"{r['coverage']:.2f}", f"{r['agreement']:.3f}"]
+        + [f"{when:.3f}" if isinstance(when := r["agreement_when_exiting"], float) else "-"]
+        + [f"{r['draft_cost']:.3f}", f"{r['projected_speedup']:.2f}x"]
+        for r in rows
     ]
-    for r in rows:
-        when = r["agreement_when_exiting"]
-        when = f"{when:.3f}" if isinstance(when, float) else "-"
-        lines.append(
-            f"| {r['depth']} | {r['threshold']} | {r['coverage']:.2f} | {r['agreement']:.3f} | {when} "
-            f"| {r['draft_cost']:.3f} | {r['projected_speedup']:.2f}x |"
-        )
-    table = "\n".join(lines)
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(rows[-1]))
-    writer.writeheader()
-    writer.writerows(rows)
+    table = "\n".join(table_lines(header, cells))
     out = Path(args.out)
     write_json_atomic(out / OUTPUT_FILES[0], result)
-    write_text_atomic(out / OUTPUT_FILES[1], buffer.getvalue())
+    write_text_atomic(out / OUTPUT_FILES[1], csv_text(rows))
     write_text_atomic(out / OUTPUT_FILES[2], table + "\n")
     depth_costs = ", ".join(f"{d}: {c:.2f}" for d, c in cost.items())
     print(f"plain step {plain * 1000:.1f} ms; draft cost by exit depth (plain steps) {depth_costs}")

@@ -55,12 +55,7 @@ def _main(argv: list[str] | None) -> int:
     context = max(prompt_ids, key=len)[:256]  # a realistic cache length for the block timings
     costs = forward_costs(model, context, repeats=args.repeats)
     profiles = profile_configs(
-        model,
-        prompt_ids,
-        configs,
-        eos_token_ids(model, tokenizer),
-        args.max_new_tokens,
-        progress=not args.no_progress,
+        model, prompt_ids, configs, eos_token_ids(model, tokenizer), args.max_new_tokens, progress=not args.no_progress
     )
     report = profile_report(costs, profiles)
     report.update(

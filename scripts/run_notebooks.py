@@ -48,12 +48,9 @@ def ensure_kernel() -> None:
     # Another "python3" kernel is registered (a user-level one shadows the venv's): put a spec
     # for this interpreter first on JUPYTER_PATH, for this process and the kernels it starts.
     spec_root = Path(tempfile.mkdtemp(prefix="layerskip-kernel-"))
-    ipykernel.kernelspec.write_kernel_spec(spec_root / "kernels" / KERNEL, overrides={"argv": _kernel_argv()})
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    ipykernel.kernelspec.write_kernel_spec(spec_root / "kernels" / KERNEL, overrides={"argv": argv})
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(spec_root), os.environ.get("JUPYTER_PATH")]))
-
-
-def _kernel_argv() -> list[str]:
-    return [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from layerskip.cli.common import int_list, model_parser, run_cli
+from layerskip.cli.common import int_list, model_parser, run_cli, table_lines
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftRun
 from layerskip.drafts.model import DraftModel
@@ -76,16 +76,13 @@ def markdown(summary: dict, verify: dict[int, float], draft: dict[int, float]) -
         f"({summary['skip_steps']} skip drafts, {summary['skip_failures']} of them rejected a token; "
         f"{summary['lookup_steps']} lookup drafts)",
         "",
-        "| tree candidate | extra tokens per step (free verify) | share of the chain's |",
-        "|---|---|---|",
     ]
-    for name, extra in summary["extra_tokens_per_step"].items():
-        lines.append(f"| {name} | {extra:.3f} | {extra / summary['tau_chain']:.1%} |")
-    lines += ["", "| rows | verify / one row | draft forward / one row |", "|---|---|---|"]
-    for count in sorted(set(verify) | set(draft)):
-        v = f"{verify[count]:.2f}" if count in verify else "-"
-        d = f"{draft[count]:.2f}" if count in draft else "-"
-        lines.append(f"| {count} | {v} | {d} |")
+    extra = summary["extra_tokens_per_step"].items()
+    cells = [[name, f"{e:.3f}", f"{e / summary['tau_chain']:.1%}"] for name, e in extra]
+    lines += table_lines(["tree candidate", "extra tokens per step (free verify)", "share of the chain's"], cells)
+    cost = lambda costs, count: f"{costs[count]:.2f}" if count in costs else "-"  # noqa: E731
+    cells = [[count, cost(verify, count), cost(draft, count)] for count in sorted(set(verify) | set(draft))]
+    lines += ["", *table_lines(["rows", "verify / one row", "draft forward / one row"], cells)]
     return "\n".join(lines) + "\n"
 
 

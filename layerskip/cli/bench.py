@@ -12,8 +12,8 @@ from layerskip.cli.common import (
     THREADS_HELP,
     add_chat_argument,
     add_prompt_arguments,
-    check_fits,
     check_policies,
+    encode_prompts,
     load_policies,
     model_parser,
     run_cli,
@@ -26,7 +26,7 @@ from layerskip.drafts.policy import ABLATIONS, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, load_json
 from layerskip.hf.models import load_model, resolve_device
-from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.hf.prompting import eos_token_ids
 from layerskip.measure import llamacpp
 from layerskip.measure.batches import LAYOUTS, figures_as_dicts, run_batches, summarise_batches
 from layerskip.measure.bench import (
@@ -60,12 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = model_parser(__doc__, prog="layerskip-bench")
     add_prompt_arguments(parser)
     parser.add_argument("--per-category", type=int, help="prompts per category")
-    parser.add_argument(
-        "--categories",
-        type=str_list,
-        default=(),
-        help="only these prompt categories, e.g. qa,rag",
-    )
+    parser.add_argument("--categories", type=str_list, default=(), help="only these prompt categories, e.g. qa,rag")
     parser.add_argument("--n-prompts", type=int, help="cap on the number of prompts")
     parser.add_argument(
         "--seed",
@@ -173,15 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_results(path: str) -> dict:
-    data = load_json(path, "--from-results file", "pass a results.json that bench wrote", expect=None)
-    if not isinstance(data, dict):
-        raise LayerskipError(f"{path} is not a layerskip-bench results.json; pass the file bench wrote")
-    return data
-
-
-def resummarise(results: dict) -> dict:
+def resummarise(path: str) -> dict:
     """A saved run's figures recomputed from its per-prompt rows and the policies it recorded."""
+    results = load_json(path, "--from-results file", "pass a results.json that bench wrote", expect=None)
+    if not isinstance(results, dict):
+        raise LayerskipError(f"{path} is not a layerskip-bench results.json; pass the file bench wrote")
     try:
         rows = rows_from_dicts(results["per_prompt"])
         # Only the provenance matters here; a run saved by an older version may hold fields since renamed.
@@ -213,7 +204,7 @@ def _main(argv: list[str] | None) -> int:
     check_output_dir(args.out, "--out", OUTPUT_FILES)  # before any work: a run that cannot be saved is not started
     check_outputs_replaceable(args.out, args.force)
     if args.from_results:
-        results = resummarise(read_results(args.from_results))
+        results = resummarise(args.from_results)
         for path in write_outputs(results, args.out):
             print(f"wrote {path}", file=sys.stderr)
         print(markdown_report(results))
@@ -234,8 +225,7 @@ def _main(argv: list[str] | None) -> int:
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     check_methods(names, bool(args.policy), bool(args.assistant_model))
     llamacpp.check_request(names, args.model, args.gguf, sampling is not None, args.generation)
-    if not isinstance(args.ablate, bool) and set(args.ablate) - set(ABLATIONS):
-        unknown = sorted(set(args.ablate) - set(ABLATIONS))
+    if not isinstance(args.ablate, bool) and (unknown := sorted(set(args.ablate) - set(ABLATIONS))):
         raise LayerskipError(f"unknown --ablate name(s) {unknown}; choose from {', '.join(ABLATIONS)}")
     prompts = _prompts(args)
     policies = load_policies(args.policy, resolve_device(args.device))
@@ -246,11 +236,8 @@ def _main(argv: list[str] | None) -> int:
     check_policies(policies, model)
     warn_if_tuned_elsewhere(policies, device, args)
     assistant = load_model(args.assistant_model, args.dtype, args.device).model if args.assistant_model else None
-    chat = loaded.instruct if args.chat is None else args.chat
-    prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
-    for prompt, ids in zip(prompts, prompt_ids):
-        check_fits(model, len(ids), args.max_new_tokens, f"prompt {prompt.id}")
-    gguf = _gguf_peer(args, names, prompt_ids, LOOKUP_TOKENS)
+    prompt_ids = encode_prompts(loaded, args, [p.text for p in prompts], [f"prompt {p.id}" for p in prompts])
+    gguf = _gguf_peer(args, names, prompt_ids)
     methods = build_methods(
         model,
         names,
@@ -266,15 +253,9 @@ def _main(argv: list[str] | None) -> int:
         gguf=gguf,
         lookup_tokens=LOOKUP_TOKENS,
     )
+    config = BenchConfig(args.max_new_tokens, progress=not args.no_progress, sampling=sampling)
     with busy_processes(args.busy_processes):
-        rows = run_benchmark(
-            model,
-            methods,
-            prompts,
-            prompt_ids,
-            BenchConfig(args.max_new_tokens, progress=not args.no_progress, sampling=sampling),
-            tokenizer=tokenizer,
-        )
+        rows = run_benchmark(model, methods, prompts, prompt_ids, config, tokenizer=tokenizer)
     memory = measure_memory(methods, prompt_ids, args.max_new_tokens, device, loaded_mb)  # untimed, after the runs
     env = environment(device)
     results = {
@@ -315,15 +296,13 @@ def _main(argv: list[str] | None) -> int:
 LOOKUP_TOKENS = 10  # tokens a prompt-lookup draft proposes: hf-pld, self-spec-lookup and llama.cpp-lookup alike
 
 
-def _gguf_peer(
-    args: argparse.Namespace, names: list[str], prompt_ids: list[list[int]], lookup_tokens: int
-) -> llamacpp.GGUFPeer | None:
+def _gguf_peer(args: argparse.Namespace, names: list[str], prompt_ids: list[list[int]]) -> llamacpp.GGUFPeer | None:
     """The GGUF file and KV cache size of the llama.cpp methods (None: none was asked for). The
     context holds the longest prompt, the new tokens (or the warm-up's, if more) and one draft more."""
     if not llamacpp.wanted(names):
         return None
     new_tokens = max(args.max_new_tokens, BenchConfig.warmup_tokens)
-    context = max(len(ids) for ids in prompt_ids) + new_tokens + lookup_tokens + 1
+    context = max(len(ids) for ids in prompt_ids) + new_tokens + LOOKUP_TOKENS + 1
     return llamacpp.GGUFPeer(llamacpp.gguf_path(args.model, args.gguf), context)
 
 
@@ -357,10 +336,7 @@ def _generation(args: argparse.Namespace) -> dict[str, Any]:
     if args.generation_config:
         config = load_json(args.generation_config, "--generation-config", "pass a JSON object of generate arguments")
         generation = {key: value for key, value in config.items() if key not in _GENERATION_OWN}
-    for key in _GENERATION_FLAGS:
-        value = getattr(args, key)
-        if value is not None:
-            generation[key] = value
+    generation.update({key: getattr(args, key) for key in _GENERATION_FLAGS if getattr(args, key) is not None})
     if isinstance(generation.get("suppress_tokens"), (list, tuple)):  # the flag's text, or a file's list
         try:
             generation["suppress_tokens"] = [int(t) for t in generation["suppress_tokens"]]
@@ -417,10 +393,7 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies(policies, model)
-    chat = loaded.instruct if args.chat is None else args.chat
-    prompt_ids = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
-    for prompt, ids in zip(prompts, prompt_ids):
-        check_fits(model, len(ids), args.max_new_tokens, f"prompt {prompt.id}")
+    prompt_ids = encode_prompts(loaded, args, [p.text for p in prompts], [f"prompt {p.id}" for p in prompts])
     eos = _eos(model, tokenizer, args.ignore_eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     figures = run_batches(

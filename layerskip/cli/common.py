@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.drafts.policy_spec import AUTO, ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
-from layerskip.engine.decoding import check_fits  # noqa: F401  (the engine's check, made before HF's generate runs)
+from layerskip.engine.decoding import check_fits  # the engine's check, made before HF's generate runs
 from layerskip.engine.threads import available_cpus
 from layerskip.errors import LayerskipError
 from layerskip.fileio import read_text
+from layerskip.hf.models import LoadedModel
+from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import Machine, this_machine
 
 EXIT_BAD_INPUT = 2
@@ -81,20 +85,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """An argparse type: ``"2,4,8"`` -> ``(2, 4, 8)``."""
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+def _number_list(kind: type, what: str) -> Callable[[str], tuple]:
+    """An argparse type: ``"2,4,8"`` -> ``(2, 4, 8)`` of ``kind``; ``what`` names them in a refusal."""
+
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got '{text}'") from None
+
+    return parse
 
 
-def float_list(text: str) -> tuple[float, ...]:
-    """An argparse type: ``"0,0.5"`` -> ``(0.0, 0.5)``."""
-    try:
-        return tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+int_list = _number_list(int, "integers")
+float_list = _number_list(float, "numbers")
 
 
 def thread_setting(text: str) -> int | str:
@@ -137,6 +141,37 @@ THREADS_HELP = (
 def str_list(text: str) -> tuple[str, ...]:
     """An argparse type: ``"qa, rag"`` -> ``("qa", "rag")``."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def encode_prompts(
+    loaded: LoadedModel, args: argparse.Namespace, texts: list[str], labels: list[str]
+) -> list[list[int]]:
+    """``texts`` as token ids for ``loaded`` (the chat template per ``--chat``, else the model's kind),
+    each checked to fit with ``--max-new-tokens`` (``labels`` name them in the refusal)."""
+    chat = loaded.instruct if args.chat is None else args.chat
+    ids = [encode_prompt(loaded.tokenizer, text, chat) for text in texts]
+    for label, prompt_ids in zip(labels, ids, strict=True):
+        check_fits(loaded.model, len(prompt_ids), args.max_new_tokens, label)
+    return ids
+
+
+def table_lines(header: Sequence[object], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: ``header``, its rule, then one line per row."""
+    return [_table_row(header), "|" + "---|" * len(header), *map(_table_row, rows)]
+
+
+def _table_row(cells: Sequence[object]) -> str:
+    return f"| {' | '.join(map(str, cells))} |"
+
+
+def csv_text(rows: list[dict[str, object]]) -> str:
+    """``rows`` as CSV, the first row's keys as the header; no rows: empty."""
+    buffer = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return buffer.getvalue()
 
 
 def read_prompt(text: str | None, path: str | None) -> str:

@@ -10,8 +10,8 @@ from pathlib import Path
 from layerskip.cli.common import (
     THREADS_HELP,
     add_chat_argument,
-    check_fits,
     check_seed,
+    encode_prompts,
     load_policy,
     model_parser,
     read_prompt,
@@ -26,7 +26,7 @@ from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_file, check_replaceable
 from layerskip.hf.models import load_model, resolve_device
-from layerskip.hf.prompting import encode_prompt, eos_token_ids
+from layerskip.hf.prompting import eos_token_ids
 from layerskip.integration.baselines import hf_generate
 from layerskip.machine import this_machine
 from layerskip.measure.batches import batch_runner, left_padded, new_tokens
@@ -125,9 +125,13 @@ SAMPLING_DEFAULTS = {"--temperature": 1.0, "--top-p": 1.0, "--top-k": 0}
 SAMPLED_NOT_COMPARED = "sampled: not compared token for token"
 
 
-def _check_sampling_options(args: argparse.Namespace) -> None:
-    """Sampling options shape sampled decoding only: given without --sample, greedy decoding would
-    ignore them, so they are refused rather than dropped; with it, their values are checked."""
+def _check_decoding_options(args: argparse.Namespace) -> None:
+    """--max-new-tokens and --seed; sampling options shape sampled decoding only: given without
+    --sample, greedy decoding would ignore them, so they are refused rather than dropped; with it,
+    their values are checked."""
+    if args.max_new_tokens <= 0:
+        raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
+    check_seed(args.seed)
     given = {"--temperature": args.temperature, "--top-p": args.top_p, "--top-k": args.top_k}
     changed = [flag for flag, value in given.items() if value != SAMPLING_DEFAULTS[flag]]
     if changed and not args.sample:
@@ -143,10 +147,7 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size is not None:
         return _main_batches(args)
-    if args.max_new_tokens <= 0:
-        raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
-    check_seed(args.seed)
-    _check_sampling_options(args)
+    _check_decoding_options(args)
     if args.save_policy is not None:  # "" included: refused as empty, never skipped
         check_output_file(args.save_policy, "--save-policy")
         check_replaceable(args.save_policy, "--save-policy", is_policy_file, "a layerskip policy", args.force)
@@ -159,9 +160,7 @@ def _main(argv: list[str] | None) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    chat = loaded.instruct if args.chat is None else args.chat
-    ids = encode_prompt(tokenizer, prompt, chat)
-    check_fits(model, len(ids), args.max_new_tokens)
+    [ids] = encode_prompts(loaded, args, [prompt], ["the prompt"])
     # checks the policy against the model, prepares its draft once (auto: calibrated, or read from the cache)
     decoder = Decoder.for_policy(model, policy, threads=args.threads, progress=not args.json)
     warn_if_tuned_elsewhere({args.policy: policy}, decoder.device, args)
@@ -275,21 +274,15 @@ def _main_batches(args: argparse.Namespace) -> int:
         raise LayerskipError(f"--batch-size must be >= 1 (got {args.batch_size})")
     if args.prompt_file is None:
         raise LayerskipError("--batch-size reads many prompts: pass --prompt-file PATH (one prompt per line)")
-    if args.max_new_tokens <= 0:
-        raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     if args.save_policy is not None:
         raise LayerskipError("--save-policy takes one prompt; drop --batch-size to save what auto chose")
-    check_seed(args.seed)
-    _check_sampling_options(args)
+    _check_decoding_options(args)
     texts = _batch_prompts(args.prompt_file)
     policy = None if args.policy == PLAIN else load_policy(args.policy, resolve_device(args.device))[1]
     sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
-    chat = loaded.instruct if args.chat is None else args.chat
-    ids = [encode_prompt(tokenizer, text, chat) for text in texts]
-    for index, prompt_ids in enumerate(ids):
-        check_fits(model, len(prompt_ids), args.max_new_tokens, f"prompt {index + 1}")
+    ids = encode_prompts(loaded, args, texts, [f"prompt {index + 1}" for index in range(len(texts))])
     decoder = Decoder.for_policy(model, policy, threads=args.threads, progress=not args.json)
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
@@ -317,11 +310,8 @@ def _main_batches(args: argparse.Namespace) -> int:
             hf_seconds = clock.now() - start
             report["baseline_tokens_per_second"] = throughput(sum(map(len, reference)), hf_seconds)
             report["speedup"] = hf_seconds / seconds if seconds > 0 else None
-            report["identical_rows"] = (
-                sum(tokens == ref for (tokens, _), ref in zip(results, reference, strict=True))
-                if sampling is None
-                else None
-            )
+            same = sum(tokens == ref for (tokens, _), ref in zip(results, reference, strict=True))
+            report["identical_rows"] = same if sampling is None else None
         for row, (tokens, _) in enumerate(results):
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             if args.json:
@@ -335,11 +325,7 @@ def _main_batches(args: argparse.Namespace) -> int:
             if hf_run is not None:
                 line += f"; HF batched generate {report['baseline_tokens_per_second']:.1f} tok/s, "
                 line += f"speedup {report['speedup']:.2f}x, "
-                line += (
-                    f"identical rows {report['identical_rows']}/{len(group)}"
-                    if sampling is None
-                    else SAMPLED_NOT_COMPARED
-                )
+                line += f"identical rows {same}/{len(group)}" if sampling is None else SAMPLED_NOT_COMPARED
             print(line + "]", file=sys.stderr)
     return 0
 

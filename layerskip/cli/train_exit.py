@@ -12,7 +12,6 @@ same command resumes from them).
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from layerskip.cli.common import int_list, model_parser, run_cli, str_list
+from layerskip.cli.common import csv_text, int_list, model_parser, run_cli, str_list
 from layerskip.distill.corpus import (
     CODE_DOMAIN,
     OWN_SUFFIX,
@@ -47,13 +46,7 @@ from layerskip.drafts.exit_adapter import KINDS, ExitAdapter, ExitSpec
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS, DraftSettings, ExitSettings, SkipPolicy
 from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
-from layerskip.fileio import (
-    check_output_dir,
-    replace_file,
-    write_bytes_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from layerskip.fileio import check_output_dir, replace_file, write_bytes_atomic, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.machine import code_version, this_machine
 
@@ -126,19 +119,10 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise LayerskipError(f"unknown adapter kind '{kind}' in --kinds; use {', '.join(KINDS)}")
     if not args.layers or any(layer < 0 for layer in args.layers):
         raise LayerskipError("--layers must list exit layers >= 0, e.g. --layers 6,9,12")
-    positive = {
-        "--positions": args.positions,
-        "--chunk-tokens": args.chunk_tokens,
-        "--top-k": args.top_k,
-        "--epochs": args.epochs,
-        "--batch-chunks": args.batch_chunks,
-        "--max-draft-tokens": args.max_draft_tokens,
-        "--code-files": args.code_files,
-        "--continuation-tokens": args.continuation_tokens,
-    }
-    for flag, value in positive.items():
-        if value <= 0:
-            raise LayerskipError(f"{flag} must be > 0 (got {value})")
+    positive = "positions chunk_tokens top_k epochs batch_chunks max_draft_tokens code_files continuation_tokens"
+    for name in positive.split():
+        if (value := getattr(args, name)) <= 0:
+            raise LayerskipError(f"--{name.replace('_', '-')} must be > 0 (got {value})")
     if args.max_draft_tokens > MAX_DRAFT_TOKENS:
         raise LayerskipError(f"--max-draft-tokens must be at most {MAX_DRAFT_TOKENS} (got {args.max_draft_tokens})")
     if args.continuations < 0 or not 0 <= args.temperature <= 5:
@@ -190,14 +174,15 @@ def teacher_data(
     model: torch.nn.Module,
     tokenizer: object,
     documents: list[Document],
+    held: list[str],
     args: argparse.Namespace,
-    out: Path,
     chat: bool,
 ) -> tuple[TeacherData, dict[str, int], list[str]]:
-    """Collect (or reuse from --out) the teacher's data for every split; returns it with chunk counts
-    per split and the training domains. Everything it depends on keys the cache, so a re-run of the
-    same command (after an interruption, say) skips the continuations and the teacher's forward."""
-    split = split_documents(documents, held_out_domains(documents, args), seed=args.seed)
+    """Collect (or reuse from --out) the teacher's data for every split, ``held`` domains held out;
+    returns it with chunk counts per split and the training domains. Everything it depends on keys
+    the cache, so a re-run of the same command (after an interruption, say) skips the continuations
+    and the teacher's forward."""
+    split = split_documents(documents, held, seed=args.seed)
     settings = {
         k: getattr(args, k)
         for k in ("positions", "chunk_tokens", "continuations", "continuation_tokens", "temperature", "seed", "top_k")
@@ -206,9 +191,9 @@ def teacher_data(
         adapters.weights_fingerprint(model),
         [(d.domain, d.text) for d in documents],
         sorted(set(args.layers)),
-        {**settings, "holdout": held_out_domains(documents, args), "chat": chat},
+        {**settings, "holdout": held, "chat": chat},
     )
-    cached = out / "checkpoints" / f"teacher-{key}.pt"
+    cached = Path(args.out) / "checkpoints" / f"teacher-{key}.pt"
     if cached.is_file():
         try:
             state = load_state(cached)
@@ -224,17 +209,8 @@ def teacher_data(
     counts: dict[str, int] = {}
     for name in ("train", "validation", "held_out"):
         docs = list(getattr(split, name))
-        docs += own_continuations(
-            model,
-            tokenizer,
-            docs,
-            wanted[name],
-            args.continuation_tokens,
-            chat,
-            args.temperature,
-            seed=args.seed,
-            progress=not args.quiet,
-        )
+        own = (wanted[name], args.continuation_tokens, chat, args.temperature)
+        docs += own_continuations(model, tokenizer, docs, *own, seed=args.seed, progress=not args.quiet)
         part = chunk_documents(tokenizer, docs, args.chunk_tokens, int(args.positions * shares[name])) if docs else []
         counts[name] = len(part)
         chunks += part
@@ -250,8 +226,17 @@ def teacher_data(
     return data, counts, split.domains()["train"]
 
 
-def _scores(scores: dict) -> dict[str, dict[str, float]]:
-    return {domain: {"positions": s.positions, "agreement": s.agreement, "kl": s.kl} for domain, s in scores.items()}
+def _agreement(
+    student: Student, module: torch.nn.Module | None, validation: TeacherData, held_out: TeacherData
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per split and domain, the student's agreement and KL (with the adapter ``module``, or none);
+    nothing held out: no held-out figures."""
+    splits = {"validation": evaluate(student, module, validation)}
+    splits["held_out"] = evaluate(student, module, held_out) if held_out.domains else {}
+    return {
+        split: {d: {"positions": s.positions, "agreement": s.agreement, "kl": s.kl} for d, s in scores.items()}
+        for split, scores in splits.items()
+    }
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -267,23 +252,21 @@ def _main(argv: list[str] | None = None) -> int:
         ExitSpec(layer=layer, rank=args.rank).validate(count)
     precision = args.precision or ("model" if args.reuse_kv or model.device.type != "cpu" else "int4")
     documents = gather(args)
-    data, counts, trained_domains = teacher_data(model, lm.tokenizer, documents, args, out, lm.instruct)
+    held = held_out_domains(documents, args)
+    data, counts, trained_domains = teacher_data(model, lm.tokenizer, documents, held, args, lm.instruct)
     teacher_seconds = time.perf_counter() - started
     train = data.select(range(counts["train"]))
     validation = data.select(range(counts["train"], counts["train"] + counts["validation"]))
     held_out = data.select(range(counts["train"] + counts["validation"], len(data.domains)))
+    splits = {"train": train, "validation": validation, "held_out": held_out}
     vocab_size = adapters.lm_head(model).weight.shape[0]
     rows = rank_rows(train, vocab_size, args.draft_vocab).to(model.device)
     report: dict[str, object] = {
         "model": lm.name,
         "fingerprint": adapters.weights_fingerprint(model),
         **code_version(),  # "commit", "dirty": the code that trained
-        "positions": {"train": train.positions, "validation": validation.positions, "held_out": held_out.positions},
-        "domains": {
-            "train": sorted(set(train.domains)),
-            "validation": sorted(set(validation.domains)),
-            "held_out": sorted(set(held_out.domains)),
-        },
+        "positions": {name: split.positions for name, split in splits.items()},
+        "domains": {name: sorted(set(split.domains)) for name, split in splits.items()},
         "draft_vocab": len(rows),
         "teacher_seconds": teacher_seconds,
         "exits": [],
@@ -291,11 +274,9 @@ def _main(argv: list[str] | None = None) -> int:
     table: list[dict[str, object]] = []
     for layer in sorted(set(args.layers)):
         student = Student(model, layer, rows)
-        plain = {
-            "validation": _scores(evaluate(student, None, validation)),
-            "held_out": _scores(evaluate(student, None, held_out)) if held_out.domains else {},
-        }
+        plain = _agreement(student, None, validation, held_out)
         for kind in args.kinds:
+            name = f"exit-L{layer}-{kind}"
             spec = ExitSpec(layer=layer, kind=kind, rank=args.rank)
             settings = TrainSettings(
                 epochs=args.epochs,
@@ -308,29 +289,19 @@ def _main(argv: list[str] | None = None) -> int:
                 "trained_by": "layerskip-train-exit",
                 "command": " ".join(sys.argv[1:]) if argv is None else " ".join(argv),
                 "train_domains": trained_domains,
-                "held_out_domains": held_out_domains(documents, args),
+                "held_out_domains": held,
                 "positions": train.positions,
                 "settings": asdict(settings),
             }
             adapter = ExitAdapter.fresh(model, spec, provenance)
             began = time.perf_counter()
+            checkpoint = out / "checkpoints" / f"{name}.pt"
             result = train_adapter(
-                model,
-                adapter,
-                rows,
-                train,
-                validation,
-                settings,
-                checkpoint=out / "checkpoints" / f"exit-L{layer}-{kind}.pt",
-                progress=not args.quiet,
+                model, adapter, rows, train, validation, settings, checkpoint=checkpoint, progress=not args.quiet
             )
             seconds = time.perf_counter() - began
-            trained = {
-                "validation": _scores(evaluate(student, adapter.module, validation)),
-                "held_out": _scores(evaluate(student, adapter.module, held_out)) if held_out.domains else {},
-            }
+            trained = _agreement(student, adapter.module, validation, held_out)
             adapter.provenance["train_seconds"] = seconds
-            name = f"exit-L{layer}-{kind}"
             sha = adapter.save(out / f"{name}.safetensors")
             policy = make_policy(
                 model, lm.name, adapter, sha, f"{name}.safetensors", rows, precision, args, trained_domains
@@ -494,19 +465,10 @@ def write_report(report: dict, table: list[dict[str, object]], out: Path) -> Non
     from layerskip.measure.plots import exit_agreement_plot
 
     write_json_atomic(out / REPORT_FILES[0], report)
-    write_text_atomic(out / REPORT_FILES[1], _csv(table))
+    write_text_atomic(out / REPORT_FILES[1], csv_text(table))
     staged = out / ".agreement.png.tmp"
     exit_agreement_plot(report, staged)
     replace_file(staged, out / REPORT_FILES[2])
-
-
-def _csv(rows: list[dict[str, object]]) -> str:
-    buffer = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return buffer.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
