@@ -25,6 +25,7 @@ from layerskip.measure import results as published
 from layerskip.measure.batch_results import README_END as BATCHES_END
 from layerskip.measure.batch_results import README_START as BATCHES_START
 from layerskip.measure.batch_results import load_batch_runs
+from layerskip.measure.report import batch_markdown, batch_table
 from layerskip.measure.results import (
     FIRST_SCREEN_END,
     FIRST_SCREEN_START,
@@ -644,3 +645,11 @@ def test_the_draft_cost_script_runs_end_to_end_and_its_file_renders(tiny_llama: 
     taken.write_text("mine")
     refused = run_script("draft_cost.py", "--model", str(tmp_path / "no-model"), "--out", str(taken))
     assert_bad_input(refused, "--out", "is a file")  # before the model loads, not after the work
+
+
+def test_a_batch_runs_report_holds_the_results_pages_table() -> None:
+    """bench's batches.md and the results page render a batch run's figures as one table."""
+    for run in load_batch_runs(REPO / RESULTS_DIR):
+        table = batch_table(run.data)
+        assert table.startswith("| batch | layout |") and table in batch_markdown(run.data)
+        assert table in (REPO / "docs" / "results.md").read_text()

@@ -292,39 +292,46 @@ BATCH_COLUMNS = (
 )
 
 
+def batch_table(results: dict[str, Any]) -> str:
+    """The batches table (bench's batches.md, and each batch run on the results page): per layout and
+    batch size, the tokens/s of HF's batched generate, of our plain decoding and ours, ours over each,
+    a row's latency, the rows identical to HF's and the kinds of step the batch chose."""
+    header = ["batch", "layout", "HF batched tok/s", "our plain tok/s", "ours tok/s", "vs HF", "vs our plain"]
+    header += ["row latency HF / ours (s)", "identical rows", "steps chosen"]
+    steps = {
+        (run["size"], run["layout"]): run.get("steps") or {}
+        for run in results.get("runs", [])
+        if isinstance(run, dict) and run.get("method") == "self-spec-batched"
+    }
+    rows = []
+    for row in sorted(results["batches"], key=lambda r: (r["layout"], r["batch_size"])):
+        chosen = steps.get((row["batch_size"], row["layout"]), {})
+        kinds = ", ".join(f"{kind} {count}" for kind, count in chosen.items() if isinstance(count, int))
+        plain, vs_plain = row.get("plain_tokens_per_second"), row.get("vs_plain")
+        rows.append(
+            [
+                str(row["batch_size"]),
+                row["layout"],
+                f"{row['hf_tokens_per_second']:.1f}",
+                "-" if plain is None else f"{plain:.1f}",
+                f"{row['ours_tokens_per_second']:.1f}",
+                f"{row['speedup']:.2f}×",
+                "-" if vs_plain is None else f"{vs_plain:.2f}×",
+                f"{row['row_latency_hf_s']:.2f} / {row['row_latency_ours_s']:.2f}",
+                f"{row['identical_rows']}/{row['rows']}",
+                kinds or "one prompt: no batch",
+            ]
+        )
+    return table(header, rows)
+
+
 def batch_markdown(results: dict[str, Any]) -> str:
-    """The batches table: per batch size and layout, each method's tokens/s, ours over HF's and over
-    our plain decoding's, identical rows."""
-    header = [
-        "batch",
-        "layout",
-        "HF batched tok/s",
-        "our plain tok/s",
-        "ours tok/s",
-        "vs HF",
-        "vs our plain",
-        "row latency HF / ours (s)",
-        "identical",
-    ]
-    rows = [
-        [
-            str(row["batch_size"]),
-            row["layout"],
-            _fmt(row["hf_tokens_per_second"], 1),
-            _fmt(row.get("plain_tokens_per_second"), 1),
-            _fmt(row["ours_tokens_per_second"], 1),
-            f"{_fmt(row['speedup'])}x",
-            f"{_fmt(row.get('vs_plain'))}x" if row.get("vs_plain") is not None else "-",
-            f"{_fmt(row['row_latency_hf_s'])} / {_fmt(row['row_latency_ours_s'])}",
-            f"{row['identical_rows']}/{row['rows']}",
-        ]
-        for row in results["batches"]
-    ]
+    """A batch run's report: what ran where, then its table."""
     title = (
         f"{results['model']} ({results['dtype']}, {results['max_new_tokens']} new tokens, policy "
         f"{results['policy']}) on {results['device_name']}"
     )
-    return f"{title}\n\n{table(header, rows)}"
+    return f"{title}\n\n{batch_table(results)}"
 
 
 def write_batch_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:

@@ -934,15 +934,8 @@ def results_page(
         summary_table(files, ""),
     ]
     parts += [file_section(f) for f in files]
-    costs = draft_cost_section(draft_costs or [])
-    if costs:
-        parts.append(costs)
-    twins = twin_section(files)
-    if twins:
-        parts.append(twins)
-    ceilings = tree_ceiling_section(tree_ceilings or [])
-    if ceilings:
-        parts.append(ceilings)
+    optional = [draft_cost_section(draft_costs or []), twin_section(files), tree_ceiling_section(tree_ceilings or [])]
+    parts += [part for part in optional if part]  # each empty without its files
     return "\n\n".join(parts) + "\n"
 
 
