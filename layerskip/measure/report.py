@@ -207,15 +207,23 @@ def section(lead: str, table: str) -> list[str]:
     return [f"{lead}\n\n{table}"] if table else []
 
 
-def csv_text(results: dict[str, Any]) -> str:
+def csv_table(rows: list[dict[str, Any]], columns: tuple[str, ...], lineterminator: str = "\r\n") -> str:
+    """``rows`` as CSV text, the ``columns`` in order (a value missing or None: an empty cell)."""
     buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(["method", "category", *COLUMNS])
-    for name, figures in results["methods"].items():
-        writer.writerow([name, "overall", *(figures["overall"].get(k) for k in COLUMNS)])
-        for category, c in figures["by_category"].items():
-            writer.writerow([name, category, *(c.get(k) for k in COLUMNS)])
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator=lineterminator)
+    writer.writeheader()
+    writer.writerows(rows)
     return buffer.getvalue()
+
+
+def csv_text(results: dict[str, Any]) -> str:
+    """results.csv: the figures of each method, overall and by category."""
+    rows = [
+        {**values, "method": name, "category": category}
+        for name, figures in results["methods"].items()
+        for category, values in [("overall", figures["overall"]), *figures["by_category"].items()]
+    ]
+    return csv_table(rows, ("method", "category", *COLUMNS))
 
 
 def speedup_png(results: dict[str, Any]) -> bytes:
@@ -336,13 +344,9 @@ def batch_markdown(results: dict[str, Any]) -> str:
 
 def write_batch_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:
     """A batch run's three files, written as a set."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=BATCH_COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(results["batches"])
     payloads = {
         "batches.json": (json.dumps(results, indent=2) + "\n").encode(),
-        "batches.csv": buffer.getvalue().encode(),
+        "batches.csv": csv_table(results["batches"], BATCH_COLUMNS).encode(),
         "batches.md": (batch_markdown(results) + "\n").encode(),
     }
     return write_file_set(directory, payloads)
