@@ -85,25 +85,23 @@ def _identity(figures: dict[str, Any]) -> str:
 def divergences_by_prompt(results: dict[str, Any]) -> str:
     """Every divergence from hf-ar, a row each: where, the two tokens, the fp32 gap against the error
     bound, the class ('' if none)."""
-    rows = [row for row in results.get("per_prompt", []) if row.get("divergence")]
+    rows = [(row, d) for row in results.get("per_prompt", []) if (d := row.get("divergence"))]
     if not rows:
         return ""
     header = ["method", "prompt", "position", "method token", "hf-ar token", "fp32 gap", "error bound", "class"]
-    cells = []
-    for row in rows:
-        d = row["divergence"]
-        cells.append(
-            [
-                row["method"],
-                str(row["prompt_id"]),
-                str(d.get("position")),
-                _token(d, "method"),
-                _token(d, "reference"),
-                _fmt(d.get("fp32_gap"), 4),
-                _fmt(d.get("error_bound"), 4),
-                d.get("class") or "unclassified",
-            ]
-        )
+    cells = [
+        [
+            row["method"],
+            str(row["prompt_id"]),
+            str(d.get("position")),
+            _token(d, "method"),
+            _token(d, "reference"),
+            _fmt(d.get("fp32_gap"), 4),
+            _fmt(d.get("error_bound"), 4),
+            d.get("class") or "unclassified",
+        ]
+        for row, d in rows
+    ]
     return table(header, cells)
 
 
