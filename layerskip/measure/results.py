@@ -294,7 +294,8 @@ class ResultFile:
         """The policy ``self-spec:LABEL`` ran (plain ``self-spec``: the file's only policy); None when
         the file does not hold it (an ablation, ``LABEL-no-lookup``, ran a policy of its own)."""
         policies = self.data["policies"]
-        return policies.get(method.partition(":")[2] or (next(iter(policies)) if len(policies) == 1 else ""))
+        label = method.partition(":")[2] or (next(iter(policies)) if len(policies) == 1 else "")
+        return policies.get(label)
 
     def kind(self, method: str) -> str | None:
         """The summary column ``method`` belongs to (``KINDS``); None for the baseline, plain decoding,
@@ -426,9 +427,9 @@ def _script_outputs(directory: str | Path, script: str, shape: Obj) -> list[Draf
     """Every ``SCRIPT.json`` that ``scripts/SCRIPT.py`` wrote under ``directory`` (in its folder
     ``script-name/NAME/``), by model, then name; each checked for everything the results page reads,
     nested values included, so a damaged file is one line naming what is wrong."""
-    what, fix = f"{script.replace('_', '-')} file", f"pass a {script}.json that scripts/{script}.py wrote"
-    paths = sorted(Path(directory).glob(f"{script.replace('_', '-')}/*/{script}.json"))
-    files = [DraftCostFile(path.parent.name, load_json(path, what, fix, shape=shape)) for path in paths]
+    folder, fix = script.replace("_", "-"), f"pass a {script}.json that scripts/{script}.py wrote"
+    paths = sorted(Path(directory).glob(f"{folder}/*/{script}.json"))
+    files = [DraftCostFile(path.parent.name, load_json(path, f"{folder} file", fix, shape=shape)) for path in paths]
     return sorted(files, key=lambda f: (f.data["model"], f.name))
 
 
