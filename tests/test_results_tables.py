@@ -25,6 +25,7 @@ from layerskip.measure import results as published
 from layerskip.measure.batch_results import README_END as BATCHES_END
 from layerskip.measure.batch_results import README_START as BATCHES_START
 from layerskip.measure.batch_results import load_batch_runs
+from layerskip.measure.report import batch_markdown, batch_table
 from layerskip.measure.results import (
     FIRST_SCREEN_END,
     FIRST_SCREEN_START,
@@ -41,7 +42,6 @@ from layerskip.measure.results import (
     load_result_files,
     policy_kind,
     publish,
-    read_draft_cost,
     read_result_file,
     read_tree_ceilings,
     rendered,
@@ -350,13 +350,14 @@ def test_draft_cost_files_are_on_the_results_page(tmp_path: Path) -> None:
     assert draft_cost_section([]) == ""
     no_int4 = DraftCostFile("x", {**xeon.data, "rows": [r for r in xeon.data["rows"] if r["precision"] != "int4"]})
     assert "no int4 draft measured" in draft_cost_section([no_int4])
-    broken = tmp_path / "draft_cost.json"
+    broken = tmp_path / "draft-cost" / "broken" / "draft_cost.json"
+    broken.parent.mkdir(parents=True)
     broken.write_text(json.dumps({**xeon.data, "plain_step_ms": "fast"}))
     with pytest.raises(LayerskipError, match="plain_step_ms is a string, not a number above 0"):
-        read_draft_cost(broken)
+        load_draft_costs(tmp_path)
     broken.write_text("{")
     with pytest.raises(LayerskipError, match="cannot read draft-cost file"):
-        read_draft_cost(broken)
+        load_draft_costs(tmp_path)
 
 
 def _committed_figures() -> tuple[set[str], set[str]]:
@@ -635,7 +636,7 @@ def test_the_draft_cost_script_runs_end_to_end_and_its_file_renders(tiny_llama: 
     out = tmp_path / "draft-cost" / "tiny"
     result = run_script("draft_cost.py", "--model", str(tiny_llama), "--repeats", "1", "--out", str(out))
     assert result.returncode == 0, result.stderr
-    cost = read_draft_cost(out / "draft_cost.json")
+    [cost] = load_draft_costs(tmp_path)
     assert set(cost.data["draft_memory_mb"]) == {"model", "bfloat16", "int4"}
     assert all(megabytes > 0 for name, megabytes in cost.data["draft_memory_mb"].items() if name != "model")
     assert (out / "draft_cost.md").read_text().startswith("| policy |")
@@ -644,3 +645,11 @@ def test_the_draft_cost_script_runs_end_to_end_and_its_file_renders(tiny_llama: 
     taken.write_text("mine")
     refused = run_script("draft_cost.py", "--model", str(tmp_path / "no-model"), "--out", str(taken))
     assert_bad_input(refused, "--out", "is a file")  # before the model loads, not after the work
+
+
+def test_a_batch_runs_report_holds_the_results_pages_table() -> None:
+    """bench's batches.md and the results page render a batch run's figures as one table."""
+    for run in load_batch_runs(REPO / RESULTS_DIR):
+        table = batch_table(run.data)
+        assert table.startswith("| batch | layout |") and table in batch_markdown(run.data)
+        assert table in (REPO / "docs" / "results.md").read_text()

@@ -35,6 +35,12 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: ``header``'s cells, the rule under them, then a line per row of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     """Methods as rows: overall figures, then speedup by category."""
     methods = results["methods"]
@@ -42,7 +48,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     memory = (results.get("memory") or {}).get("methods") or {}  # measure.memory; runs before it have none
     header = ["method", "tok/s", "speedup", "tau", "acceptance", "identical / rounding / defect"]
     header += [*(["peak memory, MiB"] if memory else []), *categories]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for name, figures in methods.items():
         o = figures["overall"]
         cells = [
@@ -55,11 +61,10 @@ def markdown_table(results: dict[str, Any]) -> str:
         ]
         if memory:
             cells.append(_fmt((memory.get(name) or {}).get("peak_mb"), 0))
-        for category in categories:
-            c = figures["by_category"].get(category)
-            cells.append(f"{_fmt(c['speedup'])}x" if c else "-")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        by_category = figures["by_category"]
+        cells += [f"{_fmt(by_category[c]['speedup'])}x" if by_category.get(c) else "-" for c in categories]
+        rows.append(cells)
+    return table(header, rows)
 
 
 def _identity(figures: dict[str, Any]) -> str:
@@ -80,14 +85,12 @@ def _identity(figures: dict[str, Any]) -> str:
 def divergences_by_prompt(results: dict[str, Any]) -> str:
     """Every divergence from hf-ar, a row each: where, the two tokens, the fp32 gap against the error
     bound, the class ('' if none)."""
-    rows = [row for row in results.get("per_prompt", []) if row.get("divergence")]
+    rows = [(row, d) for row in results.get("per_prompt", []) if (d := row.get("divergence"))]
     if not rows:
         return ""
     header = ["method", "prompt", "position", "method token", "hf-ar token", "fp32 gap", "error bound", "class"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        d = row["divergence"]
-        cells = [
+    cells = [
+        [
             row["method"],
             str(row["prompt_id"]),
             str(d.get("position")),
@@ -97,8 +100,9 @@ def divergences_by_prompt(results: dict[str, Any]) -> str:
             _fmt(d.get("error_bound"), 4),
             d.get("class") or "unclassified",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        for row, d in rows
+    ]
+    return table(header, cells)
 
 
 def _token(divergence: dict[str, Any], side: str) -> str:
@@ -115,26 +119,20 @@ def _token(divergence: dict[str, Any], side: str) -> str:
 
 def profile_table(results: dict[str, Any]) -> str:
     """Where our engine's time went per method, in ms per generated token ('' if no method has it)."""
-    rows = [(name, f["overall"].get("profile")) for name, f in results["methods"].items()]
-    rows = [(name, p) for name, p in rows if p]
-    if not rows:
+    profiles = {name: p for name, f in results["methods"].items() if (p := f["overall"].get("profile"))}
+    if not profiles:
         return ""
     header = ["method", "ms/token", "prefill", "draft", "verify", "other", "verify ms/step", "lookup steps"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, p in rows:
-        share = p.get("lookup_share")
-        cells = [
-            name,
-            _fmt(p["total_ms"], 1),
-            _fmt(p["prefill_ms"], 1),
-            _fmt(p["draft_ms"], 1),
-            _fmt(p["verify_ms"], 1),
-            _fmt(p["other_ms"], 1),
-            _fmt(p.get("verify_ms_per_step"), 1),
-            "-" if share is None else f"{100 * share:.0f}%",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    parts = ("total_ms", "prefill_ms", "draft_ms", "verify_ms", "other_ms", "verify_ms_per_step")
+    rows = [
+        [name, *(_fmt(p.get(part), 1) for part in parts), _percent(p.get("lookup_share"))]
+        for name, p in profiles.items()
+    ]
+    return table(header, rows)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def held_out_table(results: dict[str, Any]) -> str:
@@ -144,19 +142,20 @@ def held_out_table(results: dict[str, Any]) -> str:
         return ""
     header = ["method", "tuned on", "speedup (tuned)", "speedup (held out)"]
     header += ["acceptance (tuned)", "acceptance (held out)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cells = []
     for name, split in rows:
         tuned, held = split["tuned"] or {}, split["held_out"] or {}
-        cells = [
-            name,
-            ", ".join(split["tuned_categories"]),
-            f"{_fmt(tuned.get('speedup'))}x" if tuned else "-",
-            f"{_fmt(held.get('speedup'))}x" if held else "- (no other category)",
-            _fmt(tuned.get("acceptance_rate")),
-            _fmt(held.get("acceptance_rate")),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells.append(
+            [
+                name,
+                ", ".join(split["tuned_categories"]),
+                f"{_fmt(tuned.get('speedup'))}x" if tuned else "-",
+                f"{_fmt(held.get('speedup'))}x" if held else "- (no other category)",
+                _fmt(tuned.get("acceptance_rate")),
+                _fmt(held.get("acceptance_rate")),
+            ]
+        )
+    return table(header, cells)
 
 
 def markdown_report(results: dict[str, Any]) -> str:
@@ -206,27 +205,33 @@ def section(lead: str, table: str) -> list[str]:
     return [f"{lead}\n\n{table}"] if table else []
 
 
-def csv_text(results: dict[str, Any]) -> str:
+def csv_table(rows: list[dict[str, Any]], columns: tuple[str, ...], lineterminator: str = "\r\n") -> str:
+    """``rows`` as CSV text, the ``columns`` in order (a value missing or None: an empty cell)."""
     buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(["method", "category", *COLUMNS])
-    for name, figures in results["methods"].items():
-        writer.writerow([name, "overall", *(figures["overall"].get(k) for k in COLUMNS)])
-        for category, c in figures["by_category"].items():
-            writer.writerow([name, category, *(c.get(k) for k in COLUMNS)])
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator=lineterminator)
+    writer.writeheader()
+    writer.writerows(rows)
     return buffer.getvalue()
 
 
-def speedup_png(results: dict[str, Any]) -> bytes:
-    import matplotlib
+def csv_text(results: dict[str, Any]) -> str:
+    """results.csv: the figures of each method, overall and by category."""
+    rows = [
+        {**values, "method": name, "category": category}
+        for name, figures in results["methods"].items()
+        for category, values in [("overall", figures["overall"]), *figures["by_category"].items()]
+    ]
+    return csv_table(rows, ("method", "category", *COLUMNS))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def speedup_png(results: dict[str, Any]) -> bytes:
     import numpy as np
+
+    from layerskip.measure.plots import PNG, figure
 
     methods = [m for m in results["methods"] if m != "hf-ar"] or list(results["methods"])
     categories = sorted({c for m in results["methods"].values() for c in m["by_category"]}) + ["overall"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(categories) * max(1, len(methods)) / 2), 4))
+    fig, ax = figure(max(6, 1.1 * len(categories) * max(1, len(methods)) / 2), 4)
     width = 0.8 / len(methods)
     x = np.arange(len(categories))
     for i, name in enumerate(methods):
@@ -241,11 +246,7 @@ def speedup_png(results: dict[str, Any]) -> bytes:
     ax.set_ylabel("speedup vs HF generate (greedy)")
     ax.set_title(f"{results['model']} · {results['dtype']} · {results['device']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    return buffer.getvalue()
+    return PNG(fig, dpi=100).data
 
 
 def is_bench_results(path: Path) -> bool:
@@ -297,52 +298,53 @@ BATCH_COLUMNS = (
 )
 
 
+def batch_table(results: dict[str, Any]) -> str:
+    """The batches table (bench's batches.md, and each batch run on the results page): per layout and
+    batch size, the tokens/s of HF's batched generate, of our plain decoding and ours, ours over each,
+    a row's latency, the rows identical to HF's and the kinds of step the batch chose."""
+    header = ["batch", "layout", "HF batched tok/s", "our plain tok/s", "ours tok/s", "vs HF", "vs our plain"]
+    header += ["row latency HF / ours (s)", "identical rows", "steps chosen"]
+    steps = {
+        (run["size"], run["layout"]): run.get("steps") or {}
+        for run in results.get("runs", [])
+        if isinstance(run, dict) and run.get("method") == "self-spec-batched"
+    }
+    rows = []
+    for row in sorted(results["batches"], key=lambda r: (r["layout"], r["batch_size"])):
+        chosen = steps.get((row["batch_size"], row["layout"]), {})
+        kinds = ", ".join(f"{kind} {count}" for kind, count in chosen.items() if isinstance(count, int))
+        plain, vs_plain = row.get("plain_tokens_per_second"), row.get("vs_plain")
+        rows.append(
+            [
+                str(row["batch_size"]),
+                row["layout"],
+                f"{row['hf_tokens_per_second']:.1f}",
+                "-" if plain is None else f"{plain:.1f}",
+                f"{row['ours_tokens_per_second']:.1f}",
+                f"{row['speedup']:.2f}×",
+                "-" if vs_plain is None else f"{vs_plain:.2f}×",
+                f"{row['row_latency_hf_s']:.2f} / {row['row_latency_ours_s']:.2f}",
+                f"{row['identical_rows']}/{row['rows']}",
+                kinds or "one prompt: no batch",
+            ]
+        )
+    return table(header, rows)
+
+
 def batch_markdown(results: dict[str, Any]) -> str:
-    """The batches table: per batch size and layout, each method's tokens/s, ours over HF's and over
-    our plain decoding's, identical rows."""
-    header = [
-        "batch",
-        "layout",
-        "HF batched tok/s",
-        "our plain tok/s",
-        "ours tok/s",
-        "vs HF",
-        "vs our plain",
-        "row latency HF / ours (s)",
-        "identical",
-    ]
-    lines = [
+    """A batch run's report: what ran where, then its table."""
+    title = (
         f"{results['model']} ({results['dtype']}, {results['max_new_tokens']} new tokens, policy "
-        f"{results['policy']}) on {results['device_name']}",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
-    for row in results["batches"]:
-        cells = [
-            str(row["batch_size"]),
-            row["layout"],
-            _fmt(row["hf_tokens_per_second"], 1),
-            _fmt(row.get("plain_tokens_per_second"), 1),
-            _fmt(row["ours_tokens_per_second"], 1),
-            f"{_fmt(row['speedup'])}x",
-            f"{_fmt(row.get('vs_plain'))}x" if row.get("vs_plain") is not None else "-",
-            f"{_fmt(row['row_latency_hf_s'])} / {_fmt(row['row_latency_ours_s'])}",
-            f"{row['identical_rows']}/{row['rows']}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        f"{results['policy']}) on {results['device_name']}"
+    )
+    return f"{title}\n\n{batch_table(results)}"
 
 
 def write_batch_outputs(results: dict[str, Any], directory: str | Path) -> list[Path]:
     """A batch run's three files, written as a set."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=BATCH_COLUMNS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(results["batches"])
     payloads = {
         "batches.json": (json.dumps(results, indent=2) + "\n").encode(),
-        "batches.csv": buffer.getvalue().encode(),
+        "batches.csv": csv_table(results["batches"], BATCH_COLUMNS).encode(),
         "batches.md": (batch_markdown(results) + "\n").encode(),
     }
     return write_file_set(directory, payloads)
