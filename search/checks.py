@@ -24,7 +24,7 @@ from layerskip.errors import LayerskipError, few
 from layerskip.fileio import Items, Obj, load_json
 from layerskip.search.confirmation import MIN_ROUNDS
 from layerskip.search.objective import OBJECTIVES
-from layerskip.search.settings import SearchSettings
+from layerskip.search.settings import SearchSettings, flag
 from layerskip.search.space import ExitChoice
 
 # numpy's RandomState (under Optuna's samplers) takes seeds in [0, 2**32); the sampler seed
@@ -34,25 +34,32 @@ MAX_SEED = 2**31 - 1
 SPACES = ("ranked", "switches")
 DTYPES = ("float32", "bfloat16")  # the dtypes a search loads a model in (a loaded model keeps its own)
 
-# The search-space field a study records (SearchSpace.to_dict) -> the flag that sets it.
-SPACE_FLAGS: dict[str, str] = {
-    "never_skip": "--never-skip",
-    "min_fraction": "--min-skip-fraction",
-    "max_fraction": "--max-skip-fraction",
-    "draft_token_choices": "--draft-tokens",
-    "tune_adaptive": "--no-adaptive",
-    "draft_vocab_choices": "--draft-vocab",
-    "lookup_ngram_choices": "--lookup",
-    "lookup_token_choices": "--lookup-tokens",
-    "lookup_confidence_choices": "--lookup-confidence",
-    "lookup_min_ngram_choices": "--lookup-min",
-    "verify_pad_choices": "--verify-pad",
-    "tree_match_choices": "--tree-matches",
-    "tree_sibling_choices": "--tree-siblings",
-    "precision_choices": "--draft-precision",
-    "require_skip_draft": "--require-skip-draft",
-    "exit_threshold_choices": "--exit-thresholds",
+# The search-space fields a study records (SearchSpace.to_dict) -> the setting that sets each.
+SPACE_SETTINGS: dict[str, str] = {
+    "never_skip": "never_skip",
+    "min_fraction": "min_skip_fraction",
+    "max_fraction": "max_skip_fraction",
+    "draft_token_choices": "draft_tokens",
+    "tune_adaptive": "no_adaptive",  # inverted: see space_fields
+    "draft_vocab_choices": "draft_vocab",
+    "lookup_ngram_choices": "lookup",
+    "lookup_token_choices": "lookup_tokens",
+    "lookup_confidence_choices": "lookup_confidence",
+    "lookup_min_ngram_choices": "lookup_min",
+    "verify_pad_choices": "verify_pad",
+    "tree_match_choices": "tree_matches",
+    "tree_sibling_choices": "tree_siblings",
+    "precision_choices": "draft_precision",
+    "require_skip_draft": "require_skip_draft",
+    "exit_threshold_choices": "exit_thresholds",
 }
+
+
+def space_fields(args: SearchSettings) -> dict[str, Any]:
+    """The ``SearchSpace`` fields the settings set."""
+    fields = {name: getattr(args, setting) for name, setting in SPACE_SETTINGS.items()}
+    fields["tune_adaptive"] = not args.no_adaptive
+    return fields
 
 
 def check_arguments(args: SearchSettings) -> None:
@@ -101,7 +108,7 @@ def check_arguments(args: SearchSettings) -> None:
 def _check_counts(args: SearchSettings) -> None:
     for name in ("n_trials", "n_prompts", "reference_tokens", "max_new_tokens"):
         if getattr(args, name) <= 0:
-            raise LayerskipError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
+            raise LayerskipError(f"{flag(name)} must be > 0 (got {getattr(args, name)})")
     if args.total_trials is not None and args.total_trials <= 0:
         raise LayerskipError("--total-trials must be > 0")
     if args.confirm_top < 0:
@@ -159,42 +166,20 @@ def check_head_sizes(sizes: Sequence[int], rows: int) -> None:
         )
 
 
-def requested_space(args: SearchSettings) -> dict[str, Any]:
-    """The space fields this command line sets, as the study records them (JSON: lists, not tuples)."""
-    return {
-        "never_skip": sorted(set(args.never_skip)),
-        "min_fraction": args.min_skip_fraction,
-        "max_fraction": args.max_skip_fraction,
-        "draft_token_choices": list(args.draft_tokens),
-        "tune_adaptive": not args.no_adaptive,
-        "draft_vocab_choices": list(args.draft_vocab),
-        "lookup_ngram_choices": list(args.lookup),
-        "lookup_token_choices": list(args.lookup_tokens),
-        "lookup_confidence_choices": list(args.lookup_confidence),
-        "lookup_min_ngram_choices": list(args.lookup_min),
-        "verify_pad_choices": list(args.verify_pad),
-        "tree_match_choices": list(args.tree_matches),
-        "tree_sibling_choices": list(args.tree_siblings),
-        "precision_choices": list(args.draft_precision),
-        "require_skip_draft": bool(args.require_skip_draft),
-        "exit_threshold_choices": list(args.exit_thresholds),
-    }
-
-
 def check_resumed_space(attrs: dict[str, Any] | None, study_name: str, args: SearchSettings) -> None:
     """A resumed study keeps the space it was made with: a changed flag is refused, naming the
     flag, the study's value and the way out. A new study (``attrs`` None) passes."""
     recorded = (attrs or {}).get("space")
     if not isinstance(recorded, dict):
         return
-    for key, value in requested_space(args).items():
+    for key, value in space_fields(args).items():
         if key not in recorded:  # a study made before the field existed
             continue
         was = recorded[key]
         if _normalise(key, was) != _normalise(key, value):
-            flag = SPACE_FLAGS[key]
+            name = flag(SPACE_SETTINGS[key])
             raise LayerskipError(
-                f"study '{study_name}' was made with {_describe(flag, was)} but this run has {_describe(flag, value)}; "
+                f"study '{study_name}' was made with {_describe(name, was)} but this run has {_describe(name, value)}; "
                 f"re-run with the study's value, or start a new study with another --study-name"
             )
     was_ranked = bool(recorded.get("sublayer_order"))
@@ -209,7 +194,7 @@ def check_resumed_space(attrs: dict[str, Any] | None, study_name: str, args: Sea
 def _normalise(key: str, value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         items = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
-        return sorted(items) if key == "never_skip" else items
+        return sorted(set(items)) if key == "never_skip" else items
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return value

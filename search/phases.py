@@ -51,6 +51,7 @@ from layerskip.search.checks import (
     check_resumed_space,
     prompts_digest,
     read_exit_choices,
+    space_fields,
 )
 from layerskip.search.confirmation import confirm_window
 from layerskip.search.export import export_policy
@@ -234,7 +235,7 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
         "model_weights_sample": adapters.weights_sample_digest(model),
         "objective": args.objective,
     }
-    space = space_from_flags(args, adapters.num_layers(model), inputs.exit_choices)
+    space = SearchSpace(adapters.num_layers(model), exit_choices=inputs.exit_choices, **space_fields(args))
     for choice in inputs.exit_choices:  # another model's adapter, or a changed file, fails before any work
         ExitAdapter.load(choice.adapter, model, choice.sha256)
     chat = loaded.instruct if args.chat is None else args.chat
@@ -254,30 +255,6 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     }
     here = this_machine(next(model.parameters()).device)
     return Target(model, tokenizer, identity, space, prompt_ids, calibration_info, here)
-
-
-def space_from_flags(args: SearchSettings, num_layers: int, exit_choices: tuple[ExitChoice, ...]) -> SearchSpace:
-    """The search space the flags describe, for a model of ``num_layers`` layers."""
-    return SearchSpace(
-        num_layers=num_layers,
-        never_skip=args.never_skip,
-        min_fraction=args.min_skip_fraction,
-        max_fraction=args.max_skip_fraction,
-        draft_token_choices=args.draft_tokens,
-        tune_adaptive=not args.no_adaptive,
-        draft_vocab_choices=args.draft_vocab,
-        lookup_ngram_choices=args.lookup,
-        lookup_token_choices=args.lookup_tokens,
-        lookup_confidence_choices=args.lookup_confidence,
-        lookup_min_ngram_choices=args.lookup_min,
-        verify_pad_choices=args.verify_pad,
-        tree_match_choices=args.tree_matches,
-        tree_sibling_choices=args.tree_siblings,
-        precision_choices=args.draft_precision,
-        require_skip_draft=args.require_skip_draft,
-        exit_choices=exit_choices,
-        exit_threshold_choices=args.exit_thresholds,
-    )
 
 
 # -- storage ----------------------------------------------------------------------------------------------------------
