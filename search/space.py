@@ -165,25 +165,33 @@ class SearchSpace:
             by_cost = trial.suggest_categorical("length_by_cost", [False, True])
         vocab = trial.suggest_categorical("draft_vocab_size", list(self.draft_vocab_choices))
         lookup = trial.suggest_categorical("lookup_max_ngram", list(self.lookup_ngram_choices))
-        lookup_tokens = None
+        lookup_tokens = k  # without its own choice, k caps skip drafts and lookup runs alike
         confidence, min_ngram = 0.0, 2
         if lookup:
             if self.lookup_token_choices:  # empty: runs tied to k, so nothing to suggest
                 lookup_tokens = trial.suggest_categorical("lookup_max_tokens", list(self.lookup_token_choices))
             confidence = _pick(trial, "lookup_confidence", self.lookup_confidence_choices)
-            min_ngram = _pick(trial, "lookup_min_ngram", self.lookup_min_ngram_choices)
+            min_ngram = min(_pick(trial, "lookup_min_ngram", self.lookup_min_ngram_choices), lookup)
         # With lookup on, the skip draft may be dropped entirely (lookup-only drafting).
         use_skip = True
         if lookup and not self.require_skip_draft:
             use_skip = trial.suggest_categorical("use_skip_draft", [True, False])
-        pad = _pick(trial, "min_verify_block", self.verify_pad_choices)
-        precision = _pick(trial, "precision", self.precision_choices) if use_skip else "model"
-        settings = draft_settings(
-            k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram, pad, precision, by_cost
+        return DraftSettings(
+            max_draft_tokens=k,
+            adaptive=adaptive,
+            length_by_cost=by_cost,
+            target_acceptance=target,
+            draft_vocab_size=vocab,
+            lookup_max_ngram=lookup,
+            lookup_min_ngram=min_ngram,
+            lookup_max_tokens=lookup_tokens,
+            lookup_confidence=confidence,
+            min_verify_block=_pick(trial, "min_verify_block", self.verify_pad_choices),
+            use_skip_draft=use_skip,
+            precision=_pick(trial, "precision", self.precision_choices) if use_skip else "model",
+            tree_matches=_pick(trial, "tree_matches", self.tree_match_choices) if lookup else 1,
+            tree_siblings=_pick(trial, "tree_siblings", self.tree_sibling_choices) if use_skip else 0,
         )
-        matches = _pick(trial, "tree_matches", self.tree_match_choices) if lookup else 1
-        siblings = _pick(trial, "tree_siblings", self.tree_sibling_choices) if use_skip else 0
-        return replace(settings, tree_matches=matches, tree_siblings=siblings)
 
     def params_for(
         self,
@@ -432,34 +440,3 @@ def exportable(policy: SkipPolicy) -> bool:
     """
     return not policy.draft.use_skip_draft or policy.bypasses_anything
 
-
-def draft_settings(
-    k: int,
-    adaptive: bool,
-    target: float,
-    vocab: int,
-    lookup: int,
-    use_skip_draft: bool = True,
-    lookup_tokens: int | None = None,
-    lookup_confidence: float = 0.0,
-    lookup_min_ngram: int = 2,
-    min_verify_block: int = 0,
-    precision: str = "model",
-    length_by_cost: bool = False,
-) -> DraftSettings:
-    """The draft settings one point of the space stands for."""
-    return DraftSettings(
-        max_draft_tokens=k,
-        adaptive=adaptive,
-        length_by_cost=length_by_cost,
-        target_acceptance=target,
-        draft_vocab_size=vocab,
-        lookup_max_ngram=lookup,
-        lookup_min_ngram=min(lookup_min_ngram, lookup) if lookup else 2,
-        # Without its own choice, k caps skip drafts and lookup runs alike.
-        lookup_max_tokens=int(lookup_tokens) if lookup_tokens else k,
-        lookup_confidence=lookup_confidence if lookup else 0.0,
-        min_verify_block=min_verify_block,
-        use_skip_draft=use_skip_draft,
-        precision=precision,
-    )
