@@ -53,7 +53,7 @@ from layerskip.search.checks import (
     read_exit_choices,
     space_fields,
 )
-from layerskip.search.confirmation import confirm_window
+from layerskip.search.confirmation import Confirmation, confirm_window
 from layerskip.search.export import export_policy
 from layerskip.search.journal import repair_journal
 from layerskip.search.log import phase
@@ -63,7 +63,6 @@ from layerskip.search.settings import SearchSettings
 from layerskip.search.space import RANKING_ATTR, ExitChoice, SearchSpace
 from layerskip.search.study import (
     check_local_storage,
-    check_storage_url,
     check_study_matches,
     confirm_finalists,
     counted_trials,
@@ -168,7 +167,16 @@ def check_inputs(request: StudyRequest) -> Inputs:
     search must not end, after all its work, unable to save)."""
     args = request.settings
     check_arguments(args)
-    prompts = calibration_prompts(request.prompts, args)
+    prompts = list(request.prompts)  # given as such: all of them
+    if isinstance(request.prompts, str):  # a source: those the settings select
+        prompts = load_prompts(
+            request.prompts,
+            n=args.n_prompts,
+            per_category=args.per_category,
+            text_field=args.text_field,
+            seed=args.seed,
+            categories=args.categories,
+        )
     # Bad files fail before the model loads; "auto" becomes auto's choices once it has run (check_model).
     seeds = {
         path: SkipPolicy.auto_choice() if path == AUTO else SkipPolicy.load(path, "--warm-start")
@@ -185,20 +193,6 @@ def check_inputs(request: StudyRequest) -> Inputs:
     if args.plots:
         check_output_dir(args.plots, "--plots", PLOT_FILES)
     return Inputs(request, prompts, seeds, exit_choices, study_name)
-
-
-def calibration_prompts(prompts: str | tuple[Prompt, ...], args: SearchSettings) -> list[Prompt]:
-    """The prompts a source holds, selected by the settings; prompts given as such, all of them."""
-    if not isinstance(prompts, str):
-        return list(prompts)
-    return load_prompts(
-        prompts,
-        n=args.n_prompts,
-        per_category=args.per_category,
-        text_field=args.text_field,
-        seed=args.seed,
-        categories=args.categories,
-    )
 
 
 def auto_policy(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int, name: str) -> SkipPolicy:
@@ -264,9 +258,8 @@ def check_storage(inputs: Inputs) -> Storage:
     appends; an existing study refuses a flag that changes its space or prompts. A new SQLite or
     journal file is not created yet, so a run that fails on bad input leaves nothing behind."""
     url, name, args = inputs.args.storage, inputs.study_name, inputs.args
-    check_storage_url(url)
-    storage_file = local_storage_file(url)
     check_local_storage(url)
+    storage_file = local_storage_file(url)
     if storage_file is not None and not url.startswith("sqlite:///"):
         repair = repair_journal(storage_file)  # a damaged last record must go before anything appends
         if repair is not None:
@@ -410,31 +403,26 @@ def open_search_study(
 def confirm(inputs: Inputs, study: optuna.Study, model: nn.Module, calibration: Calibration) -> list[FrozenTrial]:
     """The finalists (the best predictions, and the best of every other kind of draft: exit, skip,
     hybrid, lookup) measured by real generation in one window beside HF generate; returns them."""
-    args = inputs.args
+    args, rounds = inputs.args, inputs.args.confirm_rounds
     top = finalists(study, args.objective, max(args.confirm_top, 1), per_kind=True)
     with phase("confirm", inputs.progress) as info:
         # Real generation with a hopeless draft is slow and tells nothing new: skip those.
         hopeful = [t for t in top if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED]
         chosen = hopeful if args.confirm_top else []
         settings = {  # a window measured with other settings is not reused
-            "rounds": args.confirm_rounds,
+            "rounds": rounds,
             "prompts": len(calibration.prompts),
             "max_new_tokens": args.max_new_tokens,
             "prompt_ids": calibration.description.get("prompts", []),
         }
 
-        def measure(policies):
-            return confirm_window(
-                model, calibration, policies, args.max_new_tokens, args.confirm_rounds, inputs.progress
-            )
+        def measure(policies: dict[int, SkipPolicy]) -> dict[int, Confirmation]:
+            return confirm_window(model, calibration, policies, args.max_new_tokens, rounds, inputs.progress)
 
         window, measured = confirm_finalists(study, chosen, measure, settings) if chosen else (None, False)
+        info["detail"] = "nothing new to measure"
         if measured:
-            info["detail"] = (
-                f"{len(window['trials'])} finalist(s) and HF generate interleaved, {args.confirm_rounds} rounds"
-            )
-        else:
-            info["detail"] = "nothing new to measure"
+            info["detail"] = f"{len(window['trials'])} finalist(s) and HF generate interleaved, {rounds} rounds"
     return top
 
 

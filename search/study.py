@@ -163,8 +163,10 @@ def existing_study_attrs(storage: optuna.storages.BaseStorage, name: str) -> dic
 
 
 def check_local_storage(url: str) -> None:
-    """A SQLite or journal storage must be writable (file and directory: both write files beside
-    it) and a SQLite file intact, or a study fails only when it first writes, after calibration."""
+    """``check_storage_url``; and a SQLite or journal storage must be writable (file and directory:
+    both write files beside it) and a SQLite file intact, or a study fails only when it first writes,
+    after calibration."""
+    check_storage_url(url)
     path = local_storage_file(url)
     if path is None:
         return
