@@ -20,6 +20,7 @@ from typing import Any
 
 from layerskip.data import Prompt
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS
+from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError, few
 from layerskip.fileio import Items, Obj, load_json
 from layerskip.search.confirmation import MIN_ROUNDS
@@ -64,7 +65,18 @@ def space_fields(args: SearchSettings) -> dict[str, Any]:
 
 def check_arguments(args: SearchSettings) -> None:
     """One-line LayerskipError for a value the search cannot use; reads nothing, writes nothing."""
-    _check_counts(args)
+    for name in ("n_trials", "n_prompts", "reference_tokens", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise LayerskipError(f"{flag(name)} must be > 0 (got {getattr(args, name)})")
+    if args.total_trials is not None and args.total_trials <= 0:
+        raise LayerskipError("--total-trials must be > 0")
+    if args.confirm_top < 0:
+        raise LayerskipError("--confirm-top must be >= 0")
+    if args.confirm_rounds < MIN_ROUNDS:
+        raise LayerskipError(
+            f"--confirm-rounds must be >= {MIN_ROUNDS} (got {args.confirm_rounds}): fewer rounds cannot tell "
+            "the noise; --confirm-top 0 skips the confirmation"
+        )
     # The command line's parser refuses these already; run_study's keywords reach here unchecked.
     for name, value, choices in (
         ("objective", args.objective, OBJECTIVES),
@@ -83,43 +95,31 @@ def check_arguments(args: SearchSettings) -> None:
         raise LayerskipError(f"--export-trial must be a trial number >= 0 (got {args.export_trial})")
     if args.study_name is not None and not args.study_name.strip():
         raise LayerskipError("--study-name is empty; name the study, or leave the flag out for MODEL-OBJECTIVE")
-    _at_least("--draft-vocab", args.draft_vocab, 0, "0 = the full head")
-    _at_least("--lookup", args.lookup, 0, "0 = off")
-    _at_least("--lookup-tokens", args.lookup_tokens, 1)
-    _at_least("--lookup-min", args.lookup_min, 1)
-    _at_least("--verify-pad", args.verify_pad, 0, "0 = no padding")
-    _at_least("--tree-matches", args.tree_matches, 1, "1 = a chain")
-    _at_least("--tree-siblings", args.tree_siblings, 0, "0 = none")
-    _at_most("--tree-matches", args.tree_matches, 16)
-    _at_most("--tree-siblings", args.tree_siblings, 8)
-    _at_least("--never-skip", args.never_skip, 0)
+    # Every list of a trial's choices needs one (--never-skip and --lookup-tokens may be empty: none, tied to k).
+    for name in SPACE_SETTINGS.values():
+        if getattr(args, name) == () and name not in ("never_skip", "lookup_tokens"):
+            raise LayerskipError(f"{flag(name)} needs at least one choice")
+    unknown = [p for p in args.draft_precision if p not in PRECISIONS]
+    if unknown:
+        raise LayerskipError(f"--draft-precision {unknown} unknown; choose from {', '.join(PRECISIONS)}")
     # A policy drafts at most MAX_DRAFT_TOKENS tokens (drafts/policy.py): a larger choice would fail every trial.
-    _at_most("--draft-tokens", args.draft_tokens, MAX_DRAFT_TOKENS)
-    _at_most("--lookup-tokens", args.lookup_tokens, MAX_DRAFT_TOKENS)
-    _at_most("--verify-pad", args.verify_pad, MAX_DRAFT_TOKENS + 1)
-    if not args.lookup_confidence or not all(0 <= c < 1 for c in args.lookup_confidence):
+    _within("--draft-tokens", args.draft_tokens, 1, MAX_DRAFT_TOKENS)
+    _within("--draft-vocab", args.draft_vocab, 0, note="0 = the full head")
+    _within("--lookup", args.lookup, 0, note="0 = off")
+    _within("--lookup-tokens", args.lookup_tokens, 1, MAX_DRAFT_TOKENS)
+    _within("--lookup-min", args.lookup_min, 1)
+    _within("--verify-pad", args.verify_pad, 0, MAX_DRAFT_TOKENS + 1, "0 = no padding")
+    _within("--tree-matches", args.tree_matches, 1, 16, "1 = a chain")
+    _within("--tree-siblings", args.tree_siblings, 0, 8, "0 = none")
+    _within("--never-skip", args.never_skip, 0)
+    if not all(0 <= c < 1 for c in args.lookup_confidence):
         got = _flag_value(args.lookup_confidence)
         raise LayerskipError(f"--lookup-confidence choices must be in [0, 1) (got {got})")
+    if not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
+        raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
     low, high = args.min_skip_fraction, args.max_skip_fraction
     if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= high <= 1.0):
         raise LayerskipError(f"need 0 <= --min-skip-fraction ({low}) <= --max-skip-fraction ({high}) <= 1")
-
-
-def _check_counts(args: SearchSettings) -> None:
-    for name in ("n_trials", "n_prompts", "reference_tokens", "max_new_tokens"):
-        if getattr(args, name) <= 0:
-            raise LayerskipError(f"{flag(name)} must be > 0 (got {getattr(args, name)})")
-    if args.total_trials is not None and args.total_trials <= 0:
-        raise LayerskipError("--total-trials must be > 0")
-    if args.confirm_top < 0:
-        raise LayerskipError("--confirm-top must be >= 0")
-    if args.confirm_rounds < MIN_ROUNDS:
-        raise LayerskipError(
-            f"--confirm-rounds must be >= {MIN_ROUNDS} (got {args.confirm_rounds}): fewer rounds cannot tell "
-            "the noise; --confirm-top 0 skips the confirmation"
-        )
-    if any(k < 1 for k in args.draft_tokens) or not args.draft_tokens:
-        raise LayerskipError("--draft-tokens must list integers >= 1")
 
 
 # What a layerskip-train-exit report.json holds of each exit it trained (what a search reads of it).
@@ -144,15 +144,11 @@ def read_exit_choices(directories: list[str]) -> tuple[ExitChoice, ...]:
     return tuple(choices.values())
 
 
-def _at_least(flag: str, values: Sequence[int], low: int, note: str = "") -> None:
-    bad = [v for v in values if v < low]
-    if bad:
+def _within(flag: str, values: Sequence[int], low: int, high: int | None = None, note: str = "") -> None:
+    if any(v < low for v in values):
         hint = f" ({note})" if note else ""
         raise LayerskipError(f"{flag} choices must be >= {low}{hint}; got {_flag_value(values)}")
-
-
-def _at_most(flag: str, values: Sequence[int], high: int) -> None:
-    if any(v > high for v in values):
+    if high is not None and any(v > high for v in values):
         raise LayerskipError(f"{flag} choices must be <= {high}; got {_flag_value(values)}")
 
 

@@ -35,7 +35,6 @@ from layerskip.drafts.policy import SkipPolicy, is_policy_file
 from layerskip.drafts.policy_spec import AUTO
 from layerskip.drafts.vocab import DraftVocabulary
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
 from layerskip.hf import adapters
 from layerskip.hf.models import LoadedModel, load_model
@@ -183,8 +182,6 @@ def check_inputs(request: StudyRequest) -> Inputs:
         for path in args.warm_start
     }
     exit_choices = read_exit_choices(args.exit_adapters)
-    if not args.exit_thresholds or not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
-        raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
     preset = request.preset["name"] if request.preset else None
     study_name = args.study_name or default_study_name(request.model_name, preset or args.objective)
     if args.out is not None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial
 
 from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
-from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 
 
@@ -65,29 +64,14 @@ class SearchSpace:
     # runs): the draft then runs layers 0..exit, the adapter and the head. Empty: no exit knob.
     exit_choices: tuple[ExitChoice, ...] = ()
     exit_threshold_choices: tuple[float, ...] = (0.5,)  # an exit draft's starting confidence threshold
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """What needs the model's layer count; every choice was checked before it loaded (``check_arguments``)."""
         if self.num_layers < 1:
             raise LayerskipError("the model has no decoder layers to search over")
         bad = [i for i in self.never_skip if not 0 <= i < self.num_layers]
         if bad:
             raise LayerskipError(f"--never-skip {bad} is out of range for a {self.num_layers}-layer model")
-        if not 0.0 <= self.min_fraction <= self.max_fraction <= 1.0:
-            raise LayerskipError("need 0 <= --min-skip-fraction <= --max-skip-fraction <= 1")
-        if not self.draft_token_choices or min(self.draft_token_choices) < 1:
-            raise LayerskipError("draft token choices must be >= 1")
-        if self.lookup_token_choices and min(self.lookup_token_choices) < 1:
-            raise LayerskipError("--lookup-tokens choices must be >= 1")
-        if not self.lookup_confidence_choices or not all(0 <= c < 1 for c in self.lookup_confidence_choices):
-            raise LayerskipError("--lookup-confidence choices must be in [0, 1)")
-        if not self.lookup_min_ngram_choices or min(self.lookup_min_ngram_choices) < 1:
-            raise LayerskipError("--lookup-min choices must be >= 1")
-        if not self.verify_pad_choices or min(self.verify_pad_choices) < 0:
-            raise LayerskipError("--verify-pad choices must be >= 0 (0 = no padding)")
-        bad_precision = [p for p in self.precision_choices if p not in PRECISIONS]
-        if not self.precision_choices or bad_precision:
-            raise LayerskipError(f"--draft-precision {bad_precision} unknown; choose from {', '.join(PRECISIONS)}")
 
     @property
     def searchable_layers(self) -> list[int]:
