@@ -134,8 +134,7 @@ def read_exit_choices(directories: list[str]) -> tuple[ExitChoice, ...]:
         report = load_json(
             report_path, "--exit-adapters report", "pass a layerskip-train-exit --out directory", shape=_REPORT
         )
-        exits = report["exits"]
-        for entry in exits:
+        for entry in report["exits"]:
             path = (Path(directory) / entry["adapter"]).resolve()
             if not path.is_file():
                 raise LayerskipError(f"exit adapter {path} listed in {report_path} is missing; train it again")

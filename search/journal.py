@@ -49,16 +49,14 @@ def _damaged(line: bytes) -> bool:
 
 def find_damage(path: Path) -> tuple[int, int, int] | None:
     """``(line number, byte offset, total lines)`` of the first damaged line, or None."""
-    offset = 0
-    found = None
-    count = 0
     with path.open("rb") as handle:
-        for number, line in enumerate(handle, 1):
-            count = number
-            if found is None and _damaged(line):
-                found = (number, offset)
-            offset += len(line)
-    return None if found is None else (*found, count)
+        lines = list(handle)
+    offset = 0
+    for number, line in enumerate(lines, 1):
+        if _damaged(line):
+            return number, offset, len(lines)
+        offset += len(line)
+    return None
 
 
 def _backup_path(path: Path) -> Path:

@@ -166,7 +166,6 @@ def check_inputs(request: StudyRequest) -> Inputs:
     search must not end, after all its work, unable to save)."""
     args = request.settings
     check_arguments(args)
-    prompts = list(request.prompts)  # given as such: all of them
     if isinstance(request.prompts, str):  # a source: those the settings select
         prompts = load_prompts(
             request.prompts,
@@ -176,6 +175,8 @@ def check_inputs(request: StudyRequest) -> Inputs:
             seed=args.seed,
             categories=args.categories,
         )
+    else:  # given as such: all of them
+        prompts = list(request.prompts)
     # Bad files fail before the model loads; "auto" becomes auto's choices once it has run (check_model).
     seeds = {
         path: SkipPolicy.auto_choice() if path == AUTO else SkipPolicy.load(path, "--warm-start")
