@@ -65,7 +65,6 @@ from layerskip.search.study import (
     check_study_matches,
     confirm_finalists,
     counted_trials,
-    counted_trials_safe,
     existing_study_attrs,
     finalists,
     local_storage_file,
@@ -377,7 +376,7 @@ def open_search_study(
         **({"preset": inputs.request.preset} if inputs.request.preset else {}),
     }
     opened = storage.open()
-    seed = args.seed + 1000 * args.worker + counted_trials_safe(opened, inputs.study_name)
+    seed = args.seed + 1000 * args.worker
     study = open_study(
         opened,
         inputs.study_name,

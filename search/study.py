@@ -226,13 +226,15 @@ def open_study(
     both enqueue them, leaving duplicate trials.
     """
     directions = ["maximize", "minimize"] if objective == "pareto" else ["maximize"]
-    # constant_liar keeps parallel workers from sampling the same point while trials run.
-    sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=8)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=2)
     optuna.logging.set_verbosity(logging.WARNING)
     study = optuna.create_study(
-        storage=storage, study_name=name, directions=directions, sampler=sampler, pruner=pruner, load_if_exists=True
+        storage=storage, study_name=name, directions=directions, pruner=pruner, load_if_exists=True
     )
+    # The trials already in the study offset the seed, so a resumed run explores anew; constant_liar
+    # keeps parallel workers from sampling the same point while trials run.
+    seed += counted_trials(study)
+    study.sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=8)
     if "model_fingerprint" not in study.user_attrs:  # a new study
         for key, value in metadata.items():
             study.set_user_attr(key, value)
@@ -257,14 +259,6 @@ def has_twin(study: optuna.Study, params: dict[str, Any]) -> bool:
 
 def counted_trials(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=COUNTED_STATES))
-
-
-def counted_trials_safe(storage: optuna.storages.BaseStorage, study_name: str) -> int:
-    """Trials already in the study (0 if new): offsets the sampler seed so a resumed run explores anew."""
-    try:
-        return counted_trials(optuna.load_study(study_name=study_name, storage=storage))
-    except KeyError:
-        return 0
 
 
 def recording_machine(objective: Callable[[Any], Any], here: Machine) -> Callable[[Any], Any]:
