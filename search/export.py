@@ -137,17 +137,11 @@ def verdict(policy: SkipPolicy) -> str:
     confirmed = policy.measured.get("confirmed")
     if confirmed is not None:
         speed = confirmed["speedup"]
-        noise = (
-            f" (median of {confirmed['rounds']} rounds, IQR {confirmed['speedup_iqr']:.2f})"
-            if "rounds" in confirmed
-            else ""
-        )
-        if speed < 1.0:
-            return (
-                f"measured {speed:.2f}x vs HF generate{noise}: "
-                "nothing found beats plain decoding on this model and device"
-            )
-        return f"measured {speed:.2f}x vs HF generate{noise}"
+        noise = ""
+        if "rounds" in confirmed:
+            noise = f" (median of {confirmed['rounds']} rounds, IQR {confirmed['speedup_iqr']:.2f})"
+        worse = ": nothing found beats plain decoding on this model and device" if speed < 1.0 else ""
+        return f"measured {speed:.2f}x vs HF generate{noise}{worse}"
     predicted = policy.measured.get("predicted_speedup")
     if predicted is None:
         return "not measured"
