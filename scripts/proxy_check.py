@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import optuna
 from optuna.trial import TrialState
 
@@ -17,9 +18,17 @@ from layerskip.data import load_prompts
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.search.confirmation import confirm_window
-from layerskip.search.objective import prepare_calibration, spearman
+from layerskip.search.objective import prepare_calibration
 from layerskip.search.space import trial_policy
 from layerskip.search.study import confirmations, open_storage, record_confirmation
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Rank correlation (no ties correction needed for continuous timings); None if < 3 points."""
+    if len(xs) < 3:
+        return None
+    ranks = [np.argsort(np.argsort(values, kind="stable")) for values in (xs, ys)]
+    return float(np.corrcoef(*ranks)[0, 1])
 
 
 def _main(argv: list[str] | None) -> int:

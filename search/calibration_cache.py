@@ -19,8 +19,7 @@ repeated plain-step timings spread widely (a busy machine) is warned about and n
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -49,7 +48,6 @@ class CalibrationCache:
     ) -> None:
         self.model = model
         self.files = ResultCache(CACHE, root, "search cache", log)
-        self.root = self.files.root
         self.read = read
         self.log = log
         self.identity: dict[str, Any] = {"format": FORMAT, **model_key(model)}
@@ -59,19 +57,6 @@ class CalibrationCache:
         self._references_entry: tuple[dict[str, Any], dict[str, Any]] | None = None  # (key, payload)
 
     # -- files ----------------------------------------------------------------------------------------------------
-    def path(self, kind: str, key: dict[str, Any]) -> Path:
-        return self.files.path(kind, key)
-
-    def _load(self, kind: str, key: dict[str, Any], check: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
-        if not self.read:
-            return None
-
-        def checked(data: dict[str, Any]) -> dict[str, Any]:
-            check(data)
-            return data
-
-        return self.files.load(kind, key, checked)
-
     def _store(self, kind: str, key: dict[str, Any], payload: dict[str, Any]) -> None:
         problem = self.files.store(kind, key, payload)
         if problem is not None:  # read-only, or a FIFO in its place: costs time, never the search
@@ -89,7 +74,7 @@ class CalibrationCache:
     def references(self, prompts: Sequence[Sequence[int]], reference_tokens: int) -> list[Reference] | None:
         key = self._references_key(prompts, reference_tokens)
 
-        def check(data: dict[str, Any]) -> None:
+        def checked(data: dict[str, Any]) -> dict[str, Any]:
             refs = data["references"]
             if len(refs) != len(prompts):
                 raise ValueError(f"{len(refs)} references for {len(prompts)} prompts")
@@ -101,12 +86,13 @@ class CalibrationCache:
             order = data.get("sublayer_order")
             if order is not None:
                 self._check_order(order)
+            return data
 
-        data = self._load("references", key, check)
+        data = self.files.load("references", key, checked) if self.read else None
         if data is None:
             return None
         self._references_entry = (key, data)
-        self.log(f"using cached references from {self.path('references', key)}")
+        self.log(f"using cached references from {self.files.path('references', key)}")
         return [Reference(tuple(prompt), tuple(continuation)) for prompt, continuation in data["references"]]
 
     def _check_order(self, order: Any) -> None:

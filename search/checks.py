@@ -20,11 +20,12 @@ from typing import Any
 
 from layerskip.data import Prompt
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS
+from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError, few
 from layerskip.fileio import Items, Obj, load_json
 from layerskip.search.confirmation import MIN_ROUNDS
 from layerskip.search.objective import OBJECTIVES
-from layerskip.search.settings import SearchSettings
+from layerskip.search.settings import SearchSettings, flag
 from layerskip.search.space import ExitChoice
 
 # numpy's RandomState (under Optuna's samplers) takes seeds in [0, 2**32); the sampler seed
@@ -34,30 +35,48 @@ MAX_SEED = 2**31 - 1
 SPACES = ("ranked", "switches")
 DTYPES = ("float32", "bfloat16")  # the dtypes a search loads a model in (a loaded model keeps its own)
 
-# The search-space field a study records (SearchSpace.to_dict) -> the flag that sets it.
-SPACE_FLAGS: dict[str, str] = {
-    "never_skip": "--never-skip",
-    "min_fraction": "--min-skip-fraction",
-    "max_fraction": "--max-skip-fraction",
-    "draft_token_choices": "--draft-tokens",
-    "tune_adaptive": "--no-adaptive",
-    "draft_vocab_choices": "--draft-vocab",
-    "lookup_ngram_choices": "--lookup",
-    "lookup_token_choices": "--lookup-tokens",
-    "lookup_confidence_choices": "--lookup-confidence",
-    "lookup_min_ngram_choices": "--lookup-min",
-    "verify_pad_choices": "--verify-pad",
-    "tree_match_choices": "--tree-matches",
-    "tree_sibling_choices": "--tree-siblings",
-    "precision_choices": "--draft-precision",
-    "require_skip_draft": "--require-skip-draft",
-    "exit_threshold_choices": "--exit-thresholds",
+# The search-space fields a study records (SearchSpace.to_dict) -> the setting that sets each.
+SPACE_SETTINGS: dict[str, str] = {
+    "never_skip": "never_skip",
+    "min_fraction": "min_skip_fraction",
+    "max_fraction": "max_skip_fraction",
+    "draft_token_choices": "draft_tokens",
+    "tune_adaptive": "no_adaptive",  # inverted: see space_fields
+    "draft_vocab_choices": "draft_vocab",
+    "lookup_ngram_choices": "lookup",
+    "lookup_token_choices": "lookup_tokens",
+    "lookup_confidence_choices": "lookup_confidence",
+    "lookup_min_ngram_choices": "lookup_min",
+    "verify_pad_choices": "verify_pad",
+    "tree_match_choices": "tree_matches",
+    "tree_sibling_choices": "tree_siblings",
+    "precision_choices": "draft_precision",
+    "require_skip_draft": "require_skip_draft",
+    "exit_threshold_choices": "exit_thresholds",
 }
+
+
+def space_fields(args: SearchSettings) -> dict[str, Any]:
+    """The ``SearchSpace`` fields the settings set."""
+    fields = {name: getattr(args, setting) for name, setting in SPACE_SETTINGS.items()}
+    fields["tune_adaptive"] = not args.no_adaptive
+    return fields
 
 
 def check_arguments(args: SearchSettings) -> None:
     """One-line LayerskipError for a value the search cannot use; reads nothing, writes nothing."""
-    _check_counts(args)
+    for name in ("n_trials", "n_prompts", "reference_tokens", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise LayerskipError(f"{flag(name)} must be > 0 (got {getattr(args, name)})")
+    if args.total_trials is not None and args.total_trials <= 0:
+        raise LayerskipError("--total-trials must be > 0")
+    if args.confirm_top < 0:
+        raise LayerskipError("--confirm-top must be >= 0")
+    if args.confirm_rounds < MIN_ROUNDS:
+        raise LayerskipError(
+            f"--confirm-rounds must be >= {MIN_ROUNDS} (got {args.confirm_rounds}): fewer rounds cannot tell "
+            "the noise; --confirm-top 0 skips the confirmation"
+        )
     # The command line's parser refuses these already; run_study's keywords reach here unchecked.
     for name, value, choices in (
         ("objective", args.objective, OBJECTIVES),
@@ -76,43 +95,31 @@ def check_arguments(args: SearchSettings) -> None:
         raise LayerskipError(f"--export-trial must be a trial number >= 0 (got {args.export_trial})")
     if args.study_name is not None and not args.study_name.strip():
         raise LayerskipError("--study-name is empty; name the study, or leave the flag out for MODEL-OBJECTIVE")
-    _at_least("--draft-vocab", args.draft_vocab, 0, "0 = the full head")
-    _at_least("--lookup", args.lookup, 0, "0 = off")
-    _at_least("--lookup-tokens", args.lookup_tokens, 1)
-    _at_least("--lookup-min", args.lookup_min, 1)
-    _at_least("--verify-pad", args.verify_pad, 0, "0 = no padding")
-    _at_least("--tree-matches", args.tree_matches, 1, "1 = a chain")
-    _at_least("--tree-siblings", args.tree_siblings, 0, "0 = none")
-    _at_most("--tree-matches", args.tree_matches, 16)
-    _at_most("--tree-siblings", args.tree_siblings, 8)
-    _at_least("--never-skip", args.never_skip, 0)
+    # Every list of a trial's choices needs one (--never-skip and --lookup-tokens may be empty: none, tied to k).
+    for name in SPACE_SETTINGS.values():
+        if getattr(args, name) == () and name not in ("never_skip", "lookup_tokens"):
+            raise LayerskipError(f"{flag(name)} needs at least one choice")
+    unknown = [p for p in args.draft_precision if p not in PRECISIONS]
+    if unknown:
+        raise LayerskipError(f"--draft-precision {unknown} unknown; choose from {', '.join(PRECISIONS)}")
     # A policy drafts at most MAX_DRAFT_TOKENS tokens (drafts/policy.py): a larger choice would fail every trial.
-    _at_most("--draft-tokens", args.draft_tokens, MAX_DRAFT_TOKENS)
-    _at_most("--lookup-tokens", args.lookup_tokens, MAX_DRAFT_TOKENS)
-    _at_most("--verify-pad", args.verify_pad, MAX_DRAFT_TOKENS + 1)
-    if not args.lookup_confidence or not all(0 <= c < 1 for c in args.lookup_confidence):
+    _within("--draft-tokens", args.draft_tokens, 1, MAX_DRAFT_TOKENS)
+    _within("--draft-vocab", args.draft_vocab, 0, note="0 = the full head")
+    _within("--lookup", args.lookup, 0, note="0 = off")
+    _within("--lookup-tokens", args.lookup_tokens, 1, MAX_DRAFT_TOKENS)
+    _within("--lookup-min", args.lookup_min, 1)
+    _within("--verify-pad", args.verify_pad, 0, MAX_DRAFT_TOKENS + 1, "0 = no padding")
+    _within("--tree-matches", args.tree_matches, 1, 16, "1 = a chain")
+    _within("--tree-siblings", args.tree_siblings, 0, 8, "0 = none")
+    _within("--never-skip", args.never_skip, 0)
+    if not all(0 <= c < 1 for c in args.lookup_confidence):
         got = _flag_value(args.lookup_confidence)
         raise LayerskipError(f"--lookup-confidence choices must be in [0, 1) (got {got})")
+    if not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
+        raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
     low, high = args.min_skip_fraction, args.max_skip_fraction
     if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= high <= 1.0):
         raise LayerskipError(f"need 0 <= --min-skip-fraction ({low}) <= --max-skip-fraction ({high}) <= 1")
-
-
-def _check_counts(args: SearchSettings) -> None:
-    for name in ("n_trials", "n_prompts", "reference_tokens", "max_new_tokens"):
-        if getattr(args, name) <= 0:
-            raise LayerskipError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
-    if args.total_trials is not None and args.total_trials <= 0:
-        raise LayerskipError("--total-trials must be > 0")
-    if args.confirm_top < 0:
-        raise LayerskipError("--confirm-top must be >= 0")
-    if args.confirm_rounds < MIN_ROUNDS:
-        raise LayerskipError(
-            f"--confirm-rounds must be >= {MIN_ROUNDS} (got {args.confirm_rounds}): fewer rounds cannot tell "
-            "the noise; --confirm-top 0 skips the confirmation"
-        )
-    if any(k < 1 for k in args.draft_tokens) or not args.draft_tokens:
-        raise LayerskipError("--draft-tokens must list integers >= 1")
 
 
 # What a layerskip-train-exit report.json holds of each exit it trained (what a search reads of it).
@@ -127,8 +134,7 @@ def read_exit_choices(directories: list[str]) -> tuple[ExitChoice, ...]:
         report = load_json(
             report_path, "--exit-adapters report", "pass a layerskip-train-exit --out directory", shape=_REPORT
         )
-        exits = report["exits"]
-        for entry in exits:
+        for entry in report["exits"]:
             path = (Path(directory) / entry["adapter"]).resolve()
             if not path.is_file():
                 raise LayerskipError(f"exit adapter {path} listed in {report_path} is missing; train it again")
@@ -137,15 +143,11 @@ def read_exit_choices(directories: list[str]) -> tuple[ExitChoice, ...]:
     return tuple(choices.values())
 
 
-def _at_least(flag: str, values: Sequence[int], low: int, note: str = "") -> None:
-    bad = [v for v in values if v < low]
-    if bad:
+def _within(flag: str, values: Sequence[int], low: int, high: int | None = None, note: str = "") -> None:
+    if any(v < low for v in values):
         hint = f" ({note})" if note else ""
         raise LayerskipError(f"{flag} choices must be >= {low}{hint}; got {_flag_value(values)}")
-
-
-def _at_most(flag: str, values: Sequence[int], high: int) -> None:
-    if any(v > high for v in values):
+    if high is not None and any(v > high for v in values):
         raise LayerskipError(f"{flag} choices must be <= {high}; got {_flag_value(values)}")
 
 
@@ -159,42 +161,20 @@ def check_head_sizes(sizes: Sequence[int], rows: int) -> None:
         )
 
 
-def requested_space(args: SearchSettings) -> dict[str, Any]:
-    """The space fields this command line sets, as the study records them (JSON: lists, not tuples)."""
-    return {
-        "never_skip": sorted(set(args.never_skip)),
-        "min_fraction": args.min_skip_fraction,
-        "max_fraction": args.max_skip_fraction,
-        "draft_token_choices": list(args.draft_tokens),
-        "tune_adaptive": not args.no_adaptive,
-        "draft_vocab_choices": list(args.draft_vocab),
-        "lookup_ngram_choices": list(args.lookup),
-        "lookup_token_choices": list(args.lookup_tokens),
-        "lookup_confidence_choices": list(args.lookup_confidence),
-        "lookup_min_ngram_choices": list(args.lookup_min),
-        "verify_pad_choices": list(args.verify_pad),
-        "tree_match_choices": list(args.tree_matches),
-        "tree_sibling_choices": list(args.tree_siblings),
-        "precision_choices": list(args.draft_precision),
-        "require_skip_draft": bool(args.require_skip_draft),
-        "exit_threshold_choices": list(args.exit_thresholds),
-    }
-
-
 def check_resumed_space(attrs: dict[str, Any] | None, study_name: str, args: SearchSettings) -> None:
     """A resumed study keeps the space it was made with: a changed flag is refused, naming the
     flag, the study's value and the way out. A new study (``attrs`` None) passes."""
     recorded = (attrs or {}).get("space")
     if not isinstance(recorded, dict):
         return
-    for key, value in requested_space(args).items():
+    for key, value in space_fields(args).items():
         if key not in recorded:  # a study made before the field existed
             continue
         was = recorded[key]
         if _normalise(key, was) != _normalise(key, value):
-            flag = SPACE_FLAGS[key]
+            name = flag(SPACE_SETTINGS[key])
             raise LayerskipError(
-                f"study '{study_name}' was made with {_describe(flag, was)} but this run has {_describe(flag, value)}; "
+                f"study '{study_name}' was made with {_describe(name, was)} but this run has {_describe(name, value)}; "
                 f"re-run with the study's value, or start a new study with another --study-name"
             )
     was_ranked = bool(recorded.get("sublayer_order"))
@@ -209,7 +189,7 @@ def check_resumed_space(attrs: dict[str, Any] | None, study_name: str, args: Sea
 def _normalise(key: str, value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         items = [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
-        return sorted(items) if key == "never_skip" else items
+        return sorted(set(items)) if key == "never_skip" else items
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return value

@@ -45,14 +45,6 @@ def _as_flags(values: dict[str, Any]) -> str:
     return " ".join(flag(dest) if value is True else f"{flag(dest)} {shown(value)}" for dest, value in values.items())
 
 
-def _preset_help() -> str:
-    return (
-        "quick: the recommended recipe; it ends in about 5 minutes on 2 CPU cores with a policy tuned for this "
-        f"machine: {_as_flags(preset_values('quick', torch.device('cpu')))} (trials stop starting after 150 s; "
-        "on a GPU --draft-precision model). A flag given explicitly overrides the preset's value"
-    )
-
-
 def given_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, Any]]:
     """The command line (every setting, defaults included), and the settings its flags give."""
     args = build_parser().parse_args(argv)
@@ -66,7 +58,13 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
     """The parser; ``argument_default=argparse.SUPPRESS`` leaves out every setting not typed."""
     parser = model_parser(__doc__.split("\n\n# ")[0], prog="layerskip-search", raw=True)
     parser.argument_default = argument_default
-    parser.add_argument("--preset", choices=PRESETS, help=_preset_help())
+    parser.add_argument(
+        "--preset",
+        choices=PRESETS,
+        help="quick: the recommended recipe; it ends in about 5 minutes on 2 CPU cores with a policy tuned for this "
+        f"machine: {_as_flags(preset_values('quick', torch.device('cpu')))} (trials stop starting after 150 s; "
+        "on a GPU --draft-precision model). A flag given explicitly overrides the preset's value",
+    )
     _add_prompt_arguments(parser)
     _add_study_arguments(parser)
     _add_draft_arguments(parser)

@@ -100,13 +100,6 @@ def _stored(study: Any, name: str) -> SharedTiming | None:
 
 def shared_timing_counts(trials: Sequence[Any]) -> tuple[int, int]:
     """(drafts timed, trials that reused a timing) among trials that record ``draft_timed_by_trial``."""
-    timed = reused = 0
-    for trial in trials:
-        by = trial.user_attrs.get("draft_timed_by_trial")
-        if by is None:
-            continue
-        if by == trial.number:
-            timed += 1
-        else:
-            reused += 1
-    return timed, reused
+    timed_by = [(trial.user_attrs.get("draft_timed_by_trial"), trial.number) for trial in trials]
+    timed = sum(by == number for by, number in timed_by)
+    return timed, sum(by is not None for by, _ in timed_by) - timed

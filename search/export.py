@@ -36,11 +36,6 @@ CHEAP_FIGURES = (
 )
 
 
-def exportable_trials(study: optuna.Study) -> list[FrozenTrial]:
-    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    return [t for t in complete if exportable(trial_policy(study, t))]
-
-
 def choose_trial(study: optuna.Study, trial_number: int | None = None) -> FrozenTrial:
     """The chosen trial, else the last confirmation window's choice (``layerskip.search.confirmation.decide``), else
     the exportable trial with the best *measured* speedup, else the best predicted one."""
@@ -52,7 +47,7 @@ def choose_trial(study: optuna.Study, trial_number: int | None = None) -> Frozen
             if trial.number == trial_number:
                 return trial
         raise LayerskipError(f"trial {trial_number} is not a completed trial of study '{study.study_name}'")
-    candidates = exportable_trials(study)
+    candidates = [t for t in complete if exportable(trial_policy(study, t))]
     if not candidates:
         # The rule as ``exportable`` applies it: lookup counts only without a skip draft, since a skip
         # draft that bypasses nothing is the whole model drafting for itself, beside lookup or not.
@@ -90,11 +85,7 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
         "method": "optuna",
         "study": study.study_name,
         "trial": trial.number,
-        "objective": attrs.get("objective"),
-        "calibration": attrs.get("calibration"),
-        "device": attrs.get("device"),
-        "dtype": attrs.get("dtype"),
-        "command": attrs.get("command"),
+        **{key: attrs.get(key) for key in ("objective", "calibration", "device", "dtype", "command")},
     }
     # The machine its costs were measured on (the trial's own; studies made before trials recorded
     # it: the study's), and the preset that set the search.
@@ -146,17 +137,11 @@ def verdict(policy: SkipPolicy) -> str:
     confirmed = policy.measured.get("confirmed")
     if confirmed is not None:
         speed = confirmed["speedup"]
-        noise = (
-            f" (median of {confirmed['rounds']} rounds, IQR {confirmed['speedup_iqr']:.2f})"
-            if "rounds" in confirmed
-            else ""
-        )
-        if speed < 1.0:
-            return (
-                f"measured {speed:.2f}x vs HF generate{noise}: "
-                "nothing found beats plain decoding on this model and device"
-            )
-        return f"measured {speed:.2f}x vs HF generate{noise}"
+        noise = ""
+        if "rounds" in confirmed:
+            noise = f" (median of {confirmed['rounds']} rounds, IQR {confirmed['speedup_iqr']:.2f})"
+        worse = ": nothing found beats plain decoding on this model and device" if speed < 1.0 else ""
+        return f"measured {speed:.2f}x vs HF generate{noise}{worse}"
     predicted = policy.measured.get("predicted_speedup")
     if predicted is None:
         return "not measured"

@@ -49,16 +49,14 @@ def _damaged(line: bytes) -> bool:
 
 def find_damage(path: Path) -> tuple[int, int, int] | None:
     """``(line number, byte offset, total lines)`` of the first damaged line, or None."""
-    offset = 0
-    found = None
-    count = 0
     with path.open("rb") as handle:
-        for number, line in enumerate(handle, 1):
-            count = number
-            if found is None and _damaged(line):
-                found = (number, offset)
-            offset += len(line)
-    return None if found is None else (*found, count)
+        lines = list(handle)
+    offset = 0
+    for number, line in enumerate(lines, 1):
+        if _damaged(line):
+            return number, offset, len(lines)
+        offset += len(line)
+    return None
 
 
 def _backup_path(path: Path) -> Path:
@@ -68,23 +66,12 @@ def _backup_path(path: Path) -> Path:
     return candidate
 
 
-def check_journal_writable(path: Path) -> None:
-    """The journal and its directory (Optuna locks by creating a file beside it) must be writable."""
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise LayerskipError(
-            f"journal {path}: directory {path.parent} is not writable (Optuna locks the journal there); "
-            "choose a writable directory"
-        )
-    if path.exists() and not os.access(path, os.W_OK):
-        raise LayerskipError(f"journal {path} is read-only; make it writable or copy it somewhere writable")
-
-
 def repair_journal(path: Path) -> Repair | None:
     """Remove a damaged last record of the journal at ``path`` (kept in a backup); refuse damage
-    elsewhere. Returns what was done, or None for a whole journal (or none yet)."""
+    elsewhere. Returns what was done, or None for a whole journal (or none yet). The journal and its
+    directory (Optuna locks by creating a file beside it) must be writable: ``check_local_storage``."""
     if not path.is_file():
         return None
-    check_journal_writable(path)
     from optuna.storages.journal import JournalFileSymlinkLock
 
     lock = JournalFileSymlinkLock(str(path))  # the lock Optuna's appends take (the default)

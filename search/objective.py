@@ -10,7 +10,6 @@ trials: the best become the finalists.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -197,21 +196,3 @@ class CheapObjective:
             return score.acceptance, score.draft_seconds
         return score.predicted_speedup
 
-
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Rank correlation (no ties correction needed for continuous timings); None if < 3 points."""
-    if len(xs) < 3:
-        return None
-
-    def ranks(values: Sequence[float]) -> list[float]:
-        order = sorted(range(len(values)), key=lambda i: values[i])
-        result = [0.0] * len(values)
-        for rank, index in enumerate(order):
-            result[index] = float(rank)
-        return result
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else None

@@ -35,7 +35,6 @@ from layerskip.drafts.policy import SkipPolicy, is_policy_file
 from layerskip.drafts.policy_spec import AUTO
 from layerskip.drafts.vocab import DraftVocabulary
 from layerskip.engine.decoding import Decoder, DecodeSettings
-from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
 from layerskip.hf import adapters
 from layerskip.hf.models import LoadedModel, load_model
@@ -51,8 +50,9 @@ from layerskip.search.checks import (
     check_resumed_space,
     prompts_digest,
     read_exit_choices,
+    space_fields,
 )
-from layerskip.search.confirmation import confirm_window
+from layerskip.search.confirmation import Confirmation, confirm_window
 from layerskip.search.export import export_policy
 from layerskip.search.journal import repair_journal
 from layerskip.search.log import phase
@@ -62,11 +62,9 @@ from layerskip.search.settings import SearchSettings
 from layerskip.search.space import RANKING_ATTR, ExitChoice, SearchSpace
 from layerskip.search.study import (
     check_local_storage,
-    check_storage_url,
     check_study_matches,
     confirm_finalists,
     counted_trials,
-    counted_trials_safe,
     existing_study_attrs,
     finalists,
     local_storage_file,
@@ -167,15 +165,23 @@ def check_inputs(request: StudyRequest) -> Inputs:
     search must not end, after all its work, unable to save)."""
     args = request.settings
     check_arguments(args)
-    prompts = calibration_prompts(request.prompts, args)
+    if isinstance(request.prompts, str):  # a source: those the settings select
+        prompts = load_prompts(
+            request.prompts,
+            n=args.n_prompts,
+            per_category=args.per_category,
+            text_field=args.text_field,
+            seed=args.seed,
+            categories=args.categories,
+        )
+    else:  # given as such: all of them
+        prompts = list(request.prompts)
     # Bad files fail before the model loads; "auto" becomes auto's choices once it has run (check_model).
     seeds = {
         path: SkipPolicy.auto_choice() if path == AUTO else SkipPolicy.load(path, "--warm-start")
         for path in args.warm_start
     }
     exit_choices = read_exit_choices(args.exit_adapters)
-    if not args.exit_thresholds or not all(0.0 <= t <= 1.0 for t in args.exit_thresholds):
-        raise LayerskipError("--exit-thresholds must list numbers in [0, 1]")
     preset = request.preset["name"] if request.preset else None
     study_name = args.study_name or default_study_name(request.model_name, preset or args.objective)
     if args.out is not None:
@@ -184,20 +190,6 @@ def check_inputs(request: StudyRequest) -> Inputs:
     if args.plots:
         check_output_dir(args.plots, "--plots", PLOT_FILES)
     return Inputs(request, prompts, seeds, exit_choices, study_name)
-
-
-def calibration_prompts(prompts: str | tuple[Prompt, ...], args: SearchSettings) -> list[Prompt]:
-    """The prompts a source holds, selected by the settings; prompts given as such, all of them."""
-    if not isinstance(prompts, str):
-        return list(prompts)
-    return load_prompts(
-        prompts,
-        n=args.n_prompts,
-        per_category=args.per_category,
-        text_field=args.text_field,
-        seed=args.seed,
-        categories=args.categories,
-    )
 
 
 def auto_policy(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int, name: str) -> SkipPolicy:
@@ -234,7 +226,7 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
         "model_weights_sample": adapters.weights_sample_digest(model),
         "objective": args.objective,
     }
-    space = space_from_flags(args, adapters.num_layers(model), inputs.exit_choices)
+    space = SearchSpace(adapters.num_layers(model), exit_choices=inputs.exit_choices, **space_fields(args))
     for choice in inputs.exit_choices:  # another model's adapter, or a changed file, fails before any work
         ExitAdapter.load(choice.adapter, model, choice.sha256)
     chat = loaded.instruct if args.chat is None else args.chat
@@ -256,30 +248,6 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     return Target(model, tokenizer, identity, space, prompt_ids, calibration_info, here)
 
 
-def space_from_flags(args: SearchSettings, num_layers: int, exit_choices: tuple[ExitChoice, ...]) -> SearchSpace:
-    """The search space the flags describe, for a model of ``num_layers`` layers."""
-    return SearchSpace(
-        num_layers=num_layers,
-        never_skip=args.never_skip,
-        min_fraction=args.min_skip_fraction,
-        max_fraction=args.max_skip_fraction,
-        draft_token_choices=args.draft_tokens,
-        tune_adaptive=not args.no_adaptive,
-        draft_vocab_choices=args.draft_vocab,
-        lookup_ngram_choices=args.lookup,
-        lookup_token_choices=args.lookup_tokens,
-        lookup_confidence_choices=args.lookup_confidence,
-        lookup_min_ngram_choices=args.lookup_min,
-        verify_pad_choices=args.verify_pad,
-        tree_match_choices=args.tree_matches,
-        tree_sibling_choices=args.tree_siblings,
-        precision_choices=args.draft_precision,
-        require_skip_draft=args.require_skip_draft,
-        exit_choices=exit_choices,
-        exit_threshold_choices=args.exit_thresholds,
-    )
-
-
 # -- storage ----------------------------------------------------------------------------------------------------------
 def check_storage(inputs: Inputs) -> Storage:
     """The storage checked before the model loads: a database server is contacted now, so an
@@ -287,9 +255,8 @@ def check_storage(inputs: Inputs) -> Storage:
     appends; an existing study refuses a flag that changes its space or prompts. A new SQLite or
     journal file is not created yet, so a run that fails on bad input leaves nothing behind."""
     url, name, args = inputs.args.storage, inputs.study_name, inputs.args
-    check_storage_url(url)
-    storage_file = local_storage_file(url)
     check_local_storage(url)
+    storage_file = local_storage_file(url)
     if storage_file is not None and not url.startswith("sqlite:///"):
         repair = repair_journal(storage_file)  # a damaged last record must go before anything appends
         if repair is not None:
@@ -409,7 +376,7 @@ def open_search_study(
         **({"preset": inputs.request.preset} if inputs.request.preset else {}),
     }
     opened = storage.open()
-    seed = args.seed + 1000 * args.worker + counted_trials_safe(opened, inputs.study_name)
+    seed = args.seed + 1000 * args.worker
     study = open_study(
         opened,
         inputs.study_name,
@@ -433,31 +400,26 @@ def open_search_study(
 def confirm(inputs: Inputs, study: optuna.Study, model: nn.Module, calibration: Calibration) -> list[FrozenTrial]:
     """The finalists (the best predictions, and the best of every other kind of draft: exit, skip,
     hybrid, lookup) measured by real generation in one window beside HF generate; returns them."""
-    args = inputs.args
+    args, rounds = inputs.args, inputs.args.confirm_rounds
     top = finalists(study, args.objective, max(args.confirm_top, 1), per_kind=True)
     with phase("confirm", inputs.progress) as info:
         # Real generation with a hopeless draft is slow and tells nothing new: skip those.
         hopeful = [t for t in top if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED]
         chosen = hopeful if args.confirm_top else []
         settings = {  # a window measured with other settings is not reused
-            "rounds": args.confirm_rounds,
+            "rounds": rounds,
             "prompts": len(calibration.prompts),
             "max_new_tokens": args.max_new_tokens,
             "prompt_ids": calibration.description.get("prompts", []),
         }
 
-        def measure(policies):
-            return confirm_window(
-                model, calibration, policies, args.max_new_tokens, args.confirm_rounds, inputs.progress
-            )
+        def measure(policies: dict[int, SkipPolicy]) -> dict[int, Confirmation]:
+            return confirm_window(model, calibration, policies, args.max_new_tokens, rounds, inputs.progress)
 
         window, measured = confirm_finalists(study, chosen, measure, settings) if chosen else (None, False)
+        info["detail"] = "nothing new to measure"
         if measured:
-            info["detail"] = (
-                f"{len(window['trials'])} finalist(s) and HF generate interleaved, {args.confirm_rounds} rounds"
-            )
-        else:
-            info["detail"] = "nothing new to measure"
+            info["detail"] = f"{len(window['trials'])} finalist(s) and HF generate interleaved, {rounds} rounds"
     return top
 
 

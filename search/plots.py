@@ -21,6 +21,7 @@ PLOT_FILES = ("pareto.png", "history.png", "skip_frequency.png")  # what write_p
 
 def _save(fig: plt.Figure, path: Path) -> Path:
     """``fig`` as a PNG at ``path``, atomically (never over a FIFO or device: savefig would block on one)."""
+    fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
@@ -47,7 +48,6 @@ def plot_pareto(study: optuna.Study, path: Path) -> Path:
     ax.set_xlabel("draft step latency (ms, measured)")
     ax.set_ylabel("teacher-forced acceptance")
     ax.set_title(f"{study.study_name}: acceptance vs draft latency")
-    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -64,7 +64,6 @@ def plot_history(study: optuna.Study, path: Path) -> Path:
     ax.set_ylabel("predicted speedup vs plain decoding")
     ax.set_title(f"{study.study_name}: optimisation history")
     ax.legend()
-    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -91,7 +90,6 @@ def plot_importance(study: optuna.Study, path: Path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title("skipped among best 25%\nof skip-draft trials", fontsize=9)
     fig.colorbar(image, ax=ax, label="fraction of trials")
-    fig.tight_layout()
     return _save(fig, path)
 
 

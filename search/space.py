@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial
 
 from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
-from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
 
 
@@ -65,29 +64,14 @@ class SearchSpace:
     # runs): the draft then runs layers 0..exit, the adapter and the head. Empty: no exit knob.
     exit_choices: tuple[ExitChoice, ...] = ()
     exit_threshold_choices: tuple[float, ...] = (0.5,)  # an exit draft's starting confidence threshold
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """What needs the model's layer count; every choice was checked before it loaded (``check_arguments``)."""
         if self.num_layers < 1:
             raise LayerskipError("the model has no decoder layers to search over")
         bad = [i for i in self.never_skip if not 0 <= i < self.num_layers]
         if bad:
             raise LayerskipError(f"--never-skip {bad} is out of range for a {self.num_layers}-layer model")
-        if not 0.0 <= self.min_fraction <= self.max_fraction <= 1.0:
-            raise LayerskipError("need 0 <= --min-skip-fraction <= --max-skip-fraction <= 1")
-        if not self.draft_token_choices or min(self.draft_token_choices) < 1:
-            raise LayerskipError("draft token choices must be >= 1")
-        if self.lookup_token_choices and min(self.lookup_token_choices) < 1:
-            raise LayerskipError("--lookup-tokens choices must be >= 1")
-        if not self.lookup_confidence_choices or not all(0 <= c < 1 for c in self.lookup_confidence_choices):
-            raise LayerskipError("--lookup-confidence choices must be in [0, 1)")
-        if not self.lookup_min_ngram_choices or min(self.lookup_min_ngram_choices) < 1:
-            raise LayerskipError("--lookup-min choices must be >= 1")
-        if not self.verify_pad_choices or min(self.verify_pad_choices) < 0:
-            raise LayerskipError("--verify-pad choices must be >= 0 (0 = no padding)")
-        bad_precision = [p for p in self.precision_choices if p not in PRECISIONS]
-        if not self.precision_choices or bad_precision:
-            raise LayerskipError(f"--draft-precision {bad_precision} unknown; choose from {', '.join(PRECISIONS)}")
 
     @property
     def searchable_layers(self) -> list[int]:
@@ -165,76 +149,33 @@ class SearchSpace:
             by_cost = trial.suggest_categorical("length_by_cost", [False, True])
         vocab = trial.suggest_categorical("draft_vocab_size", list(self.draft_vocab_choices))
         lookup = trial.suggest_categorical("lookup_max_ngram", list(self.lookup_ngram_choices))
-        lookup_tokens = None
+        lookup_tokens = k  # without its own choice, k caps skip drafts and lookup runs alike
         confidence, min_ngram = 0.0, 2
         if lookup:
             if self.lookup_token_choices:  # empty: runs tied to k, so nothing to suggest
                 lookup_tokens = trial.suggest_categorical("lookup_max_tokens", list(self.lookup_token_choices))
             confidence = _pick(trial, "lookup_confidence", self.lookup_confidence_choices)
-            min_ngram = _pick(trial, "lookup_min_ngram", self.lookup_min_ngram_choices)
+            min_ngram = min(_pick(trial, "lookup_min_ngram", self.lookup_min_ngram_choices), lookup)
         # With lookup on, the skip draft may be dropped entirely (lookup-only drafting).
         use_skip = True
         if lookup and not self.require_skip_draft:
             use_skip = trial.suggest_categorical("use_skip_draft", [True, False])
-        pad = _pick(trial, "min_verify_block", self.verify_pad_choices)
-        precision = _pick(trial, "precision", self.precision_choices) if use_skip else "model"
-        settings = draft_settings(
-            k, adaptive, target, vocab, lookup, use_skip, lookup_tokens, confidence, min_ngram, pad, precision, by_cost
+        return DraftSettings(
+            max_draft_tokens=k,
+            adaptive=adaptive,
+            length_by_cost=by_cost,
+            target_acceptance=target,
+            draft_vocab_size=vocab,
+            lookup_max_ngram=lookup,
+            lookup_min_ngram=min_ngram,
+            lookup_max_tokens=lookup_tokens,
+            lookup_confidence=confidence,
+            min_verify_block=_pick(trial, "min_verify_block", self.verify_pad_choices),
+            use_skip_draft=use_skip,
+            precision=_pick(trial, "precision", self.precision_choices) if use_skip else "model",
+            tree_matches=_pick(trial, "tree_matches", self.tree_match_choices) if lookup else 1,
+            tree_siblings=_pick(trial, "tree_siblings", self.tree_sibling_choices) if use_skip else 0,
         )
-        matches = _pick(trial, "tree_matches", self.tree_match_choices) if lookup else 1
-        siblings = _pick(trial, "tree_siblings", self.tree_sibling_choices) if use_skip else 0
-        return replace(settings, tree_matches=matches, tree_siblings=siblings)
-
-    def params_for(
-        self,
-        attention: list[int],
-        mlp: list[int],
-        max_draft_tokens: int | None = None,
-        lookup: int = 0,
-        use_skip_draft: bool = True,
-        exit: ExitChoice | None = None,
-    ) -> dict[str, Any]:
-        """Optuna parameters of a hand-picked candidate (for ``enqueue_trial`` warm starts); in the
-        ranked space the candidate bypasses the first ``len(attention) + len(mlp)`` ranked sublayers.
-        With ``exit`` (one of ``exit_choices``) it drafts through that exit instead of the switches."""
-        params: dict[str, Any] = {}
-        if self.exit_choices and use_skip_draft:
-            params["exit"] = "none" if exit is None else exit.label
-            if exit is not None and len(self.exit_threshold_choices) > 1:
-                middle = sorted(self.exit_threshold_choices)[len(self.exit_threshold_choices) // 2]
-                params["exit_threshold"] = middle
-        if exit is None:  # an exit draft samples no sublayer switches
-            if self.sublayer_order:
-                params["skip_count"] = len(attention) + len(mlp)
-            else:
-                for i in self.searchable_layers:
-                    params[f"attn_{i:02d}"] = i in attention
-                    params[f"mlp_{i:02d}"] = i in mlp
-        k = max_draft_tokens if max_draft_tokens in self.draft_token_choices else self.draft_token_choices[0]
-        params["max_draft_tokens"] = k
-        if self.tune_adaptive:
-            params["adaptive"] = False
-            params["length_by_cost"] = False
-        params["draft_vocab_size"] = self.draft_vocab_choices[0]
-        if len(self.precision_choices) > 1 and use_skip_draft:
-            params["precision"] = self.precision_choices[-1]  # the cheapest precision the user listed
-        if len(self.verify_pad_choices) > 1:
-            params["min_verify_block"] = self.verify_pad_choices[0]
-        params["lookup_max_ngram"] = lookup if lookup in self.lookup_ngram_choices else self.lookup_ngram_choices[0]
-        if len(self.tree_sibling_choices) > 1 and use_skip_draft:
-            params["tree_siblings"] = self.tree_sibling_choices[0]
-        if params["lookup_max_ngram"]:
-            if len(self.tree_match_choices) > 1:
-                params["tree_matches"] = self.tree_match_choices[0]
-            if self.lookup_token_choices:
-                params["lookup_max_tokens"] = max(self.lookup_token_choices)
-            if len(self.lookup_confidence_choices) > 1:
-                params["lookup_confidence"] = self.lookup_confidence_choices[0]
-            if len(self.lookup_min_ngram_choices) > 1:
-                params["lookup_min_ngram"] = max(self.lookup_min_ngram_choices)
-            if not self.require_skip_draft:
-                params["use_skip_draft"] = use_skip_draft
-        return params
 
     def with_leading(self, sublayers: Sequence[tuple[int, str]]) -> SearchSpace:
         """The ranked space with ``sublayers`` first, in the order given, then the rest in its own
@@ -253,25 +194,42 @@ class SearchSpace:
         a bypassed fraction outside the limits, (ranked space) a set that is not a ranked prefix, or
         an exit adapter that is not among ``exit_choices``.
         """
-        attention, mlp = list(policy.skip_attention), list(policy.skip_mlp)
         exit = self._exit_choice_of(policy, label)
         if exit is None:
             self._check_switches(policy, label)
+        params = self._params(policy, exit)
+        # What a trial with these parameters evaluates, built as the study builds it.
+        evaluated = self.suggest(optuna.trial.FixedTrial(params))
+        if evaluated.draft.use_skip_draft:
+            assert (evaluated.skip_attention, evaluated.skip_mlp) == (policy.skip_attention, policy.skip_mlp)
+        return params, _differences(label, policy.draft, evaluated.draft)
+
+    def _params(self, policy: SkipPolicy, exit: ExitChoice | None) -> dict[str, Any]:
+        """The parameters of the point nearest ``policy`` (unchecked); with ``exit`` (one of
+        ``exit_choices``) it drafts through that exit instead of the switches. In the ranked space
+        the point bypasses the first ``len(skip_attention) + len(skip_mlp)`` ranked sublayers."""
         d = policy.draft
 
         def nearest(value: Any, choices: Sequence[Any], distance: Any = None) -> Any:
             return value if value in choices else min(choices, key=distance or (lambda c: abs(c - value)))
 
         lookup = nearest(d.lookup_max_ngram, self.lookup_ngram_choices)
-        use_skip = (d.use_skip_draft or not lookup) or self.require_skip_draft
-        params = self.params_for(attention, mlp, lookup=lookup, use_skip_draft=use_skip, exit=exit)
-        if "exit_threshold" in params:
-            params["exit_threshold"] = nearest(d.initial_threshold, self.exit_threshold_choices)
+        use_skip = d.use_skip_draft or not lookup or self.require_skip_draft
+        params: dict[str, Any] = {}
+        if self.exit_choices and use_skip:
+            params["exit"] = "none" if exit is None else exit.label
+            if exit is not None and len(self.exit_threshold_choices) > 1:
+                params["exit_threshold"] = nearest(d.initial_threshold, self.exit_threshold_choices)
+        if exit is None and self.sublayer_order:  # an exit draft samples no sublayer switches
+            params["skip_count"] = len(policy.skip_attention) + len(policy.skip_mlp)
+        elif exit is None:
+            for i in self.searchable_layers:
+                params[f"attn_{i:02d}"] = i in policy.skip_attention
+                params[f"mlp_{i:02d}"] = i in policy.skip_mlp
         params["max_draft_tokens"] = nearest(d.max_draft_tokens, self.draft_token_choices)
         if self.tune_adaptive:
             params["adaptive"] = d.adaptive
             if d.adaptive:
-                del params["length_by_cost"]
                 params["target_acceptance"] = nearest(d.target_acceptance, self.target_acceptance_choices)
             else:
                 params["length_by_cost"] = d.length_by_cost
@@ -279,24 +237,52 @@ class SearchSpace:
         params["draft_vocab_size"] = nearest(
             d.draft_vocab_size, self.draft_vocab_choices, lambda c: abs((c or full) - (d.draft_vocab_size or full))
         )
-        if "precision" in params:
+        if len(self.precision_choices) > 1 and use_skip:
             params["precision"] = nearest(d.precision, self.precision_choices, lambda c: c != d.precision)
-        # Draft settings a trial samples where the space offers them, under their own names.
-        for name, choices in (
-            ("min_verify_block", self.verify_pad_choices),
-            ("lookup_max_tokens", self.lookup_token_choices),
-            ("lookup_confidence", self.lookup_confidence_choices),
-            ("lookup_min_ngram", self.lookup_min_ngram_choices),
-            ("tree_matches", self.tree_match_choices),
-            ("tree_siblings", self.tree_sibling_choices),
+        params["lookup_max_ngram"] = lookup
+        # Draft settings a trial samples where the space offers a choice and the draft uses them.
+        for name, choices, used in (
+            ("min_verify_block", self.verify_pad_choices, True),
+            ("tree_siblings", self.tree_sibling_choices, use_skip),
+            ("tree_matches", self.tree_match_choices, lookup),
+            ("lookup_confidence", self.lookup_confidence_choices, lookup),
+            ("lookup_min_ngram", self.lookup_min_ngram_choices, lookup),
         ):
-            if name in params:
+            if used and len(choices) > 1:
                 params[name] = nearest(getattr(d, name), choices)
-        # What a trial with these parameters evaluates, built as the study builds it.
-        evaluated = self.suggest(optuna.trial.FixedTrial(params))
-        if evaluated.draft.use_skip_draft:
-            assert (evaluated.skip_attention, evaluated.skip_mlp) == (policy.skip_attention, policy.skip_mlp)
-        return params, _differences(label, d, evaluated.draft)
+        if lookup and self.lookup_token_choices:
+            params["lookup_max_tokens"] = nearest(d.lookup_max_tokens, self.lookup_token_choices)
+        if lookup and not self.require_skip_draft:
+            params["use_skip_draft"] = use_skip
+        return params
+
+    def _candidate(
+        self,
+        attention: list[int],
+        mlp: list[int],
+        lookup: int = 0,
+        use_skip_draft: bool = True,
+        exit: ExitChoice | None = None,
+    ) -> dict[str, Any]:
+        """The parameters of a hand-picked warm start: k 4 (else the first choice), the cheapest
+        precision listed, the longest lookup runs and n-grams, the middle exit threshold, and the
+        first choice of every other knob."""
+        thresholds = sorted(self.exit_threshold_choices)
+        draft = DraftSettings(
+            max_draft_tokens=4 if 4 in self.draft_token_choices else self.draft_token_choices[0],
+            draft_vocab_size=self.draft_vocab_choices[0],
+            lookup_max_ngram=lookup if lookup in self.lookup_ngram_choices else self.lookup_ngram_choices[0],
+            lookup_max_tokens=max(self.lookup_token_choices, default=4),
+            lookup_confidence=self.lookup_confidence_choices[0],
+            lookup_min_ngram=max(self.lookup_min_ngram_choices),
+            min_verify_block=self.verify_pad_choices[0],
+            use_skip_draft=use_skip_draft,
+            precision=self.precision_choices[-1],
+            tree_matches=self.tree_match_choices[0],
+            tree_siblings=self.tree_sibling_choices[0],
+            initial_threshold=thresholds[len(thresholds) // 2],
+        )
+        return self._params(SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft), exit)
 
     def _exit_choice_of(self, policy: SkipPolicy, label: str) -> ExitChoice | None:
         """The exit choice a warm-start policy drafts through (None: a plain skip draft)."""
@@ -357,16 +343,16 @@ class SearchSpace:
         for attention, mlp in candidates:
             fraction = (len(attention) + len(mlp)) / (2 * n)
             if self.min_fraction <= fraction <= self.max_fraction:
-                candidate = self.params_for(attention, mlp, 4)
+                candidate = self._candidate(attention, mlp)
                 if candidate not in params:
                     params.append(candidate)
-        params[1:1] = [self.params_for([], [], 4, exit=choice) for choice in self.exit_choices]
+        params[1:1] = [self._candidate([], [], exit=choice) for choice in self.exit_choices]
         lookups = [n for n in self.lookup_ngram_choices if n]
         if lookups:
             # Prompt lookup alone, and lookup in front of the lightest skip draft above.
             if not self.require_skip_draft:
-                params.append(self.params_for([], [], 4, lookups[-1], use_skip_draft=False))
-            params.append(self.params_for(alternate, [], 4, lookups[-1], use_skip_draft=True))
+                params.append(self._candidate([], [], lookups[-1], use_skip_draft=False))
+            params.append(self._candidate(alternate, [], lookups[-1]))
         return params
 
 
@@ -432,34 +418,3 @@ def exportable(policy: SkipPolicy) -> bool:
     """
     return not policy.draft.use_skip_draft or policy.bypasses_anything
 
-
-def draft_settings(
-    k: int,
-    adaptive: bool,
-    target: float,
-    vocab: int,
-    lookup: int,
-    use_skip_draft: bool = True,
-    lookup_tokens: int | None = None,
-    lookup_confidence: float = 0.0,
-    lookup_min_ngram: int = 2,
-    min_verify_block: int = 0,
-    precision: str = "model",
-    length_by_cost: bool = False,
-) -> DraftSettings:
-    """The draft settings one point of the space stands for."""
-    return DraftSettings(
-        max_draft_tokens=k,
-        adaptive=adaptive,
-        length_by_cost=length_by_cost,
-        target_acceptance=target,
-        draft_vocab_size=vocab,
-        lookup_max_ngram=lookup,
-        lookup_min_ngram=min(lookup_min_ngram, lookup) if lookup else 2,
-        # Without its own choice, k caps skip drafts and lookup runs alike.
-        lookup_max_tokens=int(lookup_tokens) if lookup_tokens else k,
-        lookup_confidence=lookup_confidence if lookup else 0.0,
-        min_verify_block=min_verify_block,
-        use_skip_draft=use_skip_draft,
-        precision=precision,
-    )

@@ -98,8 +98,8 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
         # Optuna re-raises the driver's ModuleNotFoundError as a bare ImportError: name the module.
         missing = getattr(exc.__cause__, "name", None) or exc.name or "its driver module"
         # A bare mysql:// URL means SQLAlchemy's default driver, MySQLdb (package mysqlclient).
-        package = {"mysql://": "mysqlclient", "mysql+pymysql://": "pymysql"}.get(url.split("://")[0] + "://")
-        package = package or "psycopg2-binary"
+        drivers = {"mysql://": "mysqlclient", "mysql+pymysql://": "pymysql"}
+        package = drivers.get(url.split("://")[0] + "://", "psycopg2-binary")
         raise LayerskipError(
             f"storage {_redact(url)} needs a database driver ({missing} is not installed); pip install {package}"
         ) from None
@@ -163,8 +163,10 @@ def existing_study_attrs(storage: optuna.storages.BaseStorage, name: str) -> dic
 
 
 def check_local_storage(url: str) -> None:
-    """A SQLite or journal storage must be writable (file and directory: both write files beside
-    it) and a SQLite file intact, or a study fails only when it first writes, after calibration."""
+    """``check_storage_url``; and a SQLite or journal storage must be writable (file and directory:
+    both write files beside it) and a SQLite file intact, or a study fails only when it first writes,
+    after calibration."""
+    check_storage_url(url)
     path = local_storage_file(url)
     if path is None:
         return
@@ -224,15 +226,16 @@ def open_study(
     both enqueue them, leaving duplicate trials.
     """
     directions = ["maximize", "minimize"] if objective == "pareto" else ["maximize"]
-    # constant_liar keeps parallel workers from sampling the same point while trials run.
-    sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=8)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=2)
     optuna.logging.set_verbosity(logging.WARNING)
     study = optuna.create_study(
-        storage=storage, study_name=name, directions=directions, sampler=sampler, pruner=pruner, load_if_exists=True
+        storage=storage, study_name=name, directions=directions, pruner=pruner, load_if_exists=True
     )
-    new = "model_fingerprint" not in study.user_attrs
-    if new:
+    # The trials already in the study offset the seed, so a resumed run explores anew; constant_liar
+    # keeps parallel workers from sampling the same point while trials run.
+    seed += counted_trials(study)
+    study.sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True, n_startup_trials=8)
+    if "model_fingerprint" not in study.user_attrs:  # a new study
         for key, value in metadata.items():
             study.set_user_attr(key, value)
     # A warm start that a killed or interrupted run left FAIL (or never reached) is run again;
@@ -240,8 +243,7 @@ def open_study(
     for params in [*(seeds or []), *(warm_starts if enqueue_warm_starts else [])]:
         if not has_twin(study, params):
             study.enqueue_trial(params)
-    runs = list(study.user_attrs.get("runs", []))
-    runs.append(metadata.get("command", ""))
+    runs = [*study.user_attrs.get("runs", []), metadata.get("command", "")]
     study.set_user_attr("runs", runs[-50:])
     return study
 
@@ -251,30 +253,12 @@ TWIN_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING, Trial
 
 def has_twin(study: optuna.Study, params: dict[str, Any]) -> bool:
     """Whether a trial with exactly ``params`` is evaluated, queued or running (FAIL ones do not count)."""
-    for trial in study.get_trials(deepcopy=False, states=TWIN_STATES):
-        existing = trial.system_attrs.get("fixed_params", trial.params)
-        if existing.keys() == params.keys() and all(_same(existing[k], v) for k, v in params.items()):
-            return True
-    return False
-
-
-def _same(a: Any, b: Any) -> bool:
-    numbers = (int, float)
-    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
-        return float(a) == float(b)
-    return a == b
+    trials = study.get_trials(deepcopy=False, states=TWIN_STATES)
+    return any(trial.system_attrs.get("fixed_params", trial.params) == params for trial in trials)
 
 
 def counted_trials(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=COUNTED_STATES))
-
-
-def counted_trials_safe(storage: optuna.storages.BaseStorage, study_name: str) -> int:
-    """Trials already in the study (0 if new): offsets the sampler seed so a resumed run explores anew."""
-    try:
-        return counted_trials(optuna.load_study(study_name=study_name, storage=storage))
-    except KeyError:
-        return 0
 
 
 def recording_machine(objective: Callable[[Any], Any], here: Machine) -> Callable[[Any], Any]:
@@ -353,10 +337,6 @@ def run_trials(
                     raise
 
 
-def _this_worker() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
@@ -423,7 +403,8 @@ class _InterruptGuard:
 
     def __call__(self, trial: optuna.Trial) -> Any:
         self.check()
-        trial.set_user_attr(WORKER_ATTR, _this_worker())  # a later run can tell if this process died
+        # A later run can tell whether this process died.
+        trial.set_user_attr(WORKER_ATTR, f"{socket.gethostname()}:{os.getpid()}")
         return self.objective(_CheckedTrial(trial, self))  # type: ignore[arg-type]
 
     def _on_sigint(self, signum: int, frame: Any) -> None:

@@ -9,6 +9,8 @@ import pytest
 
 from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.errors import LayerskipError
+from layerskip.search.checks import check_arguments
+from layerskip.search.settings import SearchSettings
 from layerskip.search.space import (
     POLICY_ATTR,
     ExitChoice,
@@ -131,16 +133,18 @@ def test_lookup_cut_and_shortest_ngram_are_searched() -> None:
 
 
 @pytest.mark.parametrize(
-    "field, value, flag",
+    "setting, value, flag",
     [
-        ("lookup_token_choices", (0, 4), "--lookup-tokens"),
-        ("lookup_confidence_choices", (1.0,), "--lookup-confidence"),
-        ("lookup_min_ngram_choices", (0,), "--lookup-min"),
+        ("lookup_tokens", (0, 4), "--lookup-tokens"),
+        ("lookup_confidence", (1.0,), "--lookup-confidence"),
+        ("lookup_min", (0,), "--lookup-min"),
+        ("lookup_min", (), "--lookup-min needs at least one choice"),
+        ("draft_precision", ("int3",), "--draft-precision"),
     ],
 )
-def test_bad_lookup_choices(field: str, value: tuple, flag: str) -> None:
+def test_bad_lookup_choices(setting: str, value: tuple, flag: str) -> None:
     with pytest.raises(LayerskipError, match=flag):
-        SearchSpace(num_layers=LAYERS, **{field: value})
+        check_arguments(SearchSettings(**{setting: value}))
 
 
 ORDER = ((4, "attention"), (1, "mlp"), (5, "attention"), (0, "attention"), (3, "mlp"), (2, "attention"))
