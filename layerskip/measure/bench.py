@@ -378,30 +378,19 @@ def run_benchmark(
     divergence classed (``measure.divergence``; ``tokenizer`` adds the two tokens' text). A sampled
     run (``config.sampling``) compares nothing: its rows' ``identical`` is None."""
     device = next(model.parameters()).device
+    runners = {m.name: m.run for m in methods}
     runs = run_interleaved(
-        {m.name: m.run for m in methods},
-        prompt_ids,
-        config.max_new_tokens,
-        device,
-        config.warmup_tokens,
-        config.progress,
-        desc="benchmark",
+        runners, prompt_ids, config.max_new_tokens, device, config.warmup_tokens, config.progress, desc="benchmark"
     )
-    if config.sampling is not None:  # draws: nothing to compare token for token, no divergence to class
-        return [
-            PromptResult(p.id, p.category, m.name, len(r.tokens), r.seconds, None, None, r.peak_memory_mb, r.stats)
-            for p, by_method in zip(prompts, runs)
-            for m in methods
-            for r in (by_method[m.name],)
-        ]
+    sampled = config.sampling is not None  # draws: nothing to compare token for token, no divergence to class
+    quiet = sampled or not config.progress
     rows: list[PromptResult] = []
     with DivergenceCheck(model, tokenizer) as check:  # its fp32 copy, if one is made, goes with it
-        for prompt, ids, by_method in tqdm(
-            list(zip(prompts, prompt_ids, runs)), desc="divergence check", disable=not config.progress, leave=False
-        ):
+        bar = tqdm(list(zip(prompts, prompt_ids, runs)), "divergence check", leave=False, disable=quiet)
+        for prompt, ids, by_method in bar:
             reference = by_method[BASELINE].tokens
             # Other arithmetic (llama.cpp) is counted where it equals hf-ar, never classed.
-            classed = [m for m in methods if m.computes_with is None]
+            classed = [] if sampled else [m for m in methods if m.computes_with is None]
             outputs = {m.name: by_method[m.name].tokens for m in classed}
             # A `defect` verdict is checked once more against the method's own forward schedule (run again).
             reruns = {m.name: _rerun(m.run, ids, config.max_new_tokens) for m in classed if m.name != BASELINE}
@@ -417,7 +406,7 @@ def run_benchmark(
                         method.name,
                         len(run.tokens),
                         run.seconds,
-                        same,
+                        None if sampled else same,
                         None if divergence is None else divergence.to_dict(),
                         run.peak_memory_mb,
                         run.stats,
@@ -601,7 +590,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
     machine = this_machine(device)  # the same record a tuned policy keeps in its provenance
-    info: dict[str, Any] = {
+    return {
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),  # when the run ended
         "device": str(device),
         "device_name": machine.device_name,
@@ -617,7 +606,6 @@ def environment(device: torch.device) -> dict[str, Any]:
         },
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    return info
 
 
 def rows_as_dicts(rows: Sequence[PromptResult]) -> list[dict[str, Any]]:

@@ -96,12 +96,7 @@ class RecordingDrafter(WrappingDrafter):
 
 def agreement(candidate: Sequence[int], truth: Sequence[int]) -> int:
     """How many leading tokens of ``candidate`` the text really continued with."""
-    count = 0
-    for proposed, actual in zip(candidate, truth):
-        if proposed != actual:
-            break
-        count += 1
-    return count
+    return next((i for i, (a, b) in enumerate(zip(candidate, truth)) if a != b), min(len(candidate), len(truth)))
 
 
 def tree_agreement(matches: Sequence[LookupMatch], budget: int, truth: Sequence[int]) -> int:
@@ -170,11 +165,12 @@ class TreeCeiling:
                 found = match_lookups(history, low, high, max_tokens, matches)
                 first = agreement(found[0].tokens, truth) if found else 0
                 best = max((agreement(m.tokens, truth) for m in found), default=0)
+                kept = max(first, record.accepted)
                 self.longer_runs += max(0, first - record.accepted)
-                self.other_matches += max(0, best - max(first, record.accepted))
+                self.other_matches += max(0, best - kept)
                 held = tree_agreement(found[: self.budget_matches], self.budget_nodes, truth)
-                self.matches_in_budget += max(0, held - max(first, record.accepted))
-                self.combined += max(0, best - max(first, record.accepted))
+                self.matches_in_budget += max(0, held - kept)
+                self.combined += max(0, best - kept)
             elif record.source == "skip":
                 self.skip_steps += 1
                 if record.accepted >= len(record.chain):
