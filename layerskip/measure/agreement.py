@@ -84,10 +84,10 @@ class TeacherForcedDraft:
             self.rows = torch.unique(torch.cat([base, self.continuation]))  # U, sorted
             self.logits = draft_model.head(self.rows)(hidden).float()  # [C, |U|]
         # When each row becomes scorable: 0 for the base rows, else 1 + its first continuation index.
-        never = len(reference.continuation) + 1
-        first_seen = torch.full((len(self.rows),), never, dtype=torch.long, device=device)
-        for index in range(len(reference.continuation) - 1, -1, -1):
-            first_seen[torch.searchsorted(self.rows, self.continuation[index])] = index + 1
+        count = len(reference.continuation)
+        first_seen = torch.full((len(self.rows),), count + 1, dtype=torch.long, device=device)  # never
+        seen_at = torch.arange(1, count + 1, device=device)
+        first_seen.scatter_reduce_(0, torch.searchsorted(self.rows, self.continuation), seen_at, reduce="amin")
         first_seen[torch.isin(self.rows, base)] = 0
         self.first_seen = first_seen
 

@@ -23,7 +23,7 @@ import resource
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -111,7 +111,6 @@ class BenchConfig:
     max_new_tokens: int = 128
     warmup_tokens: int = 16
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
     sampling: Sampling | None = None  # None: greedy; else every method samples alike (build_methods)
 
 

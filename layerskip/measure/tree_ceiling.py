@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Verdict, WrappingDrafter
 from layerskip.drafts.lookup import LookupMatch, match_lookups
@@ -50,13 +49,6 @@ class StepRecord:
     chain: list[int]
     alternatives: list[list[int]] | None = None  # [k][K]: the draft's best tokens per chain position
     accepted: int = 0
-
-
-@runtime_checkable
-class ShowsChain(Protocol):
-    """A drafter that shows the skip chain of its current step (``auto``'s), alternatives included."""
-
-    last_chain: ChainDraft | None
 
 
 def first_branch(proposal: Proposal) -> Proposal:
@@ -78,7 +70,7 @@ class RecordingDrafter(WrappingDrafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         proposal = first_branch(self.inner.propose(request))
-        chain = self.inner.last_chain if isinstance(self.inner, ShowsChain) else None
+        chain: ChainDraft | None = getattr(self.inner, "last_chain", None)  # auto's shows its step's skip chain
         alternatives = None
         if proposal.source == "skip" and chain is not None and chain.top_tokens is not None:
             alternatives = chain.top_tokens[: len(proposal)].tolist()
