@@ -61,9 +61,7 @@ def forward_costs(
     seconds = {b: verify_seconds(model, context, b, repeats) for b in blocks}
     twin = adapters.overhead_twin(model)
     twin_context = [t % adapters.TWIN_VOCAB for t in context]
-    twin_seconds = verify_seconds(twin, twin_context, 1, repeats)
-    del twin
-    return ForwardCosts(seconds, twin_seconds)
+    return ForwardCosts(seconds, verify_seconds(twin, twin_context, 1, repeats))
 
 
 @dataclass
