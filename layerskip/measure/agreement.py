@@ -84,10 +84,10 @@ class TeacherForcedDraft:
             self.rows = torch.unique(torch.cat([base, self.continuation]))  # U, sorted
             self.logits = draft_model.head(self.rows)(hidden).float()  # [C, |U|]
         # When each row becomes scorable: 0 for the base rows, else 1 + its first continuation index.
-        never = len(reference.continuation) + 1
-        first_seen = torch.full((len(self.rows),), never, dtype=torch.long, device=device)
-        for index in range(len(reference.continuation) - 1, -1, -1):
-            first_seen[torch.searchsorted(self.rows, self.continuation[index])] = index + 1
+        count = len(reference.continuation)
+        first_seen = torch.full((len(self.rows),), count + 1, dtype=torch.long, device=device)  # never
+        seen_at = torch.arange(1, count + 1, device=device)
+        first_seen.scatter_reduce_(0, torch.searchsorted(self.rows, self.continuation), seen_at, reduce="amin")
         first_seen[torch.isin(self.rows, base)] = 0
         self.first_seen = first_seen
 
@@ -136,10 +136,9 @@ def single_sublayer_agreement(
     result: dict[str, list[float]] = {"attention": [], "mlp": []}
     bar = tqdm(total=2 * count, desc="single-sublayer agreement", disable=not progress)
     for i in range(count):
-        result["attention"].append(teacher_forced_agreement(draft_model, references, attention=[i]))
-        bar.update()
-        result["mlp"].append(teacher_forced_agreement(draft_model, references, mlp=[i]))
-        bar.update()
+        for kind, values in result.items():
+            values.append(teacher_forced_agreement(draft_model, references, **{kind: [i]}))
+            bar.update()
     bar.close()
     return result
 
@@ -288,13 +287,6 @@ def early_exit_frontier(
             exits = confidence >= threshold
             right = torch.where(exits, early == target, whole_right)
             covered = int(exits.sum())
-            points.append(
-                ExitPoint(
-                    depth=depth,
-                    threshold=threshold,
-                    coverage=covered / len(target),
-                    agreement=float(right.float().mean()),
-                    agreement_when_exiting=float((early == target)[exits].float().mean()) if covered else None,
-                )
-            )
+            when_exiting = float((early == target)[exits].float().mean()) if covered else None
+            points.append(ExitPoint(depth, threshold, covered / len(target), float(right.float().mean()), when_exiting))
     return float(whole_right.float().mean()), points

@@ -179,18 +179,9 @@ def run_batches(
         names = [prompt_names[i] for i in chosen]
         for name, (output, steps) in outputs.items():
             rows = new_tokens(output, ids.shape[1], eos)
-            figures.append(
-                BatchFigure(
-                    size,
-                    layout,
-                    name,
-                    statistics.median(seconds[name]),
-                    sum(len(row) for row in rows),
-                    sum(a == b for a, b in zip(rows, reference, strict=True)),
-                    names,
-                    steps,
-                )
-            )
+            made = sum(len(row) for row in rows)
+            same = sum(a == b for a, b in zip(rows, reference, strict=True))
+            figures.append(BatchFigure(size, layout, name, statistics.median(seconds[name]), made, same, names, steps))
     return figures
 
 

@@ -23,7 +23,7 @@ import resource
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -111,7 +111,6 @@ class BenchConfig:
     max_new_tokens: int = 128
     warmup_tokens: int = 16
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
     sampling: Sampling | None = None  # None: greedy; else every method samples alike (build_methods)
 
 
@@ -186,46 +185,116 @@ def build_methods(
         if gguf is None:
             raise LayerskipError(f"{', '.join(llamacpp.wanted(names))} need a GGUF file (gguf=GGUFPeer(...))")
         llamacpp.check_request(names, str(gguf.path), str(gguf.path), sampling is not None, generation)
-    draws = _Draws(sampling, seed, tuple(sorted((generation or {}).items())))
-    args = (model, names, eos_token_ids, policies, assistant, lookup_tokens, ablate, tree_ablation, draws, gguf)
-    methods = _methods_for(*args, threads[0], None)
+    processors = dict(generation or {})  # HF arguments that add logits processors, for every method alike
+
+    def seed_for(ids: Sequence[int]) -> int | None:
+        return None if sampling is None else prompt_seed(ids, seed)
+
+    def hf(count: int | None, **extra: Any) -> Runner:
+        """HF ``generate`` with ``extra`` under ``count`` CPU threads (None: the process's own)."""
+
+        def run(ids: list[int], max_new: int) -> tuple[list[int], None]:
+            return hf_generate(model, ids, max_new, eos_token_ids, sampling, seed_for(ids), **processors, **extra), None
+
+        return _with_threads(run, count)
+
+    def custom(policy: SkipPolicy | str, count: int | None) -> Runner:
+        """``policy`` through the plug-in under ``count`` threads (None: the process's own)."""
+
+        def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
+            return hf_custom_generate(model, ids, max_new, policy, eos_token_ids, sampling, seed_for(ids), **processors)
+
+        return _with_threads(run, count)
+
+    def ours(policy: SkipPolicy | None, setting: int | str) -> tuple[Runner, float | None]:
+        if processors:
+            # Processors come from HF's own reading of the arguments: through the plug-in, which
+            # hands them to the engine as plain generate would apply them.
+            spec = PLAIN if policy is None else policy
+            return custom(spec, None), _draft_memory(decoder_for(model, spec))  # the process's threads, as ours
+        decoder = Decoder.for_policy(model, policy, threads=setting)
+
+        def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
+            return decoder.decode(ids, DecodeSettings(max_new, sampling, seed_for(ids), eos_token_ids))
+
+        return run, _draft_memory(decoder)
+
+    def methods_for(setting: int | str, hf_threads: int | None) -> list[Method]:
+        """Every method named, for one thread setting: ``setting`` for our decoders, ``hf_threads``
+        for HF's own methods (None: the process's count)."""
+        methods: list[Method] = []
+        for name in names:
+            if name == "hf-ar":
+                methods.append(Method(name, hf(hf_threads)))
+            elif name == "ar":
+                methods.append(Method(name, ours(None, setting)[0]))
+            elif name == "self-spec":
+                variants = _variants(policies, ablate, tree_ablation)
+                for label, policy in variants.items():
+                    full = name if len(variants) == 1 else f"{name}:{label}"
+                    run, memory = ours(policy, setting)
+                    methods.append(Method(full, run, policy, memory))
+            elif name == "self-spec-lookup":
+                draft = replace(LOOKUP_ONLY.draft, lookup_max_tokens=lookup_tokens, max_draft_tokens=lookup_tokens)
+                lookup = replace(LOOKUP_ONLY, draft=draft)
+                methods.append(Method(name, ours(lookup, setting)[0], lookup))
+            elif name == "self-spec-on-the-fly":
+                selection = SkipPolicy.adaptive_selection(device=next(model.parameters()).device)
+                run, memory = ours(selection, setting)
+                methods.append(Method(name, run, selection, memory))
+            elif name == "hf-custom":
+                for label, policy in policies.items():
+                    full = name if len(policies) == 1 else f"{name}:{label}"
+                    memory = _draft_memory(decoder_for(model, policy))
+                    methods.append(Method(full, custom(policy, hf_threads), policy, memory))
+            elif name == "hf-pld":
+                methods.append(Method(name, hf(hf_threads, prompt_lookup_num_tokens=lookup_tokens)))
+            elif name == "hf-early-exit":
+                depth = _early_exit_depth(model, next(iter(policies.values()), None))
+                methods.append(Method(name, hf(hf_threads, assistant_early_exit=depth)))
+            elif name == "hf-assistant":
+                methods.append(Method(name, hf(hf_threads, assistant_model=assistant)))
+            elif name in llamacpp.METHODS and gguf is not None:
+                runner = llamacpp.LlamaCppRunner(
+                    gguf,
+                    torch.get_num_threads() if hf_threads is None else hf_threads,  # as HF's methods run
+                    eos_token_ids,
+                    lookup_tokens if name == "llama.cpp-lookup" else None,
+                    expected_vocab=_vocabulary(model),
+                )
+                methods.append(Method(name, runner, computes_with=llamacpp.label(runner.quantisation)))
+        return methods
+
+    methods = methods_for(threads[0], None)
     for setting in threads[1:]:
         suffix = f"@t{setting}" if setting != "auto" else "@auto"
-        hf_threads = setting if isinstance(setting, int) else None
-        again = _methods_for(*args, setting, hf_threads)
-        for method in again:
+        for method in methods_for(setting, setting if isinstance(setting, int) else None):
             # HF's methods and llama.cpp take counts, not "auto": the first setting ran them at the process's count.
             takes_counts = method.name.startswith("hf-") and method.name != "hf-custom" or method.computes_with
             if setting == "auto" and takes_counts:
                 continue
             methods.append(replace(method, name=method.name + suffix))
     if BASELINE not in [m.name for m in methods]:
-        methods.insert(0, Method(BASELINE, _with_threads(_hf_runner(model, eos_token_ids, {}, draws), None)))
+        methods.insert(0, Method(BASELINE, hf(None)))
     return methods
 
 
-@dataclass(frozen=True)
-class _Draws:
-    """How a method's tokens are chosen: greedy (``sampling`` None) or sampled, seeded per prompt,
-    and HF generation arguments that add logits processors (``repetition_penalty=1.05`` ...), given
-    to every method alike."""
-
-    sampling: Sampling | None = None
-    seed: int = 0
-    generation: tuple[tuple[str, Any], ...] = ()
-
-    def seed_for(self, ids: Sequence[int]) -> int | None:
-        return None if self.sampling is None else prompt_seed(ids, self.seed)
-
-
-def _hf_runner(model: nn.Module, eos_token_ids: tuple[int, ...], extra: dict[str, Any], draws: _Draws) -> Runner:
-    def run(ids: list[int], max_new: int) -> tuple[list[int], None]:
-        seed = draws.seed_for(ids)
-        return hf_generate(
-            model, ids, max_new, eos_token_ids, draws.sampling, seed, **dict(draws.generation), **extra
-        ), None
-
-    return run
+def _variants(
+    policies: dict[str, SkipPolicy], ablate: bool | Sequence[str], tree_ablation: bool
+) -> dict[str, SkipPolicy]:
+    """``self-spec``'s policies by label, each followed by its chain twin (``tree_ablation``, for a
+    policy that drafts trees) and its ablations (``ablate``: all, or only those named)."""
+    variants = {}
+    for label, policy in policies.items():
+        variants[label] = policy
+        if tree_ablation and policy.draft.uses_trees:
+            variants[f"{label} (chain)"] = policy.chain()
+        if ablate:
+            chosen = policy.ablations()
+            if not isinstance(ablate, bool):  # only the ablations named
+                chosen = {suffix: v for suffix, v in chosen.items() if suffix in set(ablate)}
+            variants.update({f"{label}-{suffix}": v for suffix, v in chosen.items()})
+    return variants
 
 
 def _with_threads(runner: Runner, count: int | None) -> Runner:
@@ -242,105 +311,6 @@ def _with_threads(runner: Runner, count: int | None) -> Runner:
             torch.set_num_threads(previous)
 
     return run
-
-
-def _methods_for(
-    model: nn.Module,
-    names: Sequence[str],
-    eos_token_ids: tuple[int, ...],
-    policies: dict[str, SkipPolicy],
-    assistant: nn.Module | None,
-    lookup_tokens: int,
-    ablate: bool | Sequence[str],
-    tree_ablation: bool,
-    draws: _Draws,
-    gguf: llamacpp.GGUFPeer | None,
-    threads: int | str,
-    hf_threads: int | None,
-) -> list[Method]:
-    """``build_methods`` for one thread setting: ``threads`` for our decoders, ``hf_threads`` for
-    HF's own methods (None: the process's count)."""
-
-    def ours(policy: SkipPolicy | None) -> tuple[Runner, float | None]:
-        if draws.generation:
-            # Processors come from HF's own reading of the arguments: through the plug-in, which
-            # hands them to the engine as plain generate would apply them.
-            spec = PLAIN if policy is None else policy
-            return custom(spec, None), _draft_memory(decoder_for(model, spec))  # the process's threads, as ours
-        decoder = Decoder.for_policy(model, policy, threads=threads)
-
-        def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
-            settings = DecodeSettings(max_new, draws.sampling, draws.seed_for(ids), eos_token_ids)
-            return decoder.decode(ids, settings)
-
-        return run, _draft_memory(decoder)
-
-    def custom(policy: SkipPolicy | str, count: int | None) -> Runner:
-        """``policy`` through the plug-in under ``count`` threads (None: the process's own)."""
-
-        def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
-            seed = draws.seed_for(ids)
-            extra = dict(draws.generation)
-            return hf_custom_generate(model, ids, max_new, policy, eos_token_ids, draws.sampling, seed, **extra)
-
-        return _with_threads(run, count)
-
-    def hf(**extra: Any) -> Runner:
-        return _with_threads(_hf_runner(model, eos_token_ids, extra, draws), hf_threads)
-
-    methods: list[Method] = []
-    for name in names:
-        if name == "hf-ar":
-            methods.append(Method(name, hf()))
-        elif name == "ar":
-            methods.append(Method(name, ours(None)[0]))
-        elif name == "self-spec":
-            variants = {}
-            for label, policy in policies.items():
-                variants[label] = policy
-                if tree_ablation and policy.draft.uses_trees:
-                    variants[f"{label} (chain)"] = policy.chain()
-                if ablate:
-                    chosen = policy.ablations()
-                    if not isinstance(ablate, bool):  # only the ablations named
-                        chosen = {suffix: v for suffix, v in chosen.items() if suffix in set(ablate)}
-                    variants.update({f"{label}-{suffix}": v for suffix, v in chosen.items()})
-            for label, policy in variants.items():
-                full = name if len(variants) == 1 else f"{name}:{label}"
-                run, memory = ours(policy)
-                methods.append(Method(full, run, policy, memory))
-        elif name == "self-spec-lookup":
-            lookup = replace(
-                LOOKUP_ONLY,
-                draft=replace(LOOKUP_ONLY.draft, lookup_max_tokens=lookup_tokens, max_draft_tokens=lookup_tokens),
-            )
-            methods.append(Method(name, ours(lookup)[0], lookup))
-        elif name == "self-spec-on-the-fly":
-            selection = SkipPolicy.adaptive_selection(device=next(model.parameters()).device)
-            run, memory = ours(selection)
-            methods.append(Method(name, run, selection, memory))
-        elif name == "hf-custom":
-            for label, policy in policies.items():
-                full = name if len(policies) == 1 else f"{name}:{label}"
-                memory = _draft_memory(decoder_for(model, policy))
-                methods.append(Method(full, custom(policy, hf_threads), policy, memory))
-        elif name == "hf-pld":
-            methods.append(Method(name, hf(prompt_lookup_num_tokens=lookup_tokens)))
-        elif name == "hf-early-exit":
-            depth = _early_exit_depth(model, next(iter(policies.values()), None))
-            methods.append(Method(name, hf(assistant_early_exit=depth)))
-        elif name == "hf-assistant":
-            methods.append(Method(name, hf(assistant_model=assistant)))
-        elif name in llamacpp.METHODS and gguf is not None:
-            runner = llamacpp.LlamaCppRunner(
-                gguf,
-                torch.get_num_threads() if hf_threads is None else hf_threads,  # as HF's methods run
-                eos_token_ids,
-                lookup_tokens if name == "llama.cpp-lookup" else None,
-                expected_vocab=_vocabulary(model),
-            )
-            methods.append(Method(name, runner, computes_with=llamacpp.label(runner.quantisation)))
-    return methods
 
 
 def _vocabulary(model: nn.Module) -> int | None:
@@ -378,30 +348,19 @@ def run_benchmark(
     divergence classed (``measure.divergence``; ``tokenizer`` adds the two tokens' text). A sampled
     run (``config.sampling``) compares nothing: its rows' ``identical`` is None."""
     device = next(model.parameters()).device
+    runners = {m.name: m.run for m in methods}
     runs = run_interleaved(
-        {m.name: m.run for m in methods},
-        prompt_ids,
-        config.max_new_tokens,
-        device,
-        config.warmup_tokens,
-        config.progress,
-        desc="benchmark",
+        runners, prompt_ids, config.max_new_tokens, device, config.warmup_tokens, config.progress, desc="benchmark"
     )
-    if config.sampling is not None:  # draws: nothing to compare token for token, no divergence to class
-        return [
-            PromptResult(p.id, p.category, m.name, len(r.tokens), r.seconds, None, None, r.peak_memory_mb, r.stats)
-            for p, by_method in zip(prompts, runs)
-            for m in methods
-            for r in (by_method[m.name],)
-        ]
+    sampled = config.sampling is not None  # draws: nothing to compare token for token, no divergence to class
+    quiet = sampled or not config.progress
     rows: list[PromptResult] = []
     with DivergenceCheck(model, tokenizer) as check:  # its fp32 copy, if one is made, goes with it
-        for prompt, ids, by_method in tqdm(
-            list(zip(prompts, prompt_ids, runs)), desc="divergence check", disable=not config.progress, leave=False
-        ):
+        bar = tqdm(list(zip(prompts, prompt_ids, runs)), "divergence check", leave=False, disable=quiet)
+        for prompt, ids, by_method in bar:
             reference = by_method[BASELINE].tokens
             # Other arithmetic (llama.cpp) is counted where it equals hf-ar, never classed.
-            classed = [m for m in methods if m.computes_with is None]
+            classed = [] if sampled else [m for m in methods if m.computes_with is None]
             outputs = {m.name: by_method[m.name].tokens for m in classed}
             # A `defect` verdict is checked once more against the method's own forward schedule (run again).
             reruns = {m.name: _rerun(m.run, ids, config.max_new_tokens) for m in classed if m.name != BASELINE}
@@ -417,7 +376,7 @@ def run_benchmark(
                         method.name,
                         len(run.tokens),
                         run.seconds,
-                        same,
+                        None if sampled else same,
                         None if divergence is None else divergence.to_dict(),
                         run.peak_memory_mb,
                         run.stats,
@@ -601,7 +560,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     import transformers
 
     machine = this_machine(device)  # the same record a tuned policy keeps in its provenance
-    info: dict[str, Any] = {
+    return {
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),  # when the run ended
         "device": str(device),
         "device_name": machine.device_name,
@@ -617,7 +576,6 @@ def environment(device: torch.device) -> dict[str, Any]:
         },
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    return info
 
 
 def rows_as_dicts(rows: Sequence[PromptResult]) -> list[dict[str, Any]]:

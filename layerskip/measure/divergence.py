@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from layerskip.hf import adapters
-from layerskip.hf.cache import model_cache
+from layerskip.hf.cache import RollbackCache, model_cache
 from layerskip.hf.forward import positions, stack_forward
 from layerskip.integration.baselines import hf_greedy_logits
 
@@ -143,12 +143,9 @@ class DivergenceCheck:
     already): use it as a context manager, or call ``close``, so the copy is freed with the
     last check. ``tokenizer`` only adds the tokens' text to the reports."""
 
-    def __init__(
-        self, model: nn.Module, tokenizer: Any | None = None, block_sizes: Sequence[int] = BLOCK_SIZES
-    ) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.block_sizes = tuple(block_sizes)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self._fp32: nn.Module | None = None
@@ -257,11 +254,8 @@ class DivergenceCheck:
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        ids = [*prompt, *reference[:position]]
-        out = self.model(input_ids=torch.tensor([prompt], device=self.device), past_key_values=cache, use_cache=True)
-        for index in range(len(prompt), len(ids)):
-            step = torch.tensor([[ids[index]]], device=self.device)
-            out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
+        for block in [prompt, *([token] for token in reference[:position])]:  # the prompt, then a token a step
+            out = self.model(input_ids=torch.tensor([block], device=self.device), past_key_values=cache, use_cache=True)
         return out.logits[0, -1].float()
 
     def _token_divergence(
@@ -283,16 +277,11 @@ class DivergenceCheck:
             input_ids=torch.tensor([prefix], device=self.device), use_cache=False, logits_to_keep=1
         ).logits[0, -1]
         fp32_gap = gap(fp32_logits)
-        reference_logits = replay.get(position)
-        replayed = reference_logits is not None
-        if reference_logits is None:
-            reference_logits = self._plain_decoding_logits(prompt, reference, position)
-        reference_gap = gap(reference_logits)
-        gaps = {"reference": reference_gap}
+        replayed = position in replay
+        reference_gap = gap(replay[position] if replayed else self._plain_decoding_logits(prompt, reference, position))
         method_gaps = self._method_shape_gaps(prompt, prefix, tokens[position:], gap)
         if schedule:
             method_gaps.update(self._schedule_gaps(prompt, prefix, tokens, schedule, gap))
-        gaps.update(method_gaps)
         reference_error = abs(reference_gap - fp32_gap)
         floor = half_ulp(float(fp32_logits[r]), self.dtype) + half_ulp(float(fp32_logits[m]), self.dtype)
         method_error = max([floor, *(abs(g - fp32_gap) for g in method_gaps.values())])
@@ -329,7 +318,7 @@ class DivergenceCheck:
             witness,
             replayed,
             dtype,
-            gaps,
+            {"reference": reference_gap, **method_gaps},
         )
 
     def _schedule_gaps(
@@ -359,16 +348,18 @@ class DivergenceCheck:
             except RuntimeError:
                 return {}
             block = sequence[start : start + width]
-            block += [sequence[-1]] * (width - len(block))
-            hidden = stack_forward(
-                self.model, torch.tensor([block], device=self.device), cache, positions(start, width, self.device)
-            )[0]
+            hidden = self._forward(block + [sequence[-1]] * (width - len(block)), cache, start)
             if start <= target < start + width:
                 row = target - start
                 found = self._head_gaps(
                     f"the method's own forwards ({index + 1}: row {row} of {width} at {start})", hidden, row, gap
                 )
         return found
+
+    def _forward(self, tokens: list[int], cache: RollbackCache | None, start: int) -> torch.Tensor:
+        """The decoder stack's hidden states ``[q, H]`` of ``tokens`` at positions ``start`` on, over ``cache``."""
+        ids = torch.tensor([tokens], device=self.device)
+        return stack_forward(self.model, ids, cache, positions(start, len(tokens), self.device))[0]
 
     def _head_gaps(
         self, name: str, hidden: torch.Tensor, row: int, gap: Callable[[torch.Tensor], float]
@@ -392,39 +383,29 @@ class DivergenceCheck:
         as the last row of one forward over the prefix, and as a row of a q-row block over a cache
         filled in q-row blocks after the prompt's prefill, through both head products."""
         model = self.model
-        gaps: dict[str, float] = {}
-
-        def heads(name: str, hidden: torch.Tensor, row: int) -> None:
-            gaps.update(self._head_gaps(name, hidden, row, gap))
-
-        ids = torch.tensor([prefix], device=self.device)
-        whole = stack_forward(model, ids, None, positions(0, len(prefix), self.device))[0]  # [n, H]
-        heads("one forward over the prefix", whole[-1:], 0)
+        whole = self._forward(prefix, None, 0)  # [n, H]
+        gaps = self._head_gaps("one forward over the prefix", whole[-1:], 0, gap)
         generated = len(prefix) - len(prompt)  # p: the position's input token is the p-th after the prompt
         if generated == 0:
             return gaps  # every method computes the first new token in the prompt's prefill
         limit = adapters.max_positions(model)
         windows = adapters.sliding_windows(model)
         filler = [*after, prefix[-1]]  # tokens after the position: they shape the block, never its row's value
-        for q in self.block_sizes:
+        for q in BLOCK_SIZES:
             # The cache's history: the prompt's prefill, then the generated tokens in q-row blocks.
             cache = model_cache(model, windows)
-            stack_forward(
-                model, torch.tensor([prompt], device=self.device), cache, positions(0, len(prompt), self.device)
-            )
+            self._forward(prompt, cache, 0)
             start = len(prompt) + (generated - 1) // q * q  # the q-row block holding the position's input token
             for begin in range(len(prompt), start, q):
-                block = torch.tensor([prefix[begin : begin + q]], device=self.device)
-                stack_forward(model, block, cache, positions(begin, q, self.device))
+                self._forward(prefix[begin : begin + q], cache, begin)
             # The position as row ``row`` of every block width that holds it (a verify's width is
             # its draft's length plus one, padded or not): one more forward each over the same cache.
             row = len(prefix) - 1 - start
-            for width in sorted({row + 1, *(w for w in self.block_sizes if w > row)}):
+            for width in sorted({row + 1, *(w for w in BLOCK_SIZES if w > row)}):
                 if limit is not None and start + width > limit:
                     continue
                 tail = prefix[start:] + (filler * width)[: width - row - 1]
                 cache.rollback(start)
-                block = torch.tensor([tail], device=self.device)
-                hidden = stack_forward(model, block, cache, positions(start, width, self.device))[0]
-                heads(f"row {row} of {width}, cache in blocks of {q}", hidden, row)
+                hidden = self._forward(tail, cache, start)
+                gaps.update(self._head_gaps(f"row {row} of {width}, cache in blocks of {q}", hidden, row, gap))
         return gaps

@@ -153,7 +153,6 @@ class LlamaCppRunner:
             raise LayerskipError(f"llama.cpp cannot load GGUF file {peer.path} ({why}); pass a GGUF it reads") from None
         atexit.register(self.close)  # before interpreter teardown, when its __del__ would fail
         self.eos = frozenset(eos_token_ids)
-        self.threads = threads
         self.context = peer.context
         self.lookup_tokens = lookup_tokens or 0
         if expected_vocab is not None and self.llm.n_vocab() != expected_vocab:
@@ -179,11 +178,11 @@ class LlamaCppRunner:
         tokens: list[int] = []
         if max_new <= 0:
             return tokens, None
-        if len(ids) + max_new + self.lookup_tokens + 1 > self.context:  # llama-cpp-python would fail mid-call
+        needed = len(ids) + max_new + self.lookup_tokens + 1
+        if needed > self.context:  # llama-cpp-python would fail mid-call
             raise LayerskipError(
                 f"a prompt of {len(ids)} tokens and {max_new} new tokens do not fit llama.cpp's context of "
-                f"{self.context} tokens; build the GGUFPeer with a context of at least "
-                f"{len(ids) + max_new + self.lookup_tokens + 1}"
+                f"{self.context} tokens; build the GGUFPeer with a context of at least {needed}"
             )
         self.llm.reset()  # no prefix reuse from the previous call
         steps = self.llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)

@@ -42,19 +42,6 @@ def _status_mb(field: str) -> float | None:
     return int(match.group(1)) / 1024 if match else None
 
 
-def resident_mb() -> float | None:
-    return _status_mb("VmRSS")
-
-
-def reset_peak() -> bool:
-    """Reset the process's resident high-water mark; False where the kernel does not allow it."""
-    try:
-        CLEAR_REFS.write_text(RESET_PEAK)
-    except OSError:
-        return False
-    return True
-
-
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     # The process's own symbols: glibc's malloc_trim where the C library is glibc, else none.
@@ -66,8 +53,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def release_free_memory() -> None:
     """Hand the memory the C allocator keeps from freed blocks back to the system (glibc only)."""
-    trim = _malloc_trim()
-    if trim is not None:
+    if (trim := _malloc_trim()) is not None:
         trim(0)
 
 
@@ -76,7 +62,7 @@ def process_memory_mb(device: torch.device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
     release_free_memory()
-    return resident_mb()
+    return _status_mb("VmRSS")
 
 
 @torch.inference_mode()
@@ -99,9 +85,12 @@ def call_growth_mb(call: Callable[[], Any], device: torch.device) -> float | Non
         call()
         torch.cuda.synchronize(device)
         return (torch.cuda.max_memory_allocated(device) - start) / 2**20
-    release_free_memory()
-    start = resident_mb()
-    if start is None or not reset_peak():
+    start = process_memory_mb(device)
+    if start is None:
+        return None
+    try:
+        CLEAR_REFS.write_text(RESET_PEAK)
+    except OSError:  # a kernel that does not allow the reset
         return None
     call()
     peak = _status_mb("VmHWM")

@@ -61,9 +61,7 @@ def forward_costs(
     seconds = {b: verify_seconds(model, context, b, repeats) for b in blocks}
     twin = adapters.overhead_twin(model)
     twin_context = [t % adapters.TWIN_VOCAB for t in context]
-    twin_seconds = verify_seconds(twin, twin_context, 1, repeats)
-    del twin
-    return ForwardCosts(seconds, twin_seconds)
+    return ForwardCosts(seconds, verify_seconds(twin, twin_context, 1, repeats))
 
 
 @dataclass
@@ -136,6 +134,7 @@ def profile_report(costs: ForwardCosts, profiles: Sequence[ConfigProfile]) -> di
 
 
 CSV_COLUMNS = ("tokens_per_second", "speedup_vs_plain", "tokens_per_verify", "steps_with_draft", "lookup_share")
+MS_PARTS = ("total", "prefill", "draft", "verify_forward", "verify_rest", "loop_other", "framework_floor")
 
 
 def csv_text(report: dict[str, Any]) -> str:
@@ -165,32 +164,15 @@ def markdown(report: dict[str, Any]) -> str:
         "|" + "---|" * 13,
     ]
     for s in report["configs"]:
-        ms = s["ms_per_token"]
-        speed = s.get("speedup_vs_plain")
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    s["name"],
-                    f"{s['tokens_per_second']:.1f}",
-                    "-" if speed is None else f"{speed:.2f}x",
-                    "-" if s["tokens_per_verify"] is None else f"{s['tokens_per_verify']:.2f}",
-                    "-" if s["steps_with_draft"] is None else f"{100 * s['steps_with_draft']:.0f}%",
-                    "-" if s["lookup_share"] is None else f"{100 * s['lookup_share']:.0f}%",
-                    *(
-                        f"{ms[k]:.1f}"
-                        for k in (
-                            "total",
-                            "prefill",
-                            "draft",
-                            "verify_forward",
-                            "verify_rest",
-                            "loop_other",
-                            "framework_floor",
-                        )
-                    ),
-                ]
-            )
-            + " |"
-        )
+        speed, per_verify, drafted, lookup = (s.get(k) for k in CSV_COLUMNS[1:])
+        cells = [
+            s["name"],
+            f"{s['tokens_per_second']:.1f}",
+            "-" if speed is None else f"{speed:.2f}x",
+            "-" if per_verify is None else f"{per_verify:.2f}",
+            "-" if drafted is None else f"{100 * drafted:.0f}%",
+            "-" if lookup is None else f"{100 * lookup:.0f}%",
+            *(f"{s['ms_per_token'][part]:.1f}" for part in MS_PARTS),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

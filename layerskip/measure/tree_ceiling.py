@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Verdict, WrappingDrafter
 from layerskip.drafts.lookup import LookupMatch, match_lookups
@@ -50,13 +49,6 @@ class StepRecord:
     chain: list[int]
     alternatives: list[list[int]] | None = None  # [k][K]: the draft's best tokens per chain position
     accepted: int = 0
-
-
-@runtime_checkable
-class ShowsChain(Protocol):
-    """A drafter that shows the skip chain of its current step (``auto``'s), alternatives included."""
-
-    last_chain: ChainDraft | None
 
 
 def first_branch(proposal: Proposal) -> Proposal:
@@ -78,7 +70,7 @@ class RecordingDrafter(WrappingDrafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         proposal = first_branch(self.inner.propose(request))
-        chain = self.inner.last_chain if isinstance(self.inner, ShowsChain) else None
+        chain: ChainDraft | None = getattr(self.inner, "last_chain", None)  # auto's shows its step's skip chain
         alternatives = None
         if proposal.source == "skip" and chain is not None and chain.top_tokens is not None:
             alternatives = chain.top_tokens[: len(proposal)].tolist()
@@ -96,12 +88,7 @@ class RecordingDrafter(WrappingDrafter):
 
 def agreement(candidate: Sequence[int], truth: Sequence[int]) -> int:
     """How many leading tokens of ``candidate`` the text really continued with."""
-    count = 0
-    for proposed, actual in zip(candidate, truth):
-        if proposed != actual:
-            break
-        count += 1
-    return count
+    return next((i for i, (a, b) in enumerate(zip(candidate, truth)) if a != b), min(len(candidate), len(truth)))
 
 
 def tree_agreement(matches: Sequence[LookupMatch], budget: int, truth: Sequence[int]) -> int:
@@ -170,11 +157,12 @@ class TreeCeiling:
                 found = match_lookups(history, low, high, max_tokens, matches)
                 first = agreement(found[0].tokens, truth) if found else 0
                 best = max((agreement(m.tokens, truth) for m in found), default=0)
+                kept = max(first, record.accepted)
                 self.longer_runs += max(0, first - record.accepted)
-                self.other_matches += max(0, best - max(first, record.accepted))
+                self.other_matches += max(0, best - kept)
                 held = tree_agreement(found[: self.budget_matches], self.budget_nodes, truth)
-                self.matches_in_budget += max(0, held - max(first, record.accepted))
-                self.combined += max(0, best - max(first, record.accepted))
+                self.matches_in_budget += max(0, held - kept)
+                self.combined += max(0, best - kept)
             elif record.source == "skip":
                 self.skip_steps += 1
                 if record.accepted >= len(record.chain):
