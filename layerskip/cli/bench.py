@@ -235,7 +235,7 @@ def _main(argv: list[str] | None) -> int:
     loaded_mb = loaded_model_mb(model)  # the model loaded, no draft built yet (measure.memory)
     check_policies(policies, model)
     warn_if_tuned_elsewhere(policies, device, args)
-    assistant = load_model(args.assistant_model, args.dtype, args.device).model if args.assistant_model else None
+    helper = load_model(args.assistant_model, args.dtype, args.device) if args.assistant_model else None
     prompt_ids = encode_prompts(loaded, args, [p.text for p in prompts], [f"prompt {p.id}" for p in prompts])
     gguf = _gguf_peer(args, names, prompt_ids)
     methods = build_methods(
@@ -243,7 +243,7 @@ def _main(argv: list[str] | None) -> int:
         names,
         _eos(model, tokenizer, args.ignore_eos),
         policies,
-        assistant,
+        None if helper is None else helper.model,
         ablate=args.ablate,
         threads=args.threads,
         tree_ablation=args.tree_ablation,
@@ -251,6 +251,7 @@ def _main(argv: list[str] | None) -> int:
         seed=args.seed,
         generation=args.generation,
         gguf=gguf,
+        tokenizers=None if helper is None else (tokenizer, helper.tokenizer),
         lookup_tokens=LOOKUP_TOKENS,
     )
     config = BenchConfig(args.max_new_tokens, progress=not args.no_progress, sampling=sampling)

@@ -149,6 +149,7 @@ def build_methods(
     seed: int = 0,
     generation: dict[str, Any] | None = None,
     gguf: llamacpp.GGUFPeer | None = None,
+    tokenizers: tuple[Any, Any] | None = None,
 ) -> list[Method]:
     """Runnable methods by name. ``self-spec`` expands to one method per policy (``self-spec:NAME``
     when there are several); ``self-spec-lookup`` is prompt lookup alone inside our engine.
@@ -253,7 +254,11 @@ def build_methods(
                 depth = _early_exit_depth(model, next(iter(policies.values()), None))
                 methods.append(Method(name, hf(hf_threads, assistant_early_exit=depth)))
             elif name == "hf-assistant":
-                methods.append(Method(name, hf(hf_threads, assistant_model=assistant)))
+                # Tokenizers that differ (another family's model) take HF's universal assisted
+                # generation, which needs both.
+                differ = tokenizers is not None and tokenizers[0].get_vocab() != tokenizers[1].get_vocab()
+                pair = dict(tokenizer=tokenizers[0], assistant_tokenizer=tokenizers[1]) if differ else {}
+                methods.append(Method(name, hf(hf_threads, assistant_model=assistant, **pair)))
             elif name in llamacpp.METHODS and gguf is not None:
                 runner = llamacpp.LlamaCppRunner(
                     gguf,
