@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
+from itertools import zip_longest
 from pathlib import Path
 
 from layerskip.errors import LayerskipError
@@ -43,24 +44,22 @@ def _from_spec_bench_rows(rows: list[dict], source: str) -> list[Prompt]:
     return prompts
 
 
+# Names ``--prompts`` takes besides a path, and what messages call them. "builtin": the project's
+# own 18 prompts, three in each Spec-Bench category; "code": its own 12 code-continuation prompts
+# (Python, C, JavaScript, SQL), text no study here was tuned on, to check a policy away from its
+# calibration prompts.
+PACKAGED_PROMPTS = {"builtin": "built-in prompts", "code": "code prompts"}
+
+
+def packaged_prompts(name: str) -> list[Prompt]:
+    """The packaged prompt set ``name`` (a key of ``PACKAGED_PROMPTS``)."""
+    text = files("layerskip").joinpath(f"prompts/{name}.jsonl").read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return _from_spec_bench_rows(rows, PACKAGED_PROMPTS[name])
+
+
 def builtin_prompts() -> list[Prompt]:
-    """The project's own 18 prompts, three in each Spec-Bench category."""
-    return _packaged("builtin.jsonl", "built-in prompts")
-
-
-def code_prompts() -> list[Prompt]:
-    """The project's own 12 code-continuation prompts (Python, C, JavaScript, SQL): text no study
-    here was tuned on, to check a policy away from its calibration prompts."""
-    return _packaged("code.jsonl", "code prompts")
-
-
-# Names ``--prompts`` takes besides a path.
-PACKAGED_PROMPTS = {"builtin": builtin_prompts, "code": code_prompts}
-
-
-def _packaged(name: str, label: str) -> list[Prompt]:
-    text = files("layerskip").joinpath(f"prompts/{name}").read_text(encoding="utf-8")
-    return _from_spec_bench_rows([json.loads(line) for line in text.splitlines() if line.strip()], label)
+    return packaged_prompts("builtin")
 
 
 def _read_jsonl(path: Path, text: str) -> list[dict] | None:
@@ -145,7 +144,7 @@ def load_prompts(
     if n is not None and n <= 0:
         raise LayerskipError(f"the number of prompts must be > 0 (got {n})")
     if source in PACKAGED_PROMPTS:
-        prompts = PACKAGED_PROMPTS[source]()
+        prompts = packaged_prompts(source)
     else:
         fix = "pass an existing path, 'builtin' or 'code'"
         path = Path(source).expanduser()
@@ -178,10 +177,5 @@ def load_prompts(
         for category, items in by_category.items():
             by_category[category] = sorted(rng.sample(items, min(per_category, len(items))), key=prompts.index)
     # Interleave categories so a cap of n keeps them balanced.
-    ordered: list[Prompt] = []
-    queues = [list(items) for items in by_category.values()]
-    while any(queues):
-        for queue in queues:
-            if queue:
-                ordered.append(queue.pop(0))
+    ordered = [p for round_ in zip_longest(*by_category.values()) for p in round_ if p is not None]
     return ordered[:n] if n is not None else ordered

@@ -16,11 +16,13 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from layerskip.engine.threads import available_cpus
 
 CPUINFO = Path("/proc/cpuinfo")
 # The checkout the package runs from: its parent holds ``layerskip/`` (a package installed elsewhere is no checkout).
@@ -60,13 +62,7 @@ class Machine:
     cores: int = 0  # CPUs this process may run on (informative: not compared)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "device_name": self.device_name,
-            "cpu_model": self.cpu_model,
-            "cpu_flags": list(self.cpu_flags),
-            "cores": self.cores,
-        }
+        return {**asdict(self), "cpu_flags": list(self.cpu_flags)}
 
     @classmethod
     def from_dict(cls, data: Any) -> Machine | None:
@@ -114,7 +110,7 @@ def this_machine(device: str | torch.device = "cpu") -> Machine:
     device = torch.device(device)
     model, flags = cpu_model_and_flags()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else model
-    return Machine(device=device.type, device_name=name, cpu_model=model, cpu_flags=flags, cores=_cores())
+    return Machine(device=device.type, device_name=name, cpu_model=model, cpu_flags=flags, cores=available_cpus())
 
 
 def cpu_model_and_flags(cpuinfo: Path = CPUINFO) -> tuple[str, tuple[str, ...]]:
@@ -136,13 +132,6 @@ def cpu_model_and_flags(cpuinfo: Path = CPUINFO) -> tuple[str, tuple[str, ...]]:
             break  # every CPU repeats both: the first one's are enough
     model = model or platform.processor() or platform.machine() or "unknown CPU"
     return model, tuple(flag for flag in KERNEL_FLAGS if flag in present)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 0
 
 
 def code_version(root: Path = SOURCE_ROOT) -> dict[str, Any]:
