@@ -17,7 +17,7 @@ from importlib.resources import files
 from itertools import zip_longest
 from pathlib import Path
 
-from layerskip.errors import LayerskipError
+from layerskip.errors import LayerskipError, first_line
 from layerskip.fileio import MAX_JSON_BYTES, JsonProblem, check_regular_file, parse_json, read_text
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -107,7 +107,7 @@ def _read_with_datasets(path: Path, text_field: str | None) -> list[Prompt]:
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many types for malformed files
-        raise LayerskipError(f"cannot read prompts from {path}: {str(exc).splitlines()[0]}") from None
+        raise LayerskipError(f"cannot read prompts from {path}: {first_line(exc)}") from None
     finally:
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
     field = text_field or next((name for name in ("text", "prompt", "question") if name in table.column_names), None)
