@@ -148,12 +148,7 @@ def code_version(root: Path = SOURCE_ROOT) -> dict[str, Any]:
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(
-                ["git", "-C", str(root), *args],
-                capture_output=True,
-                text=True,
-                timeout=GIT_TIMEOUT_S,
-                env=env,
-                check=False,
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=GIT_TIMEOUT_S, env=env
             )
         except (OSError, subprocess.SubprocessError, ValueError):
             return None

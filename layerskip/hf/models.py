@@ -504,10 +504,9 @@ def load_model(
         raise unsafe_weights_error(files, where, exc) from None
     except (OSError, ValueError) as exc:  # ValueError: a config.json without a known model_type
         raise LayerskipError(f"cannot load model {where}: {first_line(exc)}") from None
-    except SafetensorError as exc:  # it names no file: the damaged one is found below
-        raise damaged_weights_error(files, where, name_or_path if hub else None, exc) from None
-    except RuntimeError as exc:  # torch's reader of a cut-short pytorch_model.bin; anything else is a bug
-        if not _damaged_weight_files(files):
+    except (SafetensorError, RuntimeError) as exc:  # neither names the damaged file: it is found here
+        # A RuntimeError is torch's reader of a cut-short pytorch_model.bin; anything else is a bug.
+        if isinstance(exc, RuntimeError) and not _damaged_weight_files(files):
             raise
         raise damaged_weights_error(files, where, name_or_path if hub else None, exc) from None
     try:
