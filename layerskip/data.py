@@ -118,13 +118,11 @@ def _read_with_datasets(path: Path, text_field: str | None) -> list[Prompt]:
             f"{path} has no 'turns' (Spec-Bench rows) and no 'text', 'prompt' or 'question' column; "
             f"pass --text-field, one of {table.column_names}"
         )
-    has_category = "category" in table.column_names
-    prompts = []
-    for index, row in enumerate(table):
-        text = row[field]
-        if isinstance(text, str) and text.strip():
-            prompts.append(Prompt(str(index), str(row["category"]) if has_category else "default", text))
-    return prompts
+    return [
+        Prompt(str(index), str(row.get("category", "default")), row[field])
+        for index, row in enumerate(table)
+        if isinstance(row[field], str) and row[field].strip()
+    ]
 
 
 def load_prompts(
