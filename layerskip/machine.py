@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from layerskip.engine.threads import available_cpus
-
 CPUINFO = Path("/proc/cpuinfo")
 # The checkout the package runs from: its parent holds ``layerskip/`` (a package installed elsewhere is no checkout).
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +108,7 @@ def this_machine(device: str | torch.device = "cpu") -> Machine:
     device = torch.device(device)
     model, flags = cpu_model_and_flags()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else model
-    return Machine(device=device.type, device_name=name, cpu_model=model, cpu_flags=flags, cores=available_cpus())
+    return Machine(device=device.type, device_name=name, cpu_model=model, cpu_flags=flags, cores=_cores())
 
 
 def cpu_model_and_flags(cpuinfo: Path = CPUINFO) -> tuple[str, tuple[str, ...]]:
@@ -132,6 +130,13 @@ def cpu_model_and_flags(cpuinfo: Path = CPUINFO) -> tuple[str, tuple[str, ...]]:
             break  # every CPU repeats both: the first one's are enough
     model = model or platform.processor() or platform.machine() or "unknown CPU"
     return model, tuple(flag for flag in KERNEL_FLAGS if flag in present)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 0
 
 
 def code_version(root: Path = SOURCE_ROOT) -> dict[str, Any]:
