@@ -14,9 +14,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.resources import files
+from itertools import zip_longest
 from pathlib import Path
 
-from layerskip.errors import LayerskipError
+from layerskip.errors import LayerskipError, first_line
 from layerskip.fileio import MAX_JSON_BYTES, JsonProblem, check_regular_file, parse_json, read_text
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -43,24 +44,22 @@ def _from_spec_bench_rows(rows: list[dict], source: str) -> list[Prompt]:
     return prompts
 
 
+# Names ``--prompts`` takes besides a path, and what messages call them. "builtin": the project's
+# own 18 prompts, three in each Spec-Bench category; "code": its own 12 code-continuation prompts
+# (Python, C, JavaScript, SQL), text no study here was tuned on, to check a policy away from its
+# calibration prompts.
+PACKAGED_PROMPTS = {"builtin": "built-in prompts", "code": "code prompts"}
+
+
+def packaged_prompts(name: str) -> list[Prompt]:
+    """The packaged prompt set ``name`` (a key of ``PACKAGED_PROMPTS``)."""
+    text = files("layerskip").joinpath(f"prompts/{name}.jsonl").read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return _from_spec_bench_rows(rows, PACKAGED_PROMPTS[name])
+
+
 def builtin_prompts() -> list[Prompt]:
-    """The project's own 18 prompts, three in each Spec-Bench category."""
-    return _packaged("builtin.jsonl", "built-in prompts")
-
-
-def code_prompts() -> list[Prompt]:
-    """The project's own 12 code-continuation prompts (Python, C, JavaScript, SQL): text no study
-    here was tuned on, to check a policy away from its calibration prompts."""
-    return _packaged("code.jsonl", "code prompts")
-
-
-# Names ``--prompts`` takes besides a path.
-PACKAGED_PROMPTS = {"builtin": builtin_prompts, "code": code_prompts}
-
-
-def _packaged(name: str, label: str) -> list[Prompt]:
-    text = files("layerskip").joinpath(f"prompts/{name}").read_text(encoding="utf-8")
-    return _from_spec_bench_rows([json.loads(line) for line in text.splitlines() if line.strip()], label)
+    return packaged_prompts("builtin")
 
 
 def _read_jsonl(path: Path, text: str) -> list[dict] | None:
@@ -108,7 +107,7 @@ def _read_with_datasets(path: Path, text_field: str | None) -> list[Prompt]:
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many types for malformed files
-        raise LayerskipError(f"cannot read prompts from {path}: {str(exc).splitlines()[0]}") from None
+        raise LayerskipError(f"cannot read prompts from {path}: {first_line(exc)}") from None
     finally:
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
     field = text_field or next((name for name in ("text", "prompt", "question") if name in table.column_names), None)
@@ -119,13 +118,11 @@ def _read_with_datasets(path: Path, text_field: str | None) -> list[Prompt]:
             f"{path} has no 'turns' (Spec-Bench rows) and no 'text', 'prompt' or 'question' column; "
             f"pass --text-field, one of {table.column_names}"
         )
-    has_category = "category" in table.column_names
-    prompts = []
-    for index, row in enumerate(table):
-        text = row[field]
-        if isinstance(text, str) and text.strip():
-            prompts.append(Prompt(str(index), str(row["category"]) if has_category else "default", text))
-    return prompts
+    return [
+        Prompt(str(index), str(row.get("category", "default")), row[field])
+        for index, row in enumerate(table)
+        if isinstance(row[field], str) and row[field].strip()
+    ]
 
 
 def load_prompts(
@@ -145,7 +142,7 @@ def load_prompts(
     if n is not None and n <= 0:
         raise LayerskipError(f"the number of prompts must be > 0 (got {n})")
     if source in PACKAGED_PROMPTS:
-        prompts = PACKAGED_PROMPTS[source]()
+        prompts = packaged_prompts(source)
     else:
         fix = "pass an existing path, 'builtin' or 'code'"
         path = Path(source).expanduser()
@@ -178,10 +175,5 @@ def load_prompts(
         for category, items in by_category.items():
             by_category[category] = sorted(rng.sample(items, min(per_category, len(items))), key=prompts.index)
     # Interleave categories so a cap of n keeps them balanced.
-    ordered: list[Prompt] = []
-    queues = [list(items) for items in by_category.values()]
-    while any(queues):
-        for queue in queues:
-            if queue:
-                ordered.append(queue.pop(0))
+    ordered = [p for round_ in zip_longest(*by_category.values()) for p in round_ if p is not None]
     return ordered[:n] if n is not None else ordered

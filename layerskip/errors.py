@@ -15,3 +15,8 @@ def few(values: Sequence[object], shown: int = 5) -> str:
     head = ", ".join(str(v) for v in values[:shown])
     rest = len(values) - shown
     return f"[{head}]" if rest <= 0 else f"[{head}] and {rest} more"
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type's name where it has none), for a one-line report."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -43,18 +43,14 @@ class NotRegularFile(LayerskipError):
 # -- writing ---------------------------------------------------------------------------------------
 
 
-def _special(path: Path, follow_links: bool = True) -> bool:
-    """Whether ``path`` exists as something other than a regular file, a directory or (not
-    ``follow_links``) a link, which is then looked at itself rather than what it leads to."""
+def _refuse_special(path: Path, flag: str | None = None, follow_links: bool = True) -> None:
+    """Raise NotRegularFile if ``path`` exists as something other than a regular file, a directory
+    or (not ``follow_links``) a link, which is then looked at itself rather than what it leads to."""
     try:
         mode = (path.stat() if follow_links else path.lstat()).st_mode
     except OSError:
-        return False  # absent, or a dangling link: writing makes a new file there
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
-
-
-def _refuse_special(path: Path, flag: str | None = None, follow_links: bool = True) -> None:
-    if _special(path, follow_links):
+        return  # absent, or a dangling link: writing makes a new file there
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
         named = f"{flag} {path}" if flag else str(path)
         raise NotRegularFile(f"{named} {NOT_REGULAR}; it is left as it is: name a regular file or a new path")
 
@@ -79,6 +75,13 @@ def _through_link(path: Path) -> Path:
     return Path(os.path.realpath(path)) if path.is_symlink() and path.exists() else path
 
 
+def _plain_mode() -> int:
+    """The mode a plain open() gives a new file (mkstemp and mkdtemp make theirs private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes, *, owned: bool = False) -> Path:
     """Write ``payload`` to ``path`` atomically; returns the path written.
 
@@ -95,10 +98,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], payload: bytes, *, owned: b
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
-        # mkstemp makes the file private (0600); give it the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, _plain_mode())
         replace_file(tmp, path, owned=owned)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -112,14 +112,6 @@ def write_text_atomic(path: str | os.PathLike[str], text: str, *, owned: bool = 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any, *, owned: bool = False) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=2) + "\n", owned=owned)
-
-
-def _nearest_existing(path: Path) -> Path:
-    """``path`` or its closest ancestor that exists (what a later mkdir would start from); a link
-    that leads nowhere counts, since mkdir stops at it too."""
-    while not (path.exists() or path.is_symlink()) and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _broken_link(path: Path) -> str | None:
@@ -149,8 +141,11 @@ def _writable(directory: Path) -> bool:
 
 
 def _check_creatable(path: Path, flag: str) -> None:
-    """``path`` does not exist yet: its closest existing ancestor must be a writable directory."""
-    base = _nearest_existing(path.parent)
+    """``path`` does not exist yet: its closest existing ancestor (what a later mkdir would start
+    from; a link that leads nowhere counts, since mkdir stops at it too) must be a writable directory."""
+    base = path.parent
+    while not (base.exists() or base.is_symlink()) and base != base.parent:
+        base = base.parent
     problem = _broken_link(base)
     if problem is not None:
         raise LayerskipError(f"{flag} {path}: {base}: {problem}; choose another path")
@@ -176,8 +171,8 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
         # Replaced atomically (a new file in the same directory), so the directory must be writable too.
         if not _writable(_through_link(path).parent):
             raise LayerskipError(f"{flag} {path}: directory {path.parent} is not writable; choose another path")
-        return path
-    _check_creatable(path, flag)
+    else:
+        _check_creatable(path, flag)
     return path
 
 
@@ -231,11 +226,10 @@ def write_file_set(directory: str | os.PathLike[str], payloads: dict[str, bytes]
     directory.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.staging-", dir=directory.parent))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
+        mode = _plain_mode()
         for name, payload in payloads.items():
             (staging / name).write_bytes(payload)
-            os.chmod(staging / name, 0o666 & ~umask)
+            os.chmod(staging / name, mode)
         written = []
         for name in payloads:
             os.replace(staging / name, directory / name)
@@ -258,10 +252,6 @@ class UnreadableFile(LayerskipError):
         self.reason = reason
 
 
-def _unreadable(what: str, path: Path, reason: str, fix: str) -> UnreadableFile:
-    return UnreadableFile(what, path, reason, fix)
-
-
 def _path_problem(path: Path, error: OSError) -> str:
     """Why opening ``path`` failed, in words: links that lead nowhere are named as such."""
     if error.errno == errno.ELOOP:
@@ -280,38 +270,44 @@ def check_regular_file(path: str | os.PathLike[str], what: str, fix: str, limit:
     try:
         info = path.stat()
     except OSError as error:
-        raise _unreadable(what, path, _path_problem(path, error), fix) from None
+        raise UnreadableFile(what, path, _path_problem(path, error), fix) from None
     _check_kind(path, info, what, fix, limit)
     return path
 
 
 def _check_kind(path: Path, info: os.stat_result, what: str, fix: str, limit: int) -> None:
     if stat.S_ISDIR(info.st_mode):
-        raise _unreadable(what, path, "it is a directory", fix)
+        raise UnreadableFile(what, path, "it is a directory", fix)
     if not stat.S_ISREG(info.st_mode):
-        raise _unreadable(what, path, f"it {NOT_REGULAR}", fix)
+        raise UnreadableFile(what, path, f"it {NOT_REGULAR}", fix)
     if info.st_size > limit:
-        raise _unreadable(what, path, f"it is larger than {limit / 2**20:g} MiB", fix)
+        raise UnreadableFile(what, path, f"it is larger than {limit / 2**20:g} MiB", fix)
 
 
-def read_file_bytes(path: str | os.PathLike[str], what: str, fix: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of the regular file at ``path`` (at most ``limit``); anything else is one line
-    (``what`` names the file, ``fix`` says what to pass instead)."""
+def read_text(path: str | os.PathLike[str], what: str, fix: str, limit: int = MAX_JSON_BYTES) -> str:
+    """The UTF-8 text (an optional byte-order mark dropped) of the regular file at ``path`` (at most
+    ``limit`` bytes); anything else is one line (``what`` names the file, ``fix`` says what to pass
+    instead)."""
     path = check_regular_file(path, what, fix, limit)
     try:
         # Non-blocking: should the path have become a FIFO since the check, opening it does not wait.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
-        raise _unreadable(what, path, _path_problem(path, error), fix) from None
+        raise UnreadableFile(what, path, _path_problem(path, error), fix) from None
     with os.fdopen(fd, "rb") as handle:
         _check_kind(path, os.fstat(fd), what, fix, limit)  # what was opened, not what was checked
         try:
             data = handle.read(limit + 1)
         except OSError as error:
-            raise _unreadable(what, path, error.strerror or str(error), fix) from None
+            raise UnreadableFile(what, path, error.strerror or str(error), fix) from None
     if len(data) > limit:  # grew since it was checked
-        raise _unreadable(what, path, f"it is larger than {limit / 2**20:g} MiB", fix)
-    return data
+        raise UnreadableFile(what, path, f"it is larger than {limit / 2**20:g} MiB", fix)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        reason = f"it is not UTF-8 text (line {line}, byte {error.start})"
+        raise UnreadableFile(what, path, reason, "save it as UTF-8") from None
 
 
 class JsonProblem(ValueError):
@@ -323,19 +319,13 @@ class JsonProblem(ValueError):
         self.fix = fix
 
 
-class _RepeatedKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
 def _without_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are all different: with a key given twice, json keeps the last
     copy and the other is silently lost."""
     data: dict[str, Any] = {}
     for key, value in pairs:
         if key in data:
-            raise _RepeatedKey(key)
+            raise JsonProblem(f"it gives key '{key}' twice in one object", "keep the one you mean")
         data[key] = value
     return data
 
@@ -370,8 +360,6 @@ def parse_json(text: str, expect: type | None = dict, unique_keys: bool = False)
     ``unique_keys``: an object giving a key twice is refused. JsonProblem says what is wrong."""
     try:
         value = json.loads(text, object_pairs_hook=_without_repeated_keys if unique_keys else None)
-    except _RepeatedKey as error:
-        raise JsonProblem(f"it gives key '{error.key}' twice in one object", "keep the one you mean") from None
     except json.JSONDecodeError as error:
         raise JsonProblem(f"not valid JSON ({error.msg}: line {error.lineno} column {error.colno})") from None
     except RecursionError:
@@ -463,12 +451,6 @@ def _key_path(path: str, key: str) -> str:
     return f"{path}[{key!r}]"
 
 
-def _fits(value: Any, kind: type | tuple[type, ...]) -> bool:
-    if isinstance(value, bool) and kind is int:
-        return False
-    return isinstance(value, kind)
-
-
 def check_shape(value: Any, shape: Any, path: str = "") -> None:
     """Raise JsonProblem naming the first part of ``value`` that does not have ``shape``."""
     here = path or "it"
@@ -488,9 +470,10 @@ def check_shape(value: Any, shape: Any, path: str = "") -> None:
             shown = _json_type(value) if not number else str(value)
             raise JsonProblem(f"{here} is {shown}, not {_describe(shape)}")
         return
+    kind = dict if isinstance(shape, (Obj, Table)) else list if isinstance(shape, Items) else shape
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise JsonProblem(f"{here} is {_json_type(value)}, not {_describe(shape)}")
     if isinstance(shape, Obj):
-        if not isinstance(value, dict):
-            raise JsonProblem(f"{here} is {_json_type(value)}, not an object")
         for key, inner in shape.required.items():
             if key not in value:
                 raise JsonProblem(f"{here} has no '{key}' ({_describe(inner)})")
@@ -498,35 +481,14 @@ def check_shape(value: Any, shape: Any, path: str = "") -> None:
         for key, inner in shape.optional.items():
             if key in value:
                 check_shape(value[key], inner, _key_path(path, key))
-        return
-    if isinstance(shape, Table):
-        if not isinstance(value, dict):
-            raise JsonProblem(f"{here} is {_json_type(value)}, not an object")
+    elif isinstance(shape, Table):
         for key, inner in value.items():
             if shape.int_keys and not re.fullmatch(r"-?[0-9]{1,18}", key):
                 raise JsonProblem(f"{here} has key {key!r}, not an integer")
             check_shape(inner, shape.value, _key_path(path, key))
-        return
-    if isinstance(shape, Items):
-        if not isinstance(value, list):
-            raise JsonProblem(f"{here} is {_json_type(value)}, not a list")
+    elif isinstance(shape, Items):
         for index, item in enumerate(value):
-            check_shape(item, shape.item, f"{path or 'it'}[{index}]")
-        return
-    if not _fits(value, shape):
-        raise JsonProblem(f"{here} is {_json_type(value)}, not {_describe(shape)}")
-
-
-def read_text(path: str | os.PathLike[str], what: str, fix: str, limit: int = MAX_JSON_BYTES) -> str:
-    """The UTF-8 text (an optional byte-order mark dropped) of the regular file at ``path``."""
-    data = read_file_bytes(path, what, fix, limit)
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        reason = f"it is not UTF-8 text (line {line}, byte {error.start})"
-        raise _unreadable(what, Path(path).expanduser(), reason, "save it as UTF-8") from None
-
+            check_shape(item, shape.item, f"{here}[{index}]")
 
 def load_json(
     path: str | os.PathLike[str],
@@ -548,7 +510,7 @@ def load_json(
             check_shape(value, shape)
         return value
     except JsonProblem as problem:
-        raise _unreadable(what, Path(path).expanduser(), problem.reason, problem.fix or fix) from None
+        raise UnreadableFile(what, Path(path).expanduser(), problem.reason, problem.fix or fix) from None
 
 
 def read_json_file(path: Path, limit: int = MAX_JSON_BYTES) -> object:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +60,7 @@ class Machine:
     cores: int = 0  # CPUs this process may run on (informative: not compared)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "device_name": self.device_name,
-            "cpu_model": self.cpu_model,
-            "cpu_flags": list(self.cpu_flags),
-            "cores": self.cores,
-        }
+        return {**asdict(self), "cpu_flags": list(self.cpu_flags)}
 
     @classmethod
     def from_dict(cls, data: Any) -> Machine | None:
@@ -159,12 +153,7 @@ def code_version(root: Path = SOURCE_ROOT) -> dict[str, Any]:
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(
-                ["git", "-C", str(root), *args],
-                capture_output=True,
-                text=True,
-                timeout=GIT_TIMEOUT_S,
-                env=env,
-                check=False,
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=GIT_TIMEOUT_S, env=env
             )
         except (OSError, subprocess.SubprocessError, ValueError):
             return None

@@ -103,13 +103,8 @@ class GenerationStats:
         return total
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(
-            mean_accepted=self.mean_accepted,
-            acceptance_rate=self.acceptance_rate,
-            tokens_per_second=self.tokens_per_second,
-        )
-        return data
+        rates = ("mean_accepted", "acceptance_rate", "tokens_per_second")
+        return asdict(self) | {name: getattr(self, name) for name in rates}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationStats:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from layerskip.data import load_prompts
@@ -66,10 +66,7 @@ class Split:
     held_out: list[Document]
 
     def domains(self) -> dict[str, list[str]]:
-        return {
-            name: sorted({d.domain for d in documents})
-            for name, documents in (("train", self.train), ("validation", self.validation), ("held_out", self.held_out))
-        }
+        return {part.name: sorted({d.domain for d in getattr(self, part.name)}) for part in fields(self)}
 
 
 def split_documents(

@@ -170,10 +170,7 @@ def own_continuations(
     continued = batched_continuations(
         model, [encoded[i] for i in order], new_tokens, pad, temperature=temperature, seed=seed, progress=progress
     )
-    documents_out = [
-        Document(chosen[i].domain + OWN_SUFFIX, "", tuple(encoded[i] + c)) for i, c in zip(order, continued)
-    ]
-    return documents_out
+    return [Document(chosen[i].domain + OWN_SUFFIX, "", tuple(encoded[i] + c)) for i, c in zip(order, continued)]
 
 
 def cache_key(fingerprint: str, documents: Sequence[tuple[str, str]], layers: Sequence[int], settings: dict) -> str:

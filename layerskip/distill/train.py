@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import math
 import os
 import pickle
@@ -24,6 +25,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,11 +54,10 @@ class TrainSettings:
 
 @dataclass
 class Scores:
-    """Agreement (draft top-1 == teacher top-1), distillation loss and KL over some positions."""
+    """Agreement (draft top-1 == teacher top-1) and KL over some positions."""
 
     positions: int = 0
     agreement: float = 0.0
-    loss: float = 0.0
     kl: float = 0.0
 
 
@@ -164,12 +165,10 @@ def evaluate(
                 total[0] += match[row].numel()
                 total[1] += float(match[row].sum())
                 total[2] += float(kl[row].sum())
-    return {key: Scores(int(n), right / n, kl / n, kl / n) for key, (n, right, kl) in sums.items()}
+    return {key: Scores(int(n), right / n, kl / n) for key, (n, right, kl) in sums.items()}
 
 
 def _save_checkpoint(path: Path, state: dict) -> None:
-    import io
-
     buffer = io.BytesIO()
     torch.save(state, buffer)
     write_bytes_atomic(path, buffer.getvalue())
@@ -197,32 +196,29 @@ def unreadable_reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {detail}"
 
 
+# A checkpoint: the state of each of a run's parts (module, optimizer, scheduler), its counters, and its settings.
 COUNTERS = ("step", "finished", "best_loss", "best_state", "waited", "evaluations")
 
 
-def _resume(
-    path: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
-) -> dict | None:
-    """Load a run's checkpoint into ``module``, ``optimizer`` and ``scheduler``; returns its counters.
+def _resume(path: Path, parts: dict[str, Any]) -> dict | None:
+    """Load a run's checkpoint into its ``parts`` (module, optimizer, scheduler by name); returns its counters.
 
     A checkpoint that cannot be read or does not fit (truncated by a kill, written by another
-    version) is warned about and None returned, with all three as they were: the adapter is
+    version) is warned about and None returned, with every part as it was: the adapter is
     trained again from the start, as a damaged teacher cache is collected again."""
-    before = (copy.deepcopy(module.state_dict()), copy.deepcopy(optimizer.state_dict()), scheduler.state_dict())
+    before = {name: copy.deepcopy(part.state_dict()) for name, part in parts.items()}
     try:
         state = load_state(path)
         if state["best_state"] is not None:
-            module.load_state_dict(state["best_state"])  # it is loaded at the end: it must fit too
-        module.load_state_dict(state["module"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+            parts["module"].load_state_dict(state["best_state"])  # it is loaded at the end: it must fit too
+        for name, part in parts.items():
+            part.load_state_dict(state[name])
         counters = {name: state[name] for name in COUNTERS}
         if not isinstance(counters["step"], int) or counters["step"] < 0:
             raise ValueError(f"step {counters['step']!r}")
     except Exception as exc:  # torch.load and load_state_dict raise many types for a damaged file
-        module.load_state_dict(before[0])
-        optimizer.load_state_dict(before[1])
-        scheduler.load_state_dict(before[2])
+        for name, part in parts.items():
+            part.load_state_dict(before[name])
         print(
             f"warning: checkpoint {path} is unreadable ({unreadable_reason(exc)}); training this adapter "
             "again from the start",
@@ -230,6 +226,18 @@ def _resume(
         )
         return None
     return counters
+
+
+def _validation_kl(student: Student, module: nn.Module, validation: TeacherData) -> float:
+    """The mean KL over ``validation`` of ``module`` in eval mode; it is left training."""
+    module.eval()
+    kl = evaluate(student, module, validation)["all"].kl
+    module.train()
+    return kl
+
+
+def _copied_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def train_adapter(
@@ -262,17 +270,16 @@ def train_adapter(
     )
     step, best_loss, best_state, waited, finished = 0, math.inf, None, 0, False
     evaluations: list[dict[str, float]] = []
+    parts = {"module": module, "optimizer": optimizer, "scheduler": scheduler}
     path = Path(checkpoint) if checkpoint is not None else None
-    resumed = _resume(path, module, optimizer, scheduler) if path is not None and path.is_file() else None
+    resumed = _resume(path, parts) if path is not None and path.is_file() else None
     if resumed is not None:
         step, finished, best_loss, best_state, waited, evaluations = (resumed[name] for name in COUNTERS)
     elif validation.domains:
         # The starting adapter is a candidate too (for a linear one: the plain exit), so the
         # result is never worse on validation than where it started.
-        module.eval()
-        best_loss = evaluate(student, module, validation)["all"].kl
-        module.train()
-        best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        best_loss = _validation_kl(student, module, validation)
+        best_state = _copied_state(module)
         evaluations.append({"step": 0, "validation_kl": best_loss, "train_loss": math.nan})
     order_rng = random.Random(settings.seed)
     orders = [order_rng.sample(range(chunks), chunks) for _ in range(settings.epochs)]  # fixed: a resume replays them
@@ -295,35 +302,20 @@ def train_adapter(
             step += 1
             bar.update(1)
             if step % eval_every == 0 or step == total_steps:
-                module.eval()
-                scores = evaluate(student, module, validation)["all"] if validation.domains else None
-                module.train()
-                val = scores.kl if scores is not None else float(loss.detach())
+                val = _validation_kl(student, module, validation) if validation.domains else float(loss.detach())
                 evaluations.append({"step": step, "validation_kl": val, "train_loss": float(loss.detach())})
                 if val < best_loss - 1e-4:
                     best_loss, waited = val, 0
-                    best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+                    best_state = _copied_state(module)
                 else:
                     waited += 1
                 bar.set_postfix(val_kl=f"{val:.3f}", best=f"{best_loss:.3f}")
                 stopped_early = waited >= settings.patience
                 finished = stopped_early or step == total_steps
                 if path is not None:
-                    _save_checkpoint(
-                        path,
-                        {
-                            "module": module.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                            "scheduler": scheduler.state_dict(),
-                            "step": step,
-                            "finished": finished,
-                            "best_loss": best_loss,
-                            "best_state": best_state,
-                            "waited": waited,
-                            "evaluations": evaluations,
-                            "settings": asdict(settings),
-                        },
-                    )
+                    counters = (step, finished, best_loss, best_state, waited, evaluations)
+                    state = {name: part.state_dict() for name, part in parts.items()} | dict(zip(COUNTERS, counters))
+                    _save_checkpoint(path, state | {"settings": asdict(settings)})
                 if stopped_early:
                     break
     bar.close()

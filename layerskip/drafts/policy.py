@@ -276,6 +276,10 @@ class ModelIdentity:
         )
 
 
+# A policy's optional settings sections, in file order, and the dataclass each is read into.
+OPTIONAL_SECTIONS = {"on_the_fly": OnTheFlySettings, "exit": ExitSettings, "auto": AutoSettings}
+
+
 @dataclass(frozen=True)
 class SkipPolicy:
     skip_attention: tuple[int, ...] = ()
@@ -484,10 +488,12 @@ class SkipPolicy:
             "provenance": self.provenance,
             "measured": self.measured,
             "draft_vocabulary": list(self.draft_vocabulary),
-            **({"on_the_fly": asdict(self.on_the_fly)} if self.on_the_fly is not None else {}),
-            **({"exit": asdict(self.exit)} if self.exit is not None else {}),
-            **({"auto": asdict(self.auto)} if self.auto is not None else {}),
+            **{name: asdict(section) for name, section in self._optional_sections()},
         }
+
+    def _optional_sections(self) -> list[tuple[str, Any]]:
+        """``(key, settings)`` of each optional section this policy has, in file order."""
+        return [(name, getattr(self, name)) for name in OPTIONAL_SECTIONS if getattr(self, name) is not None]
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "policy") -> SkipPolicy:
@@ -503,15 +509,11 @@ class SkipPolicy:
         try:
             draft = _dataclass_from(DraftSettings, data.get("draft", {}))
             model = _dataclass_from(ModelIdentity, data.get("model", {}))
+            given = {name: data.get(name) for name in OPTIONAL_SECTIONS}  # absent or null: not used
+            sections = {name: _dataclass_from(OPTIONAL_SECTIONS[name], v) for name, v in given.items() if v is not None}
             attention = data.get("skip_attention", [])
             mlp = data.get("skip_mlp", [])
             vocabulary = data.get("draft_vocabulary", [])
-            selection = data.get("on_the_fly")
-            on_the_fly = None if selection is None else _dataclass_from(OnTheFlySettings, selection)
-            exit_data = data.get("exit")
-            exit_settings = None if exit_data is None else _dataclass_from(ExitSettings, exit_data)
-            auto_data = data.get("auto")
-            auto = None if auto_data is None else _dataclass_from(AutoSettings, auto_data)
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp, *vocabulary]):
                 raise TypeError("skip lists and draft_vocabulary must hold integers")
             negative = [i for i in vocabulary if i < 0]
@@ -520,14 +522,12 @@ class SkipPolicy:
             policy = cls(
                 skip_attention=tuple(attention),
                 skip_mlp=tuple(mlp),
-                draft=draft,
-                model=model,
                 provenance=dict(data.get("provenance", {})),
                 measured=dict(data.get("measured", {})),
+                draft=draft,
+                model=model,
                 draft_vocabulary=tuple(vocabulary),
-                on_the_fly=on_the_fly,
-                exit=exit_settings,
-                auto=auto,
+                **sections,
             )
         except (TypeError, ValueError) as exc:
             raise LayerskipError(
@@ -536,12 +536,8 @@ class SkipPolicy:
         try:
             policy.draft.validate()
             check_vocabulary_ids(policy.draft_vocabulary)
-            if policy.on_the_fly is not None:
-                policy.on_the_fly.validate()
-            if policy.exit is not None:
-                policy.exit.validate()
-            if policy.auto is not None:
-                policy.auto.validate()
+            for _, section in policy._optional_sections():
+                section.validate()
         except LayerskipError as exc:
             raise LayerskipError(f"{source}: {exc}") from None
         return policy

@@ -24,11 +24,8 @@ PLAIN = "plain"  # the command line's name for no draft at all (plain decoding)
 
 
 def load_policy(spec: str, device: str | torch.device = "cpu", flag: str = "--policy") -> tuple[str, SkipPolicy]:
-    """``(label, policy)`` for a ``--policy`` value: a policy file; ``auto``; ``auto-trees``;
-    ``on-the-fly`` (skip sets chosen while generating, from nothing bypassed, with the default
-    draft for ``device``); or
-    ``on-the-fly:PATH`` (chosen while generating, starting from that file's skip sets and drafting
-    with its settings). ``flag`` names the argument in a refusal's fix (the plug-in's ``skip_policy=``)."""
+    """``(label, policy)`` for a ``--policy`` value (one of those the module's docstring lists; on-the-fly's
+    default draft is ``device``'s); ``flag`` names the argument in a refusal's fix (the plug-in's ``skip_policy=``)."""
     if spec == AUTO:
         return AUTO, SkipPolicy.auto_choice(device)
     if spec == AUTO_TREES:

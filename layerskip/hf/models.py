@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layerskip.errors import LayerskipError
+from layerskip.errors import LayerskipError, first_line
 from layerskip.fileio import check_regular_file
 from layerskip.hf import adapters
 
@@ -116,17 +116,10 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in table:
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype)
+    if name not in ("float32", "bfloat16", "float16"):
         raise LayerskipError(f"unknown dtype '{dtype}'; use float32 or bfloat16")
-    return table[dtype]
+    return getattr(torch, name)
 
 
 def _gguf_cache_path(gguf: Path) -> Path:
@@ -221,7 +214,7 @@ def cache_write_error(exc: OSError) -> LayerskipError:
     """The one line for a model cache that cannot be written (read-only, full, a file in the way)."""
     where = f": {exc.filename}" if exc.filename else ""
     return LayerskipError(
-        f"cannot write to the model cache {cache_dir()} ({exc.strerror or _first_line(exc)}{where}); "
+        f"cannot write to the model cache {cache_dir()} ({exc.strerror or first_line(exc)}{where}); "
         f"set {CACHE_ENV} to a writable directory with free space"
     )
 
@@ -254,7 +247,7 @@ def _dequantise(gguf: Path, target: Path) -> Path:
         damage = _gguf_damage(gguf)
         if damage is not None:
             raise LayerskipError(f"GGUF file {gguf} {damage}; download or copy it again") from None
-        raise LayerskipError(f"cannot read GGUF file {gguf}: {_first_line(exc)}") from None
+        raise LayerskipError(f"cannot read GGUF file {gguf}: {first_line(exc)}") from None
     save_model_directory(model, tokenizer, target)
     return target
 
@@ -294,7 +287,7 @@ def _gguf_damage(gguf: Path) -> str | None:
                 return "is not a GGUF file (it does not start with 'GGUF'), or its start is damaged"
         GGUFReader(gguf)
     except OSError as exc:
-        return f"cannot be read ({exc.strerror or _first_line(exc)})"
+        return f"cannot be read ({exc.strerror or first_line(exc)})"
     except Exception:  # numpy's reshape and view errors, struct errors: the bytes are not what the header says
         return f"is truncated or damaged (its {gguf.stat().st_size:,} bytes do not hold what its header describes)"
     return None
@@ -309,10 +302,6 @@ def is_hub_id(text: str) -> bool:
     except HFValidationError:
         return False
     return True
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _check_hub_model(repo_id: str) -> tuple[str, Path]:
@@ -363,7 +352,7 @@ def hub_error(repo_id: str, exc: BaseException, cache: str, offline: bool) -> La
                 f"unknown model '{repo_id}': the hub is off (HF_HUB_OFFLINE=1) and it is not in the hub cache "
                 f"({cache}); set HF_HUB_OFFLINE=0 to download it, {local}"
             )
-        cause = f" ({_first_line(exc.__cause__)})" if exc.__cause__ is not None else ""
+        cause = f" ({first_line(exc.__cause__)})" if exc.__cause__ is not None else ""
         return LayerskipError(
             f"model '{repo_id}': the hub cannot be reached{cause} and it is not in the hub cache ({cache}); "
             f"check the network (or HF_ENDPOINT, proxies), {local}"
@@ -384,8 +373,8 @@ def hub_error(repo_id: str, exc: BaseException, cache: str, offline: bool) -> La
             f"for a GGUF file in it, download the file and pass its path, {local}"
         )
     if isinstance(exc, HfHubHTTPError):
-        return LayerskipError(f"the hub refused model '{repo_id}' ({_first_line(exc)}); try again later, {local}")
-    return LayerskipError(f"cannot fetch model '{repo_id}' from the hub ({_first_line(exc)}); {local}")
+        return LayerskipError(f"the hub refused model '{repo_id}' ({first_line(exc)}); try again later, {local}")
+    return LayerskipError(f"cannot fetch model '{repo_id}' from the hub ({first_line(exc)}); {local}")
 
 
 def damaged_weights_error(files: Path, where: str, repo_id: str | None, exc: BaseException) -> LayerskipError:
@@ -397,7 +386,7 @@ def damaged_weights_error(files: Path, where: str, repo_id: str | None, exc: Bas
     else:
         fix = "copy or download it again, or save the model there again (save_pretrained)"
     named = ", ".join(str(weights) for weights in damaged) or f"a weights file of model {where}"
-    detail = _first_line(exc).split(". ")[0][:160]  # torch's reader adds a paragraph of advice
+    detail = first_line(exc).split(". ")[0][:160]  # torch's reader adds a paragraph of advice
     return LayerskipError(f"{named} is truncated or damaged ({detail}); {fix}")
 
 
@@ -406,7 +395,7 @@ def unsafe_weights_error(files: Path, where: str, exc: BaseException) -> Layersk
     planted pickle that could run code, or a checkpoint saved with more than weights): the safe,
     weights-only load refused them and ran nothing; loading them is left to the user's judgement."""
     named = ", ".join(str(weights) for weights in sorted(files.glob("pytorch_model*.bin"))) or f"model {where}"
-    detail = _first_line(exc).split(". ")[0][:120]
+    detail = first_line(exc).split(". ")[0][:120]
     return LayerskipError(
         f"{named} holds pickled objects other than tensors, which the safe (weights-only) load refuses ({detail}); "
         "nothing in it was run. Use the model's safetensors weights, or save it again from a source you trust"
@@ -435,7 +424,7 @@ def tokenizer_error(files: Path, where: str, hub: bool, exc: BaseException) -> L
     cut off at its first line: "Couldn't instantiate the backend tokenizer from one of: ")."""
     present = {name for name in (*TOKENIZER_FILES, "tokenizer_config.json") if (files / name).is_file()}
     if present & set(TOKENIZER_FILES):
-        return LayerskipError(f"cannot load the tokenizer of model {where}: {_first_line(exc)}")
+        return LayerskipError(f"cannot load the tokenizer of model {where}: {first_line(exc)}")
     missing = "tokenizer.json" if "tokenizer_config.json" in present else "tokenizer.json and tokenizer_config.json"
     if not hub:
         return LayerskipError(
@@ -491,10 +480,9 @@ def load_model(
         check_regular_file(path, "GGUF file", "pass the path of a .gguf file", limit=sys.maxsize)
         source, name, instruct = str(_convert_gguf(path)), path.stem, None
     elif is_hub_id(name_or_path) and not path.exists():
-        cache, snapshot = _check_hub_model(name_or_path)
+        cache, files = _check_hub_model(name_or_path)
         hub = {"cache_dir": cache}
         source, name, instruct = name_or_path, name_or_path, None
-        files = snapshot
     else:
         raise LayerskipError(
             f"unknown model '{name_or_path}': not an embedded name ({', '.join(EMBEDDED)}), "
@@ -515,11 +503,10 @@ def load_model(
     except pickle.UnpicklingError as exc:  # the weights-only loader met an object that is not a tensor
         raise unsafe_weights_error(files, where, exc) from None
     except (OSError, ValueError) as exc:  # ValueError: a config.json without a known model_type
-        raise LayerskipError(f"cannot load model {where}: {_first_line(exc)}") from None
-    except SafetensorError as exc:  # it names no file: the damaged one is found below
-        raise damaged_weights_error(files, where, name_or_path if hub else None, exc) from None
-    except RuntimeError as exc:  # torch's reader of a cut-short pytorch_model.bin; anything else is a bug
-        if not _damaged_weight_files(files):
+        raise LayerskipError(f"cannot load model {where}: {first_line(exc)}") from None
+    except (SafetensorError, RuntimeError) as exc:  # neither names the damaged file: it is found here
+        # A RuntimeError is torch's reader of a cut-short pytorch_model.bin; anything else is a bug.
+        if isinstance(exc, RuntimeError) and not _damaged_weight_files(files):
             raise
         raise damaged_weights_error(files, where, name_or_path if hub else None, exc) from None
     try:
