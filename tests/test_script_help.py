@@ -102,16 +102,12 @@ def test_a_main_guard_is_the_modules_last_statement(path: Path) -> None:
     assert _is_main_guard(GUARDED[path].body[-1]), f"{path}: move the __main__ guard to the end of the module"
 
 
-def test_cli_reference_help_leaves_a_stale_page_alone(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from layerskip.cli import reference
+def test_cli_reference_help_leaves_a_stale_page_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from layerskip.cli.reference import main
 
     stale = tmp_path / "cli.md"
     stale.write_text("out of date\n")
-    monkeypatch.setattr(reference, "DOC", stale)
-    monkeypatch.setattr(reference, "parsers", lambda: pytest.fail("--help built the parsers"))
     with pytest.raises(SystemExit) as exit_:
-        reference.main(["--help"])
+        main(stale, lambda: pytest.fail("--help built the parsers"), ["--help"])
     assert exit_.value.code == 0 and "usage" in capsys.readouterr().out
     assert stale.read_text() == "out of date\n" and os.listdir(tmp_path) == ["cli.md"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,6 @@ from the repository root or, once the package is installed, as `layerskip-NAME`.
 one-line `error: ...` that names the fix, exit code 2, and no file is written or changed.
 Lists are comma-separated (`--draft-tokens 3,4,5`). Examples: [quickstart](quickstart.md),
 [search guide](search.md), [reproducing results](reproducing.md), [exit adapters](exit-adapters.md)."""
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def _default(action: argparse.Action) -> str:
@@ -66,33 +64,21 @@ def reference(parsers: Mapping[str, argparse.ArgumentParser]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def parsers() -> dict[str, argparse.ArgumentParser]:
-    """The four tools by their installed names, as docs/cli.md lists them."""
-    from layerskip.cli import bench, generate, train_exit
-    from layerskip.search import cli as search_cli
-
-    return {
-        "layerskip-generate": generate.build_parser(),
-        "layerskip-search": search_cli.build_parser(),
-        "layerskip-bench": bench.build_parser(),
-        "layerskip-train-exit": train_exit.build_parser(),
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Write docs/cli.md from ``parsers()``; with ``--check``, write nothing and exit 1 if it is out of date."""
+def main(doc: Path, parsers: Callable[[], Mapping[str, argparse.ArgumentParser]], argv: list[str] | None = None) -> int:
+    """Write ``doc`` (docs/cli.md) from ``parsers()``; with ``--check``, write nothing and exit 1 if
+    it is out of date."""
     parser = argparse.ArgumentParser(
         prog="cli_reference.py", description="Write docs/cli.md from the tools' argparse parsers."
     )
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/cli.md is out of date")
     args = parser.parse_args(argv)
     text = reference(parsers())
-    if DOC.is_file() and DOC.read_text() == text:
-        print(f"{DOC} is up to date", file=sys.stderr)
+    if doc.is_file() and doc.read_text() == text:
+        print(f"{doc} is up to date", file=sys.stderr)
         return 0
     if args.check:
-        print(f"{DOC} is out of date; run: python scripts/cli_reference.py", file=sys.stderr)
+        print(f"{doc} is out of date; run: python scripts/cli_reference.py", file=sys.stderr)
         return 1
-    write_text_atomic(DOC, text)
-    print(f"wrote {DOC}", file=sys.stderr)
+    write_text_atomic(doc, text)
+    print(f"wrote {doc}", file=sys.stderr)
     return 0
