@@ -85,7 +85,7 @@ class DraftRun:
     max_new_tokens: int = 0  # with the prompt: how far a truncated head may grow
     sampling: Sampling | None = None  # None = greedy
     generator: torch.Generator | None = None
-    dense_verify: bool = False  # the verify reads every logit (a user's own processor, sampling)
+    dense_verify: bool = False  # the verify reads every logit (a user's own processor, sampling: the engine says)
 
 
 @dataclass(frozen=True)
@@ -454,7 +454,7 @@ class PreparedDraft:
             )
             return OnTheFlyDrafter(skip, self.model, selection)
 
-        return AutoDrafter(self.auto, make_skip, run.dense_verify or run.sampling is not None)
+        return AutoDrafter(self.auto, make_skip, run.dense_verify)
 
 
 def prepare_draft(

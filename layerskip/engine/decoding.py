@@ -153,7 +153,7 @@ class Decoder:
         return replace(settings, eos_token_ids=eos_token_ids(self.model))
 
     def _drafter(
-        self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None, dense: bool = False
+        self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None, dense: bool
     ) -> Drafter:
         if self.draft is None:
             return NoDrafter()
