@@ -22,7 +22,9 @@ CPU = torch.device("cpu")
 def _prefilled_drafter(prompt: list[int]) -> tuple:
     """A row's drafter of ``POLICY`` on the tiny Llama, and a cache holding all of ``prompt`` but its last token."""
     model = tiny_model("llama")
-    drafter = Decoder.for_policy(model, POLICY)._drafter(len(prompt), DecodeSettings(8, eos_token_ids=()), None, dense=False)
+    drafter = Decoder.for_policy(model, POLICY)._drafter(
+        len(prompt), DecodeSettings(8, eos_token_ids=()), None, dense=False
+    )
     cache = model_cache(model)
     block_hidden(model, torch.tensor([prompt[:-1]]), cache)
     return drafter, cache
