@@ -490,6 +490,7 @@ def check_shape(value: Any, shape: Any, path: str = "") -> None:
         for index, item in enumerate(value):
             check_shape(item, shape.item, f"{here}[{index}]")
 
+
 def load_json(
     path: str | os.PathLike[str],
     what: str,

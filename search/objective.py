@@ -195,4 +195,3 @@ class CheapObjective:
         if self.mode == "pareto":
             return score.acceptance, score.draft_seconds
         return score.predicted_speedup
-

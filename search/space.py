@@ -417,4 +417,3 @@ def exportable(policy: SkipPolicy) -> bool:
     be run by hand, and the benchmark's ``no-bypass`` ablation measures it).
     """
     return not policy.draft.use_skip_draft or policy.bypasses_anything
-

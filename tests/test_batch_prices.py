@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from layerskip.drafts.costs import expected_tokens
-from layerskip.engine.step_kinds import EXPLORE_AFTER, BatchPrices, StepKinds
+from layerskip.engine.step_kinds import EXPLORE_AFTER, EXPLORE_FIRST, BatchPrices, StepKinds
 
 
 def _prices(acceptance: float = 0.8) -> BatchPrices:
@@ -79,13 +79,20 @@ def test_priced_kinds_start_from_the_best_price_and_are_explored_by_their_priced
     kinds.observe("skip:3", 10, 0.10)
     assert kinds.price_scale() == pytest.approx(2.0)
     assert kinds.rate("plain") == pytest.approx(50.0)
-    # The plain step, never run, is tried once its priced seconds times EXPLORE_AFTER have passed.
+    # The plain step, never run, is tried once EXPLORE_FIRST times its priced seconds have passed: a
+    # price alone is too rough a guess to keep a kind waiting long.
     kinds = StepKinds(("plain", "skip:3"), prices={"plain": (4.0, 0.041), "skip:3": (10.0, 0.05)})
+    step = {"plain": (4, 0.041), "skip:3": (10, 0.05)}
     while "plain" not in kinds.recent:
-        kinds.observe(kinds.choose(), 10, 0.05)
-    # skip:3 rates 200 tokens/s, the plain step's price 4 / 0.041: it waits that many times longer.
+        kinds.observe(kind := kinds.choose(), *step[kind])
+    assert kinds.steps["skip:3"] == math.floor(EXPLORE_FIRST * 0.041 / 0.05) + 1
+    # Measured, it waits EXPLORE_AFTER times its last trial's seconds, times how far it is behind:
+    # skip:3 rates 200 tokens/s, the plain step 4 / 0.041.
+    before = kinds.steps["skip:3"]
+    while kinds.steps["plain"] == 1:
+        kinds.observe(kind := kinds.choose(), *step[kind])
     behind = 200.0 / (4.0 / 0.041)
-    assert kinds.steps["skip:3"] == math.floor(EXPLORE_AFTER * 0.041 * behind / 0.05) + 1
+    assert kinds.steps["skip:3"] - before == math.floor(EXPLORE_AFTER * 0.041 * behind / 0.05) + 1
 
 
 def test_without_prices_every_kind_is_tried_once_the_plain_step_first() -> None:

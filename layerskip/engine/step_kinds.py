@@ -15,10 +15,12 @@ looked faster than one measured late. Only the tokens are measured. Without a ca
 policy file) the rates are wall-clock ones.
 
 Before a kind has run, its price stands for it (the first batch starts with the kind priced best).
-Each other kind is tried again once the time since its last trial (or its priced seconds) is many
-times that trial's cost, and as many times more as its rate is below the best's, so exploring costs
-a few percent at most; a kind that could not beat the best even if every drafted token were
-accepted is never tried.
+A kind known only by its price is tried once early, a few times its priced seconds into the batch:
+prices take drafted tokens as accepted independently, which underrates long drafts on text that
+comes in runs. Each kind measured is tried again once the time since its last trial is ten times
+that trial's cost, and as many times more as its rate is below the best's, so exploring one kind
+costs under 3 % (a trial at half the best rate loses half its seconds, once per twenty of them);
+a kind that could not beat the best even if every drafted token were accepted is never tried.
 
 A step's tokens count as its rows times what the rows furthest from their end kept (their mean):
 a batch ends when its last row does, and a step that moves some rows far ahead and the last by one
@@ -66,9 +68,15 @@ SKIP_LENGTHS = (3, 6)
 # a drafting step yields two tokens or twenty, so the typical step's rate is far below the rate
 # the kind delivers, and a median would keep choosing plain steps over faster drafting ones.
 RECENT_STEPS = 8
-# A kind not chosen is tried again once this many times its last trial's seconds have passed:
-# exploring then costs about 1 / (1 + this) of the time, and a kind whose price fell is found.
-EXPLORE_AFTER = 25.0
+# A kind not chosen is tried again once this many times its last trial's seconds have passed (times
+# how far its rate is behind the best's): a 128-token batch of eight rows then tries a kind whose
+# early steps lost (the first tokens of an answer are the hardest to draft) again within the batch.
+EXPLORE_AFTER = 10.0
+# A kind known only by its price is tried once this many times its priced seconds into a batch: the
+# price takes each drafted token as accepted independently at the running rate, while text comes in
+# runs that a longer draft rides (on Gemma-3, eight rows' 6-token batched draft kept 6.4 tokens a row
+# where its price said 3), so a price alone would keep a kind that wins from ever running.
+EXPLORE_FIRST = 4.0
 # A drafting kind is chosen over the plain step only where it is rated this much faster.
 DRAFT_MARGIN = 1.05
 
@@ -228,10 +236,13 @@ class StepKinds:
                 return kind
         best = max(self.kinds, key=self.rated)
         for kind in self.kinds:
-            last = self.last_seconds[kind] if kind in self.last_seconds else self.prices[kind][1]
-            # A kind rated far below the best is tried again that many times less often.
-            behind = self.rate(best) / max(self.rate(kind), 1e-9)
-            if self.since.get(kind, 0.0) > EXPLORE_AFTER * last * max(1.0, behind) and not self.hopeless(kind):
+            if kind in self.recent:
+                # A kind rated far below the best is tried again that many times less often.
+                behind = self.rate(best) / max(self.rate(kind), 1e-9)
+                wait = EXPLORE_AFTER * self.last_seconds[kind] * max(1.0, behind)
+            else:
+                wait = EXPLORE_FIRST * self.prices[kind][1]
+            if self.since.get(kind, 0.0) > wait and not self.hopeless(kind):
                 return kind
         return best
 
