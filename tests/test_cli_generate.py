@@ -1,9 +1,11 @@
 """scripts/generate.py as a user runs it: bad input -> exit 2 and one ``error:`` line; good input works.
 
-Every check of the task list runs ``python scripts/generate.py`` in a subprocess: those that fail
-before the model loads cost an interpreter start (~2 s); those found after loading use a tiny
-Llama checkpoint, or SmolLM2 from its local cache (~4 s) where the real model matters. Further
-bad-input checks call the same ``main(argv)`` in-process (same run_cli path, no start-up cost).
+A few checks run ``python scripts/generate.py`` in a subprocess, as a user does: an error before
+the model loads, the whole ``--compare --json`` path, a planted pickle, the module's batched path.
+The other checks call the same ``main(argv)`` the script calls, in-process (the exit code and the
+one stderr line are its return value and what it printed; an interpreter start costs ~4 s on a
+busy 2-core machine, many times the check). Models: a tiny Llama checkpoint, or SmolLM2 from its
+local cache where the real model matters.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_bad_input, run_script, script_env
+from cli_helpers import assert_bad_input, run_in_process, run_script, script_env
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, ModelIdentity, SkipPolicy
@@ -47,6 +49,12 @@ def generate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[st
     return run_script("generate.py", *args, timeout=timeout)
 
 
+def generate_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    from layerskip.cli.generate import main
+
+    return run_in_process(main, capsys, *args)
+
+
 # -- bad input caught before the model loads --------------------------------------------------------
 
 
@@ -54,39 +62,41 @@ def test_unknown_model_name() -> None:
     assert_bad_input(generate("--model", "no-such-model-1b", "--prompt", "hi"), "unknown model 'no-such-model-1b'")
 
 
-def test_nonexistent_model_path(tmp_path: Path) -> None:
+def test_nonexistent_model_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nowhere" / "model"
-    assert_bad_input(generate("--model", str(missing), "--prompt", "hi"), "unknown model")
+    assert_bad_input(generate_in_process(capsys, "--model", str(missing), "--prompt", "hi"), "unknown model")
 
 
-def test_corrupt_policy_json(tmp_path: Path) -> None:
+def test_corrupt_policy_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = tmp_path / "corrupt.json"
     policy.write_text('{"format": "layerskip-policy", "version": 1, "skip_attention": [1, 2')
-    assert_bad_input(generate("--prompt", "hi", "--policy", str(policy)), "not valid JSON", "corrupt.json")
+    assert_bad_input(
+        generate_in_process(capsys, "--prompt", "hi", "--policy", str(policy)), "not valid JSON", "corrupt.json"
+    )
 
 
-def test_wrong_schema_policy_json(tmp_path: Path) -> None:
+def test_wrong_schema_policy_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy = tmp_path / "schema.json"
     data = SkipPolicy(skip_attention=(1,)).to_dict()
     data["skip_attention"] = ["one"]
     data["draft"]["max_draft_tokens"] = "4"
     policy.write_text(json.dumps(data))
-    assert_bad_input(generate("--prompt", "hi", "--policy", str(policy)), "wrong schema")
+    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--policy", str(policy)), "wrong schema")
 
 
-def test_max_new_tokens_zero() -> None:
-    assert_bad_input(generate("--prompt", "hi", "--max-new-tokens", "0"), "--max-new-tokens")
+def test_max_new_tokens_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--max-new-tokens", "0"), "--max-new-tokens")
 
 
-def test_cuda_without_a_gpu() -> None:
+def test_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert_bad_input(generate("--prompt", "hi", "--device", "cuda"), "CUDA")
+    assert_bad_input(generate_in_process(capsys, "--prompt", "hi", "--device", "cuda"), "CUDA")
 
 
-def test_unsupported_architecture(tmp_path: Path) -> None:
+def test_unsupported_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import OPTConfig, OPTForCausalLM
 
     config = OPTConfig(
@@ -100,7 +110,8 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     )
     save_checkpoint(OPTForCausalLM(config), tmp_path / "tiny-opt")
     assert_bad_input(
-        generate("--model", str(tmp_path / "tiny-opt"), "--prompt", "hello world"), "unsupported architecture 'opt'"
+        generate_in_process(capsys, "--model", str(tmp_path / "tiny-opt"), "--prompt", "hello world"),
+        "unsupported architecture 'opt'",
     )
 
 
@@ -119,26 +130,35 @@ def _policy_file(tmp_path: Path, policy: SkipPolicy, name: str = "policy.json") 
     return str(policy.save(tmp_path / name))
 
 
-def test_policy_for_another_model(tmp_path: Path, tiny_llama_dir: str) -> None:
+def test_policy_for_another_model(tmp_path: Path, tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     other = SkipPolicy(skip_mlp=(1,), model=ModelIdentity(name="tiny", architecture="gpt2", num_layers=7))
-    result = generate("--model", tiny_llama_dir, "--prompt", "hello", "--policy", _policy_file(tmp_path, other))
+    result = generate_in_process(
+        capsys, "--model", tiny_llama_dir, "--prompt", "hello", "--policy", _policy_file(tmp_path, other)
+    )
     assert_bad_input(result, "'gpt2' model", "'llama'")
 
 
-def test_policy_index_out_of_range(tmp_path: Path, tiny_llama_dir: str) -> None:
+def test_policy_index_out_of_range(tmp_path: Path, tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     out_of_range = SkipPolicy(skip_attention=(3, 99))
-    result = generate("--model", tiny_llama_dir, "--prompt", "hello", "--policy", _policy_file(tmp_path, out_of_range))
+    result = generate_in_process(
+        capsys, "--model", tiny_llama_dir, "--prompt", "hello", "--policy", _policy_file(tmp_path, out_of_range)
+    )
     assert_bad_input(result, "[99]", f"valid 0..{LAYERS - 1}")
 
 
-def test_empty_prompt(tiny_llama_dir: str) -> None:
-    assert_bad_input(generate("--model", tiny_llama_dir, "--prompt", "", "--max-new-tokens", "4"), "prompt is empty")
+def test_empty_prompt(tiny_llama_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_bad_input(
+        generate_in_process(capsys, "--model", tiny_llama_dir, "--prompt", "", "--max-new-tokens", "4"),
+        "prompt is empty",
+    )
 
 
 @pytest.mark.slow
-def test_policy_skipping_every_sublayer_of_smollm2(tmp_path: Path) -> None:
+def test_policy_skipping_every_sublayer_of_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     everything = SkipPolicy.early_exit(SMOLLM2_LAYERS, 0)
-    assert_bad_input(generate("--prompt", "hi", "--policy", _policy_file(tmp_path, everything)), "every sublayer")
+    assert_bad_input(
+        generate_in_process(capsys, "--prompt", "hi", "--policy", _policy_file(tmp_path, everything)), "every sublayer"
+    )
 
 
 def test_tiny_checkpoint_compare_json(tmp_path: Path, tiny_llama_dir: str) -> None:
@@ -189,17 +209,7 @@ def test_compare_names_the_divergence_and_its_class(
     assert found["method_token"] == 47 and found["method_text"] == "w45" and found["fp32_gap"] > found["error_bound"]
 
 
-# -- more bad input, run in-process (same run_cli, no interpreter start) --------------------------------
-
-
-def generate_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
-    """``main(argv)`` in this process; an exception that escapes run_cli fails the test with its traceback."""
-    from layerskip.cli.generate import main
-
-    capsys.readouterr()  # drop what the test printed before (e.g. saving a checkpoint)
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+# -- more bad input, run in-process ----------------------------------------------------------------
 
 
 def test_directory_without_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

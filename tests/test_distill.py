@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_bad_input, run_script
+from cli_helpers import assert_bad_input, run_in_process, run_script
 from tiny_models import save_checkpoint, tiny_model
 
 from layerskip.distill import train as train_module
@@ -193,7 +193,7 @@ def _tiny_checkpoint(root: Path) -> Path:
     return path
 
 
-def test_cli_trains_writes_policies_and_resumes(tmp_path: Path) -> None:
+def test_cli_trains_writes_policies_and_resumes(tmp_path: Path, capsys) -> None:
     model_dir = _tiny_checkpoint(tmp_path)
     data = tmp_path / "text.jsonl"
     words = [" ".join(f"w{(i * 7 + j) % 62}" for j in range(90)) for i in range(24)]
@@ -228,7 +228,9 @@ def test_cli_trains_writes_policies_and_resumes(tmp_path: Path) -> None:
     tokens, _ = Decoder.for_policy(model, policy).decode([2, 3, 4, 5], DecodeSettings(max_new_tokens=8))
     assert len(tokens) == 8
     # Re-running the same command reuses the teacher's data and every finished checkpoint.
-    again = run_script("train_exit.py", *args)
+    from layerskip.cli.train_exit import main
+
+    again = run_in_process(main, capsys, *args)
     assert again.returncode == 0, again.stderr
     assert "teacher positions" not in again.stderr
     assert json.loads((out / "report.json").read_text())["exits"][0]["steps"] == report["exits"][0]["steps"]
@@ -245,8 +247,10 @@ def test_cli_trains_writes_policies_and_resumes(tmp_path: Path) -> None:
         (["--layers", "1", "--reuse-kv", "--precision", "int4"], "--reuse-kv"),
     ],
 )
-def test_cli_bad_input_is_one_line_before_loading(tmp_path: Path, args: list[str], fragment: str) -> None:
-    result = run_script("train_exit.py", "--model", "/no/such/model", "--out", str(tmp_path / "o"), *args, timeout=60)
+def test_cli_bad_input_is_one_line_before_loading(tmp_path: Path, capsys, args: list[str], fragment: str) -> None:
+    from layerskip.cli.train_exit import main
+
+    result = run_in_process(main, capsys, "--model", "/no/such/model", "--out", str(tmp_path / "o"), *args)
     assert_bad_input(result, fragment)
     assert not (tmp_path / "o").exists()
 
@@ -271,15 +275,18 @@ def test_cli_out_where_no_directory_can_be_is_one_line_before_loading(tmp_path: 
     assert (tmp_path / "file").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def test_search_chooses_among_trained_exits(tmp_path: Path) -> None:
+def test_search_chooses_among_trained_exits(tmp_path: Path, capsys) -> None:
     """A study offered trained exits (--exit-adapters) scores them with their adapters and exports one."""
     model_dir = _tiny_checkpoint(tmp_path)
     data = tmp_path / "text.jsonl"
     rows = [{"category": "prose", "turns": [" ".join(f"w{(i * 5 + j) % 62}" for j in range(60))]} for i in range(12)]
     data.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     exits = tmp_path / "exits"
-    trained = run_script(
-        "train_exit.py", "--model", str(model_dir), "--data", str(data), "--layers", "1,2", "--positions", "400",
+    from layerskip.cli.train_exit import main as train_main
+    from layerskip.search.cli import main as search_main
+
+    trained = run_in_process(
+        train_main, capsys, "--model", str(model_dir), "--data", str(data), "--layers", "1,2", "--positions", "400",
         "--chunk-tokens", "16", "--draft-vocab", "0", "--epochs", "1", "--continuations", "0", "--out", str(exits),
         "--quiet", "--precision", "model",
     )  # fmt: skip
@@ -287,8 +294,8 @@ def test_search_chooses_among_trained_exits(tmp_path: Path) -> None:
     # Nothing is held out: said so, not shown as an agreement of 0.000 -> 0.000.
     assert "nothing held out" in trained.stderr and "held-out agreement" not in trained.stderr
     out = tmp_path / "policy.json"
-    result = run_script(
-        "search.py", "--model", str(model_dir), "--prompts", str(data), "--n-prompts", "2", "--n-trials", "5",
+    result = run_in_process(
+        search_main, capsys, "--model", str(model_dir), "--prompts", str(data), "--n-prompts", "2", "--n-trials", "5",
         "--reference-tokens", "8", "--max-new-tokens", "8", "--confirm-top", "1", "--exit-adapters", str(exits),
         "--exit-thresholds", "0.2,0.6", "--storage", f"sqlite:///{tmp_path / 'study.db'}", "--out", str(out),
         "--no-progress", "--no-chat",

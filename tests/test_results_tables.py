@@ -19,6 +19,7 @@ import pytest
 from cli_helpers import REPO, assert_bad_input, run_script
 
 from layerskip.cli.results_tables import main
+from layerskip.drafts.auto import AUTO_REVISION
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import results as published
@@ -450,6 +451,27 @@ def test_the_auto_column_holds_the_best_auto_method_never_its_chain_twin() -> No
     assert ResultFile("x", data).kind("self-spec:mine") == "auto"
     del data["policies"]["mine"]["auto"]  # an older record: its provenance says auto
     assert ResultFile("x", data).kind("self-spec:mine") == "auto"
+
+
+def test_the_first_screen_quotes_only_runs_of_todays_auto() -> None:
+    """A run of an older ``auto`` (or one from before the revision was recorded) leaves the first
+    table; the committed README's first table is not empty, and every row of it is a run of today's."""
+    data = _with_auto()
+    data["max_new_tokens"], data["prompts"]["n"], data["prompts"]["source"] = 128, 30, "spec_bench/question.jsonl"
+    data["environment"]["auto_revision"] = AUTO_REVISION
+    current = ResultFile("current", data)
+    assert "(docs/results.md#current)" in published.first_screen_table([current], "docs/results.md")
+    for revision in (AUTO_REVISION - 1, None):
+        older = copy.deepcopy(data)
+        older["environment"]["auto_revision"] = revision
+        table = published.first_screen_table([ResultFile("older", older)], "docs/results.md")
+        assert table.count("\n") == 1  # the header only
+    readme = (REPO / "README.md").read_text()
+    shown = readme[readme.index(FIRST_SCREEN_START) : readme.index(FIRST_SCREEN_END)]
+    names = re.findall(r"\(docs/results\.md#([^)]+)\)", shown)
+    assert names, "the first screen quotes no run"
+    runs = {f.name: f for f in _committed()}
+    assert all(runs[name].auto_revision == AUTO_REVISION for name in names), names
 
 
 def test_a_policy_saved_from_autos_choices_is_classed_by_what_it_drafts_with() -> None:

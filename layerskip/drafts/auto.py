@@ -49,6 +49,12 @@ from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import ROOT
 from layerskip.stats import DeviceClock, GenerationStats
 
+# What ``auto`` chooses changes from version to version; a result file records the revision that
+# ran (``measure.bench.environment``) and README's first table quotes only runs of this one.
+# Bump it with every change to what ``auto`` or a batch's step chooser decides. 1: a batch's kinds
+# known only by their price are tried early, and measured ones again after ten times their trial.
+AUTO_REVISION = 1
+
 VERIFY_SMOOTHING = 0.2  # weight of the newest verify timing in the running curve
 PAD_MARGIN = 0.97  # a longer block is padded to only when it is at least this much cheaper
 SKIP_PRIOR = 0.8  # skip-draft acceptance assumed before any is measured

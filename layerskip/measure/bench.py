@@ -32,6 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip.data import Prompt
+from layerskip.drafts.auto import AUTO_REVISION
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
 from layerskip.drafts.policy_spec import PLAIN
 from layerskip.engine.decoding import Decoder, DecodeSettings
@@ -574,6 +575,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cores": machine.cores,
         "cpu_threads": torch.get_num_threads(),
         **code_version(),  # "commit" and "dirty": the code that ran (None outside a git checkout)
+        "auto_revision": AUTO_REVISION,  # which auto ran: the first screen quotes only the current one
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from layerskip.drafts.auto import AUTO_REVISION
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import (
@@ -195,6 +196,7 @@ RESULT_SHAPE = Obj(
                 "cpu_threads": SCALAR,
                 "versions": Table(SCALAR),
                 "date": Maybe(str),
+                "auto_revision": Maybe(int),
                 **_CODE,
             }
         ),
@@ -255,6 +257,11 @@ class ResultFile:
 
     name: str
     data: dict[str, Any]
+
+    @property
+    def auto_revision(self) -> int | None:
+        """The revision of ``auto`` the run measured (None: a run older than the record)."""
+        return self.environment.get("auto_revision")
 
     @property
     def environment(self) -> dict[str, Any]:
@@ -610,8 +617,8 @@ FIRST_SCREEN_PROMPTS = 30  # ... on at least this many prompts (the caption says
 
 
 def first_screen_table(files: list[ResultFile], page: str) -> str:
-    """README's first table: for each model, the fp32 runs of ``auto`` on Spec-Bench prompts
-    (the default, no search), with plain HF ``generate``'s tokens per second beside ``auto``'s,
+    """README's first table: for each model, the fp32 runs of today's ``auto`` (``AUTO_REVISION``)
+    on Spec-Bench prompts (the default, no search), with plain HF ``generate``'s tokens per second beside ``auto``'s,
     the speedup and how many outputs were HF's token for token."""
     header = ["model", "CPU", "tokens/s: HF `generate` → `auto`", "speedup", "identical to HF"]
     rows = []
@@ -619,6 +626,7 @@ def first_screen_table(files: list[ResultFile], page: str) -> str:
         shown = f.data["dtype"] == "float32" and f.prompt_source() == "Spec-Bench" and not f.name.endswith(TWIN_SUFFIX)
         shown &= not f.sampled  # the table's claim is identical greedy output
         shown &= f.data["max_new_tokens"] == FIRST_SCREEN_TOKENS and f.n_prompts >= FIRST_SCREEN_PROMPTS
+        shown &= f.auto_revision == AUTO_REVISION  # today's auto, not an older one's figures
         if not shown or "auto" not in f.best_by_kind():
             continue
         speedup, method = f.best_by_kind()["auto"]
