@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cli_helpers import REPO, run_script, script_env
+from cli_helpers import REPO, run_in_process, run_script, script_env
 
 SEARCH = REPO / "scripts" / "search.py"
 
@@ -187,21 +187,14 @@ def search_in_process(capsys, model: Path | str, *args: str, fast: bool = True) 
     the script, without an interpreter start-up); ``capsys`` collects its output."""
     from layerskip.search.cli import main
 
-    argv = ["--model", str(model), *(FAST_ARGS if fast else []), *args]
-    capsys.readouterr()  # drop what the test printed before
-    code = main(argv)
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+    return run_in_process(main, capsys, "--model", str(model), *(FAST_ARGS if fast else []), *args)
 
 
 def generate_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
     """``layerskip-generate`` through its own ``main`` in this process (see ``search_in_process``)."""
     from layerskip.cli.generate import main
 
-    capsys.readouterr()  # drop what the test printed before
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+    return run_in_process(main, capsys, *args)
 
 
 def kill_9_then_resume(run: Any, model: Path | str, url: str, name: str, out: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_bad_input, run_script
+from cli_helpers import assert_bad_input, run_in_process, run_script
 from tiny_models import LAYERS, VOCAB, random_prompt, save_checkpoint, tiny_model
 
 from layerskip.data import Prompt
@@ -633,10 +633,7 @@ def bench_cli(capsys: pytest.CaptureFixture[str]):
     from layerskip.cli.bench import main
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        capsys.readouterr()  # drop what the test printed before
-        code = main(list(args))
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+        return run_in_process(main, capsys, *args)
 
     return run
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_bad_input, run_in_process, run_script, script_env
+from cli_helpers import assert_bad_input, run_script, script_env
+from search_fixtures import generate_in_process
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, ModelIdentity, SkipPolicy
@@ -47,12 +48,6 @@ REPORT_KEYS = {
 
 def generate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return run_script("generate.py", *args, timeout=timeout)
-
-
-def generate_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
-    from layerskip.cli.generate import main
-
-    return run_in_process(main, capsys, *args)
 
 
 # -- bad input caught before the model loads --------------------------------------------------------

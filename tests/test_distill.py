@@ -4,7 +4,6 @@ CLI trains, writes usable policies and refuses bad input in one line."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -267,11 +266,7 @@ def test_cli_out_where_no_directory_can_be_is_one_line_before_loading(tmp_path: 
     if Path("/proc/self").is_dir():  # procfs: its permission bits let root write, yet nothing can be made there
         cases.append((["--out", "/proc/layerskip-exits"], "directory /proc is not writable"))
     for extra, fragment in cases:
-        argv = ["--model", "/no/such/model", "--layers", "1", *extra]
-        capsys.readouterr()
-        code = main(argv)
-        captured = capsys.readouterr()
-        assert_bad_input(subprocess.CompletedProcess(argv, code, captured.out, captured.err), fragment)
+        assert_bad_input(run_in_process(main, capsys, "--model", "/no/such/model", "--layers", "1", *extra), fragment)
     assert (tmp_path / "file").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 

@@ -7,13 +7,12 @@ to be one and the same ``LayerskipError`` (the CLI: exit code 2, that line, no t
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_bad_input
+from cli_helpers import assert_bad_input, run_in_process
 from tiny_models import save_checkpoint, tiny_model, tiny_tokenizer
 
 import layerskip
@@ -45,10 +44,7 @@ def _cli(capsys: pytest.CaptureFixture[str], tool: str, *args: str) -> str:
         from layerskip.cli.generate import main
     else:
         from layerskip.cli.bench import main
-    capsys.readouterr()
-    code = main(list(args))
-    captured = capsys.readouterr()
-    line = assert_bad_input(subprocess.CompletedProcess(list(args), code, captured.out, captured.err))
+    line = assert_bad_input(run_in_process(main, capsys, *args))
     return line.removeprefix("error: ")
 
 

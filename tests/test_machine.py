@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_bad_input
+from cli_helpers import assert_bad_input, run_in_process
 from search_fixtures import generate_in_process
 from tiny_models import save_checkpoint, tiny_model
 
@@ -123,10 +123,7 @@ def run_bench(capsys):
     from layerskip.cli.bench import main
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        capsys.readouterr()
-        code = main(list(args))
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+        return run_in_process(main, capsys, *args)
 
     return run
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch
-from cli_helpers import REPO, assert_bad_input, run_script
+from cli_helpers import REPO, assert_bad_input, run_in_process, run_script
 from tiny_models import ARCHS, random_prompt, save_checkpoint, tiny_model
 
 from layerskip.drafts.policy import DraftSettings, SkipPolicy
@@ -105,7 +105,4 @@ def _in_process(capsys, *args: str) -> subprocess.CompletedProcess[str]:
     spec = importlib.util.spec_from_file_location("profile_decode_script", REPO / "scripts" / "profile_decode.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    capsys.readouterr()  # drop what the test printed before
-    code = module.main(list(args))
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(list(args), code, captured.out, captured.err)
+    return run_in_process(module.main, capsys, *args)
