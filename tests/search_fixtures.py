@@ -224,9 +224,11 @@ def kill_9_then_resume(run: Any, model: Path | str, url: str, name: str, out: Pa
         running = current.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         return len(counted(current)) >= 2 and any(WORKER_ATTR in t.user_attrs for t in running)
 
-    args = ["--storage", url, "--study-name", name, "--out", str(out)]
-    # A tiny model's trial is short: the kill may land just after it finished. Then the same command
-    # is started again (a resume) and killed again, until a kill has caught a trial mid-run.
+    # Trials of 32 tokens, not 8: a tiny model's 8-token trial ended between the poll that saw it and
+    # the kill often enough that four or five workers were started (36 s for this test).
+    args = ["--storage", url, "--study-name", name, "--out", str(out), "--max-new-tokens", "32"]
+    # A kill may still land just after a trial finished. Then the same command is started again (a
+    # resume) and killed again, until a kill has caught a trial mid-run.
     for _attempt in range(5):
         worker = start_search(model, *args, "--n-trials", "10000")
         try:
@@ -239,6 +241,13 @@ def kill_9_then_resume(run: Any, model: Path | str, url: str, name: str, out: Pa
                 time.sleep(0.5)
             worker.send_signal(signal.SIGKILL)
             worker.communicate()
+            if url.endswith(".log"):
+                # A kill that lands while the worker appends leaves the journal's lock behind; Optuna
+                # removes it after its 30 s grace period (the resume would wait that long). What is
+                # tested is what the resume does with the study, so the stale lock goes now.
+                from optuna.storages.journal._file import LOCK_FILE_SUFFIX
+
+                Path(url + LOCK_FILE_SUFFIX).unlink(missing_ok=True)
         finally:
             if worker.poll() is None:
                 worker.kill()

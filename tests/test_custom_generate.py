@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from oracles import is_bypassed
-from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
+from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model, tiny_tokenizer
 from transformers import RepetitionPenaltyLogitsProcessor
 
@@ -410,7 +410,7 @@ def test_sampling_follows_the_model(processed: bool | str) -> None:
         extra["logits_processor"] = LogitsProcessorList([processor])
     policy = SkipPolicy.early_exit(adapters.num_layers(model), 1, draft=DraftSettings(max_draft_tokens=1))
     first, second = torch.zeros(E2E_VOCAB), torch.zeros(E2E_VOCAB)
-    seeds = 800
+    seeds = E2E_SEEDS
     accepted = 0
     for seed in range(seeds):
         torch.manual_seed(seed)
