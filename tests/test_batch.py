@@ -29,7 +29,8 @@ from layerskip.hf import cache as cache_module
 from layerskip.hf.cache import RollbackCache, model_cache
 from layerskip.hf.forward import block_hidden, full_logits
 from layerskip.hf.lean import LEAN_FAMILIES
-from layerskip.measure.batches import BASELINE, OURS, OURS_PLAIN, run_batches, summarise_batches
+from layerskip.measure.batches import BASELINE, OURS, OURS_ALONE, OURS_PLAIN, run_batches, summarise_batches
+from layerskip.measure.report import batch_table
 from layerskip.sampling import Sampling
 
 NEW_TOKENS = 30
@@ -292,9 +293,16 @@ def test_the_batch_bench_runs_hf_our_plain_step_and_ours_on_the_same_batches() -
     prompts = [random_prompt(seed=seed, length=8 + seed) for seed in range(3)]
     policy = SkipPolicy(skip_attention=(1,), draft=DraftSettings(max_draft_tokens=3))
     figures = run_batches(model, prompts, ["a", "b", "c"], [1, 2], ["similar"], 6, [], 0, policy, 1, False)
-    assert {f.method for f in figures} == {BASELINE, OURS, OURS_PLAIN}
+    assert {f.method for f in figures if f.size == 1} == {BASELINE, OURS, OURS_PLAIN}
+    assert {f.method for f in figures if f.size == 2} == {BASELINE, OURS, OURS_PLAIN, OURS_ALONE}
     assert all(f.identical_rows == f.size for f in figures)
+    alone = next(f for f in figures if f.method == OURS_ALONE)
+    assert len(alone.row_seconds) == 2 and alone.seconds == pytest.approx(sum(alone.row_seconds))
     rows = summarise_batches(figures)
     assert [row["batch_size"] for row in rows] == [1, 2]
     for row in rows:
         assert row["vs_plain"] == round(row["ours_tokens_per_second"] / row["plain_tokens_per_second"], 3)
+    assert "vs_alone" not in rows[0]  # one prompt: nothing to compare
+    assert rows[1]["vs_alone"] == round(rows[1]["ours_tokens_per_second"] / rows[1]["alone_tokens_per_second"], 3)
+    assert rows[1]["identical_rows_alone"] == 2
+    assert "one at a time" in batch_table({"batches": rows, "runs": []})

@@ -10,6 +10,10 @@ batch's new tokens (up to each row's EOS) over the batch's seconds; every row of
 back when the batch does, so a row's latency is the batch's seconds. Rows are compared with
 HF's token for token.
 
+Beside each batch of two or more rows, ours runs the same prompts one at a time (each alone,
+unpadded, one after another): what a batch buys in throughput, and what it costs each row in time
+to finish (alone, a row's latency is its own decode; in a batch, the whole batch's).
+
 Layouts: ``similar`` takes prompts of neighbouring lengths (little padding), ``mixed`` spreads
 them from the shortest to the longest (HF pads every row to the longest).
 """
@@ -34,6 +38,7 @@ LAYOUTS = ("similar", "mixed")
 BASELINE = "hf-batched"
 OURS = "self-spec-batched"
 OURS_PLAIN = "plain-batched"  # the engine's own plain step, no draft
+OURS_ALONE = "self-spec-one-at-a-time"  # ours on the batch's prompts, each alone in turn
 
 
 @dataclass
@@ -48,6 +53,7 @@ class BatchFigure:
     identical_rows: int  # rows equal to HF's, token for token
     prompt_ids: list[str]
     steps: dict[str, int] | None = None  # ours: the batch's steps of each kind
+    row_seconds: list[float] | None = None  # one at a time: each row's own seconds (medians over repeats)
 
     @property
     def tokens_per_second(self) -> float:
@@ -169,9 +175,15 @@ def run_batches(
         ids, mask = left_padded([prompt_ids[i] for i in chosen], pad, device)
         seconds: dict[str, list[float]] = {name: [] for name in runners}
         outputs: dict[str, tuple[torch.Tensor, dict[str, int] | None]] = {}
+        alone: list[list[float]] = []  # per repeat, each row's own seconds
+        alone_rows: list[list[int]] = []
+        methods = [*runners, *([OURS_ALONE] if size > 1 else [])]
         for repeat in range(repeats):
-            order = list(runners) if repeat % 2 == 0 else list(reversed(runners))
-            for name in order:
+            for name in methods if repeat % 2 == 0 else reversed(methods):
+                if name == OURS_ALONE:
+                    alone_rows, times = _one_at_a_time(runners[OURS], [prompt_ids[i] for i in chosen], eos, clock)
+                    alone.append(times)
+                    continue
                 start = clock.now()
                 outputs[name] = runners[name](ids, mask)
                 seconds[name].append(clock.now() - start)
@@ -182,7 +194,27 @@ def run_batches(
             made = sum(len(row) for row in rows)
             same = sum(a == b for a, b in zip(rows, reference, strict=True))
             figures.append(BatchFigure(size, layout, name, statistics.median(seconds[name]), made, same, names, steps))
+        if alone:
+            made = sum(len(row) for row in alone_rows)
+            same = sum(a == b for a, b in zip(alone_rows, reference, strict=True))
+            total = statistics.median(sum(times) for times in alone)
+            per_row = [statistics.median(times) for times in zip(*alone, strict=True)]
+            figures.append(BatchFigure(size, layout, OURS_ALONE, total, made, same, names, None, per_row))
     return figures
+
+
+def _one_at_a_time(
+    run: BatchRunner, prompts: Sequence[list[int]], eos: Sequence[int], clock: DeviceClock
+) -> tuple[list[list[int]], list[float]]:
+    """Each prompt alone through ``run`` (no padding), in turn: each row's new tokens and seconds."""
+    rows, times = [], []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=clock.device)
+        start = clock.now()
+        output, _ = run(ids, torch.ones_like(ids))
+        times.append(clock.now() - start)
+        rows.extend(new_tokens(output, ids.shape[1], eos))
+    return rows, times
 
 
 def summarise_batches(figures: Sequence[BatchFigure]) -> list[dict[str, Any]]:
@@ -192,10 +224,18 @@ def summarise_batches(figures: Sequence[BatchFigure]) -> list[dict[str, Any]]:
     keyed = {(f.size, f.layout, f.method): f for f in figures}
     for size, layout in sorted({(f.size, f.layout) for f in figures}):
         hf, ours = keyed.get((size, layout, BASELINE)), keyed.get((size, layout, OURS))
-        plain = keyed.get((size, layout, OURS_PLAIN))
+        plain, alone = keyed.get((size, layout, OURS_PLAIN)), keyed.get((size, layout, OURS_ALONE))
         if hf is None or ours is None:
             continue
         plain_rate = plain.tokens_per_second if plain is not None else None
+        one_at_a_time = {}
+        if alone is not None and alone.row_seconds:
+            one_at_a_time = {
+                "alone_tokens_per_second": round(alone.tokens_per_second, 2),
+                "vs_alone": round(ours.tokens_per_second / alone.tokens_per_second, 3),
+                "row_latency_alone_s": round(statistics.median(alone.row_seconds), 3),
+                "identical_rows_alone": alone.identical_rows,
+            }
         table.append(
             {
                 "batch_size": size,
@@ -209,6 +249,7 @@ def summarise_batches(figures: Sequence[BatchFigure]) -> list[dict[str, Any]]:
                 "row_latency_ours_s": round(ours.seconds, 3),
                 "identical_rows": ours.identical_rows,
                 "rows": size,
+                **one_at_a_time,
             }
         )
     return table

@@ -295,15 +295,22 @@ BATCH_COLUMNS = (
     "row_latency_ours_s",
     "identical_rows",
     "rows",
+    "alone_tokens_per_second",
+    "vs_alone",
+    "row_latency_alone_s",
 )
 
 
 def batch_table(results: dict[str, Any]) -> str:
     """The batches table (bench's batches.md, and each batch run on the results page): per layout and
     batch size, the tokens/s of HF's batched generate, of our plain decoding and ours, ours over each,
-    a row's latency, the rows identical to HF's and the kinds of step the batch chose."""
+    a row's latency, the rows identical to HF's and the kinds of step the batch chose; where the run
+    also decoded the batch's prompts one at a time, that throughput and a row's latency alone."""
+    alone = any("alone_tokens_per_second" in row for row in results["batches"])
     header = ["batch", "layout", "HF batched tok/s", "our plain tok/s", "ours tok/s", "vs HF", "vs our plain"]
-    header += ["row latency HF / ours (s)", "identical rows", "steps chosen"]
+    header += ["row latency HF / ours (s)"]
+    header += ["ours one at a time tok/s (row latency s)"] if alone else []
+    header += ["identical rows", "steps chosen"]
     steps = {
         (run["size"], run["layout"]): run.get("steps") or {}
         for run in results.get("runs", [])
@@ -324,11 +331,18 @@ def batch_table(results: dict[str, Any]) -> str:
                 f"{row['speedup']:.2f}×",
                 "-" if vs_plain is None else f"{vs_plain:.2f}×",
                 f"{row['row_latency_hf_s']:.2f} / {row['row_latency_ours_s']:.2f}",
+                *([_alone_cell(row)] if alone else []),
                 f"{row['identical_rows']}/{row['rows']}",
                 kinds or "one prompt: no batch",
             ]
         )
     return table(header, rows)
+
+
+def _alone_cell(row: dict[str, Any]) -> str:
+    if "alone_tokens_per_second" not in row:
+        return "-"
+    return f"{row['alone_tokens_per_second']:.1f} ({row['row_latency_alone_s']:.2f})"
 
 
 def batch_markdown(results: dict[str, Any]) -> str:
