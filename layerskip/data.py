@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from itertools import zip_longest
 from pathlib import Path
+from typing import Any
 
 from layerskip.errors import LayerskipError, first_line
 from layerskip.fileio import MAX_JSON_BYTES, JsonProblem, check_regular_file, parse_json, read_text
@@ -177,3 +178,17 @@ def load_prompts(
     # Interleave categories so a cap of n keeps them balanced.
     ordered = [p for round_ in zip_longest(*by_category.values()) for p in round_ if p is not None]
     return ordered[:n] if n is not None else ordered
+
+
+def prompts_selected_by(source: str, options: Any) -> list[Prompt]:
+    """The prompts of ``source`` that a run's options select: ``options`` (a CLI namespace or a
+    search's settings) carries ``n_prompts``, ``per_category``, ``text_field``, ``seed`` and
+    ``categories``."""
+    return load_prompts(
+        source,
+        n=options.n_prompts,
+        per_category=options.per_category,
+        text_field=options.text_field,
+        seed=options.seed,
+        categories=options.categories,
+    )

@@ -28,7 +28,7 @@ from optuna.trial import FrozenTrial
 from torch import nn
 
 from layerskip.cli.common import check_fits, check_policies
-from layerskip.data import Prompt, load_prompts
+from layerskip.data import Prompt, prompts_selected_by
 from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.policy import SkipPolicy, is_policy_file
@@ -166,14 +166,7 @@ def check_inputs(request: StudyRequest) -> Inputs:
     args = request.settings
     check_arguments(args)
     if isinstance(request.prompts, str):  # a source: those the settings select
-        prompts = load_prompts(
-            request.prompts,
-            n=args.n_prompts,
-            per_category=args.per_category,
-            text_field=args.text_field,
-            seed=args.seed,
-            categories=args.categories,
-        )
+        prompts = prompts_selected_by(request.prompts, args)
     else:  # given as such: all of them
         prompts = list(request.prompts)
     # Bad files fail before the model loads; "auto" becomes auto's choices once it has run (check_model).

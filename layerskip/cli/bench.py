@@ -21,7 +21,7 @@ from layerskip.cli.common import (
     thread_settings,
     warn_if_tuned_elsewhere,
 )
-from layerskip.data import load_prompts
+from layerskip.data import prompts_selected_by
 from layerskip.drafts.policy import ABLATIONS, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, load_json
@@ -227,7 +227,7 @@ def _main(argv: list[str] | None) -> int:
     llamacpp.check_request(names, args.model, args.gguf, sampling is not None, args.generation)
     if not isinstance(args.ablate, bool) and (unknown := sorted(set(args.ablate) - set(ABLATIONS))):
         raise LayerskipError(f"unknown --ablate name(s) {unknown}; choose from {', '.join(ABLATIONS)}")
-    prompts = _prompts(args)
+    prompts = prompts_selected_by(args.prompts, args)
     policies = load_policies(args.policy, resolve_device(args.device))
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -363,18 +363,6 @@ def _eos(model: Any, tokenizer: Any, ignore: bool) -> tuple[int, ...]:
     return ()
 
 
-def _prompts(args: argparse.Namespace) -> list:
-    """The prompts the run's options select (``--prompts``, ``--n-prompts``, ``--per-category`` ...)."""
-    return load_prompts(
-        args.prompts,
-        n=args.n_prompts,
-        per_category=args.per_category,
-        text_field=args.text_field,
-        seed=args.seed,
-        categories=args.categories,
-    )
-
-
 def run_batch_bench(args: argparse.Namespace, command: str) -> int:
     """``--batch-size``: HF batched against the plug-in on the same batches (``measure.batches``)."""
     sizes = _batch_sizes(args.batch_size)
@@ -386,7 +374,7 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
     if args.batch_repeats < 1:
         raise LayerskipError(f"--batch-repeats must be >= 1 (got {args.batch_repeats})")
     check_output_dir(args.out, "--out", BATCH_FILES)
-    prompts = _prompts(args)
+    prompts = prompts_selected_by(args.prompts, args)
     if len(prompts) < max(sizes):
         raise LayerskipError(f"--batch-size {max(sizes)} needs as many prompts; --prompts gave {len(prompts)}")
     policy = args.policy[0] if args.policy else "auto"
