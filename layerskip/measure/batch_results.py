@@ -116,7 +116,10 @@ def batches_section(runs: list[BatchRun]) -> str:
         "the longest (HF pads every row to the longest). Rows are compared with HF's token for token. "
         "Besides drafting, two things count: a finished row leaves the batch (HF computes it until the "
         "last row ends), and prompts far apart in length are prefilled at their own lengths; `steps` in "
-        "each run's file says which kinds of step the batch chose (large batches mostly chose plain steps)."
+        "each run's file says which kinds of step the batch chose (large batches mostly chose plain steps). "
+        "Where a run has the column, ours also decoded the same prompts one at a time (each alone, in "
+        "turn): its throughput, and in brackets the median row's own seconds alone, to set against the "
+        "row latency in the batch: a batch buys throughput with each row's time to finish."
     )
     return "\n\n".join([intro, *[run_section(run) for run in runs]])
 
