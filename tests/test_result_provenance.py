@@ -180,6 +180,15 @@ def _batch_speedup(name: str, size: int, layout: str) -> Callable[[], float]:
 EPYC_GEMMA, EPYC_SMOLLM2 = "gemma3-270m-float32-avx512bf16", "smollm2-135m-float32-avx512bf16"
 
 
+def _peer(model: str, method: str, key: str) -> Callable[[], float]:
+    """A method's overall ``key`` in the committed peers run of ``model`` (docs/results/peers)."""
+
+    def value() -> float:
+        return _json(RESULTS / "peers" / model / "results.json")["methods"][method]["overall"][key]
+
+    return value
+
+
 def _batch_row(name: str, size: int, key: str) -> Callable[[], float]:
     """A similar-layout batch row's ``key`` (its summary row in batches.json)."""
 
@@ -255,6 +264,26 @@ CLAIMS: list[tuple[str, str, str, Callable[[], Any], str]] = [
      _batch_row(EPYC_GEMMA, 16, "ours_tokens_per_second"), "{:.1f}"),
     ("README.md", "every row done at 34.89 s", "docs/results.md#batches-gemma3-270m-float32-avx512bf16",
      _batch_row(EPYC_GEMMA, 16, "row_latency_ours_s"), "{:.2f}"),
+    ("docs/which-tool.md", "| 12.6 (1.00x) | 8.1 (1.00x)", "results/peers/smollm2-135m/results.md",
+     _peer("smollm2-135m", "hf-ar", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 8.1 (1.00x) | 6/6", "results/peers/gemma3-270m/results.md",
+     _peer("gemma3-270m", "hf-ar", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 27.2 (2.17x) | 28.8", "results/peers/smollm2-135m/results.md",
+     _peer("smollm2-135m", "self-spec", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 28.8 (3.57x) |", "results/peers/gemma3-270m/results.md",
+     _peer("gemma3-270m", "self-spec", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 41.4 (3.29x) | 42.9", "results/peers/smollm2-135m/results.md",
+     _peer("smollm2-135m", "llama.cpp", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 42.9 (5.32x) |", "results/peers/gemma3-270m/results.md",
+     _peer("gemma3-270m", "llama.cpp", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 23.1 (1.84x) | 23.2", "results/peers/smollm2-135m/results.md",
+     _peer("smollm2-135m", "llama.cpp-lookup", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 23.2 (2.88x) |", "results/peers/gemma3-270m/results.md",
+     _peer("gemma3-270m", "llama.cpp-lookup", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 13.8 (1.10x) | 11.0", "results/peers/smollm2-135m/results.md",
+     _peer("smollm2-135m", "ar", "tokens_per_second"), "{:.1f}"),
+    ("docs/which-tool.md", "| 11.0 (1.36x) |", "results/peers/gemma3-270m/results.md",
+     _peer("gemma3-270m", "ar", "tokens_per_second"), "{:.1f}"),
     ("README.md", "SmolLM2: 27.8 tok/s one at a time", "docs/results.md#batches-smollm2-135m-float32-avx512bf16",
      _batch_row(EPYC_SMOLLM2, 16, "alone_tokens_per_second"), "{:.1f}"),
     ("README.md", "54.6 tok/s together", "docs/results.md#batches-smollm2-135m-float32-avx512bf16",

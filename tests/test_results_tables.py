@@ -675,3 +675,19 @@ def test_a_batch_runs_report_holds_the_results_pages_table() -> None:
         table = batch_table(run.data)
         assert table.startswith("| batch | layout |") and table in batch_markdown(run.data)
         assert table in (REPO / "docs" / "results.md").read_text()
+
+
+def test_each_twin_row_shows_what_changed_in_its_text() -> None:
+    """A twin's ratio moves with its text: each row gives `auto`'s lookup share and the tokens
+    written, for the model as shipped and its twin (the committed SmolLM2 Xeon pair: 23% -> 53%,
+    2748 -> 2134 tokens, read from the files)."""
+    files = {f.name: f for f in load_result_files(REPO / "docs" / "results")}
+    pair = [files["smollm2-135m-float32-amx-auto-twin"], files["smollm2-135m-float32-amx-auto-twin-offgrid"]]
+    table = published.twin_section(pair).splitlines()
+    header = next(line for line in table if line.startswith("| model"))
+    columns = header.strip("| ").split(" | ")
+    row = table[table.index(header) + 2].strip("| ").split(" | ")
+    shipped, twin = (f.data["methods"]["self-spec"]["overall"] for f in pair)
+    assert row[columns.index("tokens written")] == f"{shipped['new_tokens']} → {twin['new_tokens']}"
+    share = row[columns.index("`auto`'s lookup steps")]
+    assert share == f"{shipped['auto']['lookup_share']:.0%} → {twin['auto']['lookup_share']:.0%}"

@@ -873,6 +873,7 @@ def twin_section(files: list[ResultFile]) -> str:
         pld = twin.best_by_kind().get("hf-pld")
         if mine is None or theirs is None:
             continue
+        shipped, noisy = original.overall(theirs[1]), twin.overall(mine[1])
         rows.append(
             [
                 original.data["model"],
@@ -880,16 +881,18 @@ def twin_section(files: list[ResultFile]) -> str:
                 f"[{_speedup(theirs[0])}](#{original.name})",
                 f"[{_speedup(mine[0])}](#{twin.name})",
                 f"{mine[0] / theirs[0]:.2f}",
-                f"{original.overall(theirs[1]).get('tokens_per_second') or 0:.1f} → "
-                f"{twin.overall(mine[1]).get('tokens_per_second') or 0:.1f}",
+                f"{shipped.get('tokens_per_second') or 0:.1f} → {noisy.get('tokens_per_second') or 0:.1f}",
+                f"{_share((shipped.get('auto') or {}).get('lookup_share'))} → "
+                f"{_share((noisy.get('auto') or {}).get('lookup_share'))}",
+                f"{shipped.get('new_tokens', '-')} → {noisy.get('new_tokens', '-')}",
                 "" if pld is None else _speedup(pld[0]),
                 "" if pld is None else f"{mine[0] / pld[0]:.2f}",
                 f"{twin.identical(mine[1])}/{twin.n_prompts}",
             ]
         )
     header = ["model", "CPU", "`auto`, model as shipped", "`auto`, off-grid twin", "twin ÷ shipped"]
-    header += ["`auto` tok/s, shipped → twin", "HF prompt lookup, twin", "`auto` ÷ prompt lookup, twin"]
-    header.append("identical, twin")
+    header += ["`auto` tok/s, shipped → twin", "`auto`'s lookup steps", "tokens written"]
+    header += ["HF prompt lookup, twin", "`auto` ÷ prompt lookup, twin", "identical, twin"]
     intro = (
         '<a id="full-precision-weights"></a>\n## Full-precision weights\n\n'
         "SmolLM2's weights are dequantised from a Q4_1 GGUF file, so they lie on the grid the int4 draft "
@@ -906,8 +909,11 @@ def twin_section(files: list[ResultFile]) -> str:
         "sitting as its model, on the same prompts. Plain decoding of a twin, loaded from a saved directory "
         "rather than a GGUF file, can run at another speed, so `auto`'s tokens per second are shown too. A "
         "twin's ratio moves with its text as well as its weights: a twin that writes more repetitive text "
-        "gives prompt lookup more to copy (read the prompt-lookup column beside it), so the range over CPUs "
-        "and twins, not one ratio, is what a full-precision model of that size can expect."
+        "gives prompt lookup more to copy (read the lookup steps, the tokens written and the prompt-lookup "
+        "column beside it: SmolLM2's Xeon twin wrote fewer, more repetitive tokens), so the range over CPUs "
+        "and twins, not one ratio, is what a full-precision model of that size can expect. What to do with "
+        "that: on your own full-precision model, measure `auto` against HF prompt lookup on your prompts "
+        "(`scripts/bench.py --methods hf-ar,hf-pld,self-spec --policy auto`) before counting on these ratios."
     )
     return f"{intro}\n\n{table(header, rows)}" if rows else ""
 
