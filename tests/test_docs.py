@@ -63,11 +63,13 @@ def test_readme_is_a_front_page() -> None:
     assert "(docs/contributing.md)" in text
 
 
-def test_on_your_cpu_follows_the_results_table() -> None:
-    """A user on another CPU finds what to expect right after the table: the section comes next."""
+def test_on_your_cpu_follows_the_link_to_all_results() -> None:
+    """The summary table lives on the results page alone; a user on another CPU finds what to
+    expect right after the README's link to it."""
     text = (ROOT / "README.md").read_text()
-    after = text[text.index("<!-- results-table:end -->") :].splitlines()[1:]
-    assert next(line for line in after if line.strip()) == "## On your CPU"
+    assert "<!-- results-table:start" not in text  # one place per table
+    after = text[text.index("(docs/results.md#summary)") :].splitlines()[1:]
+    assert next(line for line in after if line.startswith("## ")) == "## On your CPU"
     section = text[text.index("## On your CPU") :]
     section = section[: section.index("\n## ", 1)]
     for needed in ("lscpu", "--preset quick", "scripts/bench.py", "--prompts ../shared/data/spec_bench/question.jsonl"):

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from cli_helpers import REPO, assert_bad_input, run_script
+from cli_helpers import REPO, assert_bad_input, run_in_process, run_script
 
 from layerskip.cli.results_tables import main
 from layerskip.drafts.auto import AUTO_REVISION
@@ -604,19 +604,16 @@ NESTED_DAMAGE = {
 def test_nested_values_are_checked_when_a_file_is_read(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The script as users run it for the first case (one subprocess); the same path in-process after."""
+    """A damaged value deep in a committed file is refused in one line naming the file."""
     where, path, value, fragment = NESTED_DAMAGE[name]
     shutil.copytree(REPO / RESULTS_DIR, tmp_path / RESULTS_DIR)
     shutil.copy(REPO / "README.md", tmp_path / "README.md")
     target = tmp_path / RESULTS_DIR / Path(*where)
     target.write_text(json.dumps(_with(json.loads(target.read_text()), path, value)))
-    if name == next(iter(NESTED_DAMAGE)):
-        line = assert_bad_input(run_script("results_tables.py", "--root", str(tmp_path), "--check"), fragment)
-    else:
-        capsys.readouterr()
-        assert main(["--root", str(tmp_path), "--check"]) == 2
-        (line,) = capsys.readouterr().err.strip().splitlines()
-        assert line.startswith("error: ") and fragment in line, line
+    capsys.readouterr()  # in-process: the script's own process contract is held by the test above
+    assert main(["--root", str(tmp_path), "--check"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and fragment in line, line
     assert str(target) in line and "; pass a " in line
 
 
@@ -641,13 +638,16 @@ def test_a_result_file_that_is_no_json_object_is_one_line(
     assert reason in lines[0]
 
 
-def test_a_fifo_in_place_of_an_output_is_left_and_nothing_is_written(tmp_path: Path) -> None:
+def test_a_fifo_in_place_of_an_output_is_left_and_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shutil.copytree(REPO / RESULTS_DIR, tmp_path / RESULTS_DIR)
     shutil.copy(REPO / "README.md", tmp_path / "README.md")
     (tmp_path / RESULTS_DIR / "figures.csv").unlink()
     (tmp_path / "docs" / "results.md").unlink(missing_ok=True)
     os.mkfifo(tmp_path / RESULTS_DIR / "figures.csv")
-    assert_bad_input(run_script("results_tables.py", "--root", str(tmp_path)), "figures.csv", "not a regular file")
+    refused = run_in_process(main, capsys, "--root", str(tmp_path))
+    assert_bad_input(refused, "figures.csv", "not a regular file")
     assert stat.S_ISFIFO((tmp_path / RESULTS_DIR / "figures.csv").stat().st_mode)
     assert not (tmp_path / "docs" / "results.md").exists()  # refused before anything was written
 

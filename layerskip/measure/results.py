@@ -1006,8 +1006,10 @@ def rendered(root: str | Path = ".") -> dict[Path, str]:
     root = Path(root)
     files = load_result_files(root / RESULTS_DIR)
     readme = root / "README.md"
-    summary = summary_table(files, str(RESULTS_PAGE))
-    readme_text = replace_between_markers(readme.read_text(), summary, README_START, README_END)
+    readme_text = readme.read_text()
+    if README_START in readme_text:  # the whole summary in the README (the committed one links the page's)
+        summary = summary_table(files, str(RESULTS_PAGE))
+        readme_text = replace_between_markers(readme_text, summary, README_START, README_END)
     if FIRST_SCREEN_START in readme_text:
         first = first_screen_table(files, str(RESULTS_PAGE))
         readme_text = replace_between_markers(readme_text, first, FIRST_SCREEN_START, FIRST_SCREEN_END)
