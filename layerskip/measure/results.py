@@ -37,6 +37,7 @@ from layerskip.fileio import (
     load_json,
     write_json_atomic,
 )
+from layerskip.measure.batch_results import README_START as BATCHES_START
 from layerskip.measure.batch_results import batch_outputs, load_batch_runs
 from layerskip.measure.bench import BASELINE
 from layerskip.measure.labels import (
@@ -1007,6 +1008,11 @@ def rendered(root: str | Path = ".") -> dict[Path, str]:
     files = load_result_files(root / RESULTS_DIR)
     readme = root / "README.md"
     readme_text = readme.read_text()
+    if not any(marker in readme_text for marker in (README_START, FIRST_SCREEN_START, BATCHES_START)):
+        raise LayerskipError(
+            f"{readme} has none of the generated tables' markers (first-screen, batches-table or "
+            "results-table); put them back around the tables"
+        )
     if README_START in readme_text:  # the whole summary in the README (the committed one links the page's)
         summary = summary_table(files, str(RESULTS_PAGE))
         readme_text = replace_between_markers(readme_text, summary, README_START, README_END)
