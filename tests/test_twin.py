@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from cli_helpers import assert_bad_input, run_in_process
 from tiny_models import random_prompt, tiny_model
 
+from layerskip.cli.twin import main as twin_main
 from layerskip.drafts.precision import int4_rounding_error
 from layerskip.hf import adapters
 from layerskip.hf.twin import BLOCK, LEVELS, decoder_projection_weights, off_grid_
@@ -53,18 +56,21 @@ def test_the_twin_still_computes_nearly_the_same_logits() -> None:
     assert 0 < float((a - b).abs().max()) < 0.1 * float(a.abs().max())
 
 
-def test_the_script_writes_a_loadable_twin_and_never_overwrites(tiny_llama: Path, tmp_path: Path) -> None:
+def test_the_script_writes_a_loadable_twin_and_never_overwrites(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "twin"
     run = [sys.executable, str(REPO / "scripts" / "make_twin.py"), "--model", str(tiny_llama), "--out", str(out)]
-    done = subprocess.run(run, capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(run, capture_output=True, text=True, cwd=REPO)  # the script as users run it
     assert done.returncode == 0, done.stderr
     assert (out / "config.json").is_file() and (out / "twin.json").is_file()
     from layerskip.hf.models import load_model
 
     assert load_model(str(out)).model is not None
-    again = subprocess.run(run, capture_output=True, text=True, cwd=REPO)
     assert "int4 copy" in done.stderr and "int4_rounding_error" in (out / "twin.json").read_text()
-    assert again.returncode == 2 and "exists" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    # The same command again, in-process (no second interpreter start): refused in one line.
+    again = run_in_process(twin_main, capsys, "--model", str(tiny_llama), "--out", str(out))
+    assert_bad_input(again, "exists")
 
 
 @torch.no_grad()
