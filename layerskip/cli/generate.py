@@ -20,12 +20,12 @@ from layerskip.cli.common import (
     warn_if_tuned_elsewhere,
 )
 from layerskip.data import load_prompts
-from layerskip.drafts.policy import is_policy_file
+from layerskip.drafts.policy import SkipPolicy, is_policy_file
 from layerskip.drafts.policy_spec import AUTO, PLAIN
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_file, check_replaceable
-from layerskip.hf.models import load_model, resolve_device
+from layerskip.hf.models import LoadedModel, load_model, resolve_device
 from layerskip.hf.prompting import eos_token_ids
 from layerskip.integration.baselines import hf_generate
 from layerskip.machine import this_machine
@@ -120,15 +120,17 @@ def _head(stats: GenerationStats) -> str:
     return "full" if rows == 0 else f"{rows} rows"
 
 
+# GenerationStats figures the report copies as they are
+REPORTED_STATS = "steps mean_accepted acceptance_rate draft_seconds verify_seconds thread_runs paths head_fallback_rows"
 SAMPLING_DEFAULTS = {"--temperature": 1.0, "--top-p": 1.0, "--top-k": 0}
 # Sampled text differs from run to run by design: token identity is a property of greedy decoding.
 SAMPLED_NOT_COMPARED = "sampled: not compared token for token"
 
 
-def _check_decoding_options(args: argparse.Namespace) -> None:
-    """--max-new-tokens and --seed; sampling options shape sampled decoding only: given without
-    --sample, greedy decoding would ignore them, so they are refused rather than dropped; with it,
-    their values are checked."""
+def _check_decoding_options(args: argparse.Namespace) -> Sampling | None:
+    """--max-new-tokens and --seed, and the sampling to decode with (None: greedy). Sampling options
+    given without --sample would be ignored by greedy decoding, so they are refused rather than
+    dropped; with it, their values are checked before the model loads."""
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     check_seed(args.seed)
@@ -139,32 +141,41 @@ def _check_decoding_options(args: argparse.Namespace) -> None:
             f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} sampled decoding, which --sample turns on; "
             "add --sample, or drop them for greedy decoding"
         )
-    if args.sample:
-        Sampling(args.temperature, args.top_k, args.top_p)  # a bad value is one line before the model loads
+    return Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
+
+
+def _policy(args: argparse.Namespace) -> SkipPolicy | None:
+    return None if args.policy == PLAIN else load_policy(args.policy, resolve_device(args.device))[1]
+
+
+def _load(
+    args: argparse.Namespace, policy: SkipPolicy | None, texts: list[str], labels: list[str]
+) -> tuple[LoadedModel, list[list[int]], Decoder, tuple[int, ...]]:
+    """The model, the prompts' ids, the decoder for ``policy`` and the EOS ids. Preparing the decoder
+    checks the policy against the model and builds its draft once (auto: calibrated, or read from the cache)."""
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    ids = encode_prompts(loaded, args, texts, labels)
+    decoder = Decoder.for_policy(loaded.model, policy, threads=args.threads, progress=not args.json)
+    return loaded, ids, decoder, eos_token_ids(loaded.model, loaded.tokenizer)
 
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size is not None:
         return _main_batches(args)
-    _check_decoding_options(args)
+    sampling = _check_decoding_options(args)
     if args.save_policy is not None:  # "" included: refused as empty, never skipped
         check_output_file(args.save_policy, "--save-policy")
         check_replaceable(args.save_policy, "--save-policy", is_policy_file, "a layerskip policy", args.force)
     prompt = read_prompt(args.prompt, args.prompt_file)
-    policy = None if args.policy == PLAIN else load_policy(args.policy, resolve_device(args.device))[1]
+    policy = _policy(args)
     if args.save_policy is not None and (policy is None or (policy.on_the_fly is None and policy.auto is None)):
         raise LayerskipError(
             "--save-policy needs a policy that chooses while generating (--policy auto, on-the-fly or on-the-fly:PATH)"
         )
-    sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded, [ids], decoder, eos = _load(args, policy, [prompt], ["the prompt"])
     model, tokenizer = loaded.model, loaded.tokenizer
-    [ids] = encode_prompts(loaded, args, [prompt], ["the prompt"])
-    # checks the policy against the model, prepares its draft once (auto: calibrated, or read from the cache)
-    decoder = Decoder.for_policy(model, policy, threads=args.threads, progress=not args.json)
     warn_if_tuned_elsewhere({args.policy: policy}, decoder.device, args)
-    eos = eos_token_ids(model, tokenizer)
 
     def settings(max_new: int) -> DecodeSettings:
         return DecodeSettings(max_new, sampling, args.seed, eos)
@@ -191,16 +202,11 @@ def _main(argv: list[str] | None) -> int:
         "new_tokens": len(tokens),
         "seconds": seconds,
         "tokens_per_second": throughput(len(tokens), seconds),
-        "steps": stats.steps,
-        "mean_accepted": stats.mean_accepted,
-        "acceptance_rate": stats.acceptance_rate,
-        "draft_seconds": stats.draft_seconds,
-        "verify_seconds": stats.verify_seconds,
-        "thread_runs": stats.thread_runs,  # "draft:1" -> runs of that phase on 1 CPU thread (--threads)
-        "paths": stats.paths,  # how the draft step and the verify head ran (lean / HF, compiled, certified)
-        "head_fallback_rows": stats.head_fallback_rows,
+        # thread_runs: "draft:1" -> runs of that phase on 1 CPU thread (--threads); paths: how the draft
+        # step and the verify head ran (lean / HF, compiled, certified)
+        **{name: getattr(stats, name) for name in REPORTED_STATS.split()},
+        "draft_lengths": stats.draft_histogram,  # tokens drafted per step -> steps
     }
-    report["draft_lengths"] = stats.draft_histogram  # tokens drafted per step -> steps
     if policy is not None and policy.on_the_fly is not None:
         # Skip-drafted steps per bypassed set ("a<attention layers>|m<MLP layers>"), and how often it changed.
         report["skip_changes"] = stats.skip_changes
@@ -276,15 +282,11 @@ def _main_batches(args: argparse.Namespace) -> int:
         raise LayerskipError("--batch-size reads many prompts: pass --prompt-file PATH (one prompt per line)")
     if args.save_policy is not None:
         raise LayerskipError("--save-policy takes one prompt; drop --batch-size to save what auto chose")
-    _check_decoding_options(args)
+    sampling = _check_decoding_options(args)
     texts = _batch_prompts(args.prompt_file)
-    policy = None if args.policy == PLAIN else load_policy(args.policy, resolve_device(args.device))[1]
-    sampling = Sampling(args.temperature, args.top_k, args.top_p) if args.sample else None
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    labels = [f"prompt {index + 1}" for index in range(len(texts))]
+    loaded, ids, decoder, eos = _load(args, _policy(args), texts, labels)
     model, tokenizer = loaded.model, loaded.tokenizer
-    ids = encode_prompts(loaded, args, texts, [f"prompt {index + 1}" for index in range(len(texts))])
-    decoder = Decoder.for_policy(model, policy, threads=args.threads, progress=not args.json)
-    eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     settings = DecodeSettings(args.max_new_tokens, sampling, args.seed, eos)
     hf_run = batch_runner(model, args.max_new_tokens, eos, pad, None, sampling, args.seed) if args.compare else None

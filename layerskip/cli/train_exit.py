@@ -329,19 +329,11 @@ def _main(argv: list[str] | None = None) -> int:
             report["exits"].append(entry)
             for split_name in ("validation", "held_out"):
                 for domain, figures in trained[split_name].items():
-                    table.append(
-                        {
-                            "layer": layer,
-                            "kind": kind,
-                            "split": split_name,
-                            "domain": domain,
-                            "positions": figures["positions"],
-                            "agreement_without": plain[split_name][domain]["agreement"],
-                            "agreement_with": figures["agreement"],
-                            "kl_without": plain[split_name][domain]["kl"],
-                            "kl_with": figures["kl"],
-                        }
-                    )
+                    row = {"layer": layer, "kind": kind, "split": split_name, "domain": domain}
+                    row["positions"] = figures["positions"]
+                    for name in ("agreement", "kl"):
+                        row |= {f"{name}_without": plain[split_name][domain][name], f"{name}_with": figures[name]}
+                    table.append(row)
             print(
                 f"layer {layer} {kind}: {_agreement_change(plain, trained)} ({seconds:.0f} s)"
                 + (f"; projected {frontier['projected_speedup']:.2f}x" if frontier else ""),

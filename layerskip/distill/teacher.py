@@ -141,6 +141,7 @@ def collect(
     )
 
 
+@torch.inference_mode()
 def own_continuations(
     model: nn.Module,
     tokenizer: object,
@@ -152,12 +153,13 @@ def own_continuations(
     max_prompt_tokens: int = 320,
     seed: int = 0,
     progress: bool = False,
+    batch_size: int = 16,
 ) -> list[Document]:
     """The model's own continuations of up to ``count`` prompt documents (code files are not
     prompts), as tokenised documents in domain ``<domain>:own``: prompt (its last
     ``max_prompt_tokens`` tokens, chat template applied where ``chat``) plus ``new_tokens``."""
     from layerskip.hf.prompting import encode_prompt
-    from layerskip.integration.baselines import batched_continuations
+    from layerskip.measure.batches import left_padded
 
     prompts = [d for d in documents if d.domain != CODE_DOMAIN and not d.ids]
     if not prompts or count <= 0:
@@ -167,9 +169,25 @@ def own_continuations(
     encoded = [encode_prompt(tokenizer, d.text, chat)[-max_prompt_tokens:] for d in chosen]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths batch with little padding
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    continued = batched_continuations(
-        model, [encoded[i] for i in order], new_tokens, pad, temperature=temperature, seed=seed, progress=progress
-    )
+    # Greedy, or sampled at ``temperature``, batch_size prompts at a time (left-padded: many times faster
+    # than one at a time); no EOS stop, so every continuation is full length.
+    sampled = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else {}
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    continued: list[list[int]] = []
+    batches = tqdm(range(0, len(order), batch_size), desc="own continuations", unit="batch", disable=not progress)
+    for start in batches:
+        ids, mask = left_padded([encoded[i] for i in order[start : start + batch_size]], pad, device)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad,
+            eos_token_id=None,
+            **({"do_sample": False, "temperature": None, "top_p": None, "top_k": None} | sampled),
+        )
+        continued += out[:, ids.shape[1] :].tolist()
     return [Document(chosen[i].domain + OWN_SUFFIX, "", tuple(encoded[i] + c)) for i, c in zip(order, continued)]
 
 

@@ -162,13 +162,12 @@ def _split_processors(
     return items[:cut], items[cut:], Sampling(**values)
 
 
-def _check_processors(processors: list[object]) -> None:
-    for processor in processors:
-        name = type(processor).__name__
-        if name == "UnbatchedClassifierFreeGuidanceLogitsProcessor":  # runs the model itself, with state
-            raise LayerskipError(f"negative_prompt_ids / guidance_scale {UNSUPPORTED}")
-        if name == "SynthIDTextWatermarkLogitsProcessor":  # counts its calls: one per token in plain generate
-            raise LayerskipError(f"SynthID watermarking_config {UNSUPPORTED}")
+# Processors whose output we cannot reproduce, by the generate argument that adds them: guidance runs
+# the model itself, with state; SynthID counts its calls (one per token in plain generate).
+_REFUSED_PROCESSORS = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "negative_prompt_ids / guidance_scale",
+    "SynthIDTextWatermarkLogitsProcessor": "SynthID watermarking_config",
+}
 
 
 def _for_row(processor: object, row: int, rows: int) -> object:
@@ -220,10 +219,6 @@ class RowProcessors:
         return torch.cat(rows)
 
 
-def _logits_hook(processors: list[object], padding: list[int]) -> LogitsHook | None:
-    return RowProcessors(tuple(processors), tuple(padding)) if processors else None
-
-
 def _stops(answer: object) -> bool:
     """A criterion's answer for one row: a bool tensor of shape [1] (HF's own criteria), a Python
     or numpy bool (what many user criteria return, and plain ``generate`` accepts)."""
@@ -268,7 +263,9 @@ def engine_calls(
 
         others.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     processors, warpers, sampling = _split_processors(logits_processor, bool(generation_config.do_sample))
-    _check_processors(processors)
+    for processor in processors:
+        if (refused := _REFUSED_PROCESSORS.get(type(processor).__name__)) is not None:
+            raise LayerskipError(f"{refused} {UNSUPPORTED}")
     if len(prompts) > 1 and generation_config.return_dict_in_generate:
         for name in ("output_scores", "output_logits"):  # generate scores a finished row's padding too
             if getattr(generation_config, name, False):
@@ -278,15 +275,9 @@ def engine_calls(
         sampling=sampling,
         eos_token_ids=eos,
     )
-    return [
-        EngineCall(
-            prompt=prompt,
-            padding=padding,
-            settings=settings,
-            logits_hook=_logits_hook([_for_row(p, row, len(prompts)) for p in processors], padding),
-            criteria=others,
-            warpers=warpers,
-            device=input_ids.device,
-        )
-        for row, (prompt, padding) in enumerate(prompts)
-    ]
+    calls = []
+    for row, (prompt, padding) in enumerate(prompts):
+        alone = tuple(_for_row(p, row, len(prompts)) for p in processors)
+        hook = RowProcessors(alone, tuple(padding)) if alone else None
+        calls.append(EngineCall(prompt, padding, settings, hook, others, warpers, input_ids.device))
+    return calls
