@@ -28,26 +28,9 @@ SOURCE_ROOT = Path(__file__).resolve().parents[1]
 GIT_TIMEOUT_S = 5.0
 # Flags that decide which kernels run fast here: AVX2/FMA (fp32 and int4 matmuls), AVX-512 and
 # its VNNI/BF16 extensions, AMX tiles (bf16 and int8 matmuls), and their ARM counterparts.
-KERNEL_FLAGS = (
-    "fma",
-    "f16c",
-    "avx2",
-    "avx_vnni",
-    "avx512f",
-    "avx512bw",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "amx_fp16",
-    "asimd",
-    "asimddp",
-    "sve",
-    "sve2",
-    "bf16",
-    "i8mm",
+KERNEL_FLAGS = tuple(
+    "fma f16c avx2 avx_vnni avx512f avx512bw avx512_vnni avx512_bf16 avx512_fp16 amx_tile amx_bf16 amx_int8 amx_fp16 "
+    "asimd asimddp sve sve2 bf16 i8mm".split()
 )
 
 
@@ -108,7 +91,11 @@ def this_machine(device: str | torch.device = "cpu") -> Machine:
     device = torch.device(device)
     model, flags = cpu_model_and_flags()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else model
-    return Machine(device=device.type, device_name=name, cpu_model=model, cpu_flags=flags, cores=_cores())
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 0
+    return Machine(device=device.type, device_name=name, cpu_model=model, cpu_flags=flags, cores=cores)
 
 
 def cpu_model_and_flags(cpuinfo: Path = CPUINFO) -> tuple[str, tuple[str, ...]]:
@@ -130,13 +117,6 @@ def cpu_model_and_flags(cpuinfo: Path = CPUINFO) -> tuple[str, tuple[str, ...]]:
             break  # every CPU repeats both: the first one's are enough
     model = model or platform.processor() or platform.machine() or "unknown CPU"
     return model, tuple(flag for flag in KERNEL_FLAGS if flag in present)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 0
 
 
 def code_version(root: Path = SOURCE_ROOT) -> dict[str, Any]:

@@ -37,10 +37,6 @@ def cache_env(name: str) -> str:
     return f"LAYERSKIP_{name.upper()}_CACHE"
 
 
-def cache_root(name: str) -> Path:
-    return Path(os.environ.get(cache_env(name)) or cache_dir() / name)
-
-
 def model_key(model: nn.Module) -> dict[str, Any]:
     """What a model's results depend on: its architecture and weights (shape fingerprint and a
     sample of their values), dtype, device, and the torch and transformers versions."""
@@ -61,7 +57,7 @@ class ResultCache:
     when given, is told of every entry passed by as damaged."""
 
     def __init__(self, name: str, root: str | os.PathLike[str] | None, what: str, warn: Log | None = None) -> None:
-        self.root = Path(root) if root is not None else cache_root(name)
+        self.root = Path(root if root is not None else os.environ.get(cache_env(name)) or cache_dir() / name)
         self.what = what
         self.warn = warn
 

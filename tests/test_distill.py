@@ -66,7 +66,7 @@ def test_resumed_training_continues_from_its_checkpoint(tiny_data, tmp_path: Pat
     interrupted = ExitAdapter.fresh(model, ExitSpec(layer=LAYER, rank=8))
     interrupted.module.load_state_dict(start)
     saves = []
-    original = train_module._save_checkpoint
+    original = train_module.save_state
 
     def save_then_die(path: Path, state: dict) -> None:
         original(path, state)
@@ -74,11 +74,11 @@ def test_resumed_training_continues_from_its_checkpoint(tiny_data, tmp_path: Pat
         if len(saves) == 2:
             raise KeyboardInterrupt  # killed right after its second checkpoint
 
-    monkeypatch.setattr(train_module, "_save_checkpoint", save_then_die)
+    monkeypatch.setattr(train_module, "save_state", save_then_die)
     checkpoint = tmp_path / "exit.pt"
     with pytest.raises(KeyboardInterrupt):
         train_adapter(model, interrupted, rows, train, held_out, settings, checkpoint, progress=False)
-    monkeypatch.setattr(train_module, "_save_checkpoint", original)
+    monkeypatch.setattr(train_module, "save_state", original)
     resumed = ExitAdapter.fresh(model, ExitSpec(layer=LAYER, rank=8))
     resumed.module.load_state_dict(start)
     again = train_adapter(model, resumed, rows, train, held_out, settings, checkpoint, progress=False)

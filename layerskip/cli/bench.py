@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from layerskip.cli.common import (
@@ -205,10 +206,7 @@ def _main(argv: list[str] | None) -> int:
     check_outputs_replaceable(args.out, args.force)
     if args.from_results:
         results = resummarise(args.from_results)
-        for path in write_outputs(results, args.out):
-            print(f"wrote {path}", file=sys.stderr)
-        print(markdown_report(results))
-        return 0
+        return _report(write_outputs(results, args.out), markdown_report(results))
     command = shlex.join(["layerskip-bench", *(sys.argv[1:] if argv is None else argv)])
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
@@ -285,9 +283,7 @@ def _main(argv: list[str] | None) -> int:
         "per_prompt": rows_as_dicts(rows),
         "environment": env,
     }
-    for path in write_outputs(results, args.out):
-        print(f"wrote {path}", file=sys.stderr)
-    print(markdown_report(results))
+    _report(write_outputs(results, args.out), markdown_report(results))
     slower = [n for n, f in results["methods"].items() if n != "hf-ar" and (f["overall"]["speedup"] or 0) < 1.0]
     if slower:
         print(f"\nslower than HF generate here: {', '.join(slower)}")
@@ -415,9 +411,14 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
         "runs": figures_as_dicts(figures),
         "environment": env,
     }
-    for path in write_batch_outputs(results, args.out):
+    return _report(write_batch_outputs(results, args.out), batch_markdown(results))
+
+
+def _report(written: list[Path], markdown: str) -> int:
+    """Name the files written (stderr), then print the report."""
+    for path in written:
         print(f"wrote {path}", file=sys.stderr)
-    print(batch_markdown(results))
+    print(markdown)
     return 0
 
 

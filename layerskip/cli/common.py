@@ -46,11 +46,17 @@ def run_cli(main: Callable[[list[str] | None], int], argv: list[str] | None = No
 
 
 def model_parser(description: str | None, prog: str | None = None, raw: bool = False) -> argparse.ArgumentParser:
-    """A tool's parser, with the model options every tool takes (``add_model_arguments``); ``raw``
-    keeps the description's own line breaks."""
+    """A tool's parser, with the model options every tool takes; ``raw`` keeps the description's own line breaks."""
     formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
     parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=formatter)
-    add_model_arguments(parser)
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory, a .gguf file, or a hub id "
+        "(org/name: loaded through your hub cache; downloaded unless HF_HUB_OFFLINE=1)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     return parser
 
 
@@ -72,17 +78,6 @@ def add_chat_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="apply the chat template (default: on for instruct models)",
     )
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="embedded name (smollm2-135m, gemma3-270m), a local HF directory, a .gguf file, or a hub id "
-        "(org/name: loaded through your hub cache; downloaded unless HF_HUB_OFFLINE=1)",
-    )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
 
 
 def _number_list(kind: type, what: str) -> Callable[[str], tuple]:

@@ -12,7 +12,6 @@ same command resumes from them).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 import sysconfig
@@ -38,7 +37,7 @@ from layerskip.distill.train import (
     evaluate,
     load_state,
     rank_rows,
-    state_size,
+    save_state,
     train_adapter,
     unreadable_reason,
 )
@@ -46,7 +45,7 @@ from layerskip.drafts.exit_adapter import KINDS, ExitAdapter, ExitSpec
 from layerskip.drafts.policy import MAX_DRAFT_TOKENS, DraftSettings, ExitSettings, SkipPolicy
 from layerskip.drafts.precision import PRECISIONS
 from layerskip.errors import LayerskipError
-from layerskip.fileio import check_output_dir, replace_file, write_bytes_atomic, write_json_atomic, write_text_atomic
+from layerskip.fileio import check_output_dir, replace_file, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters
 from layerskip.machine import code_version, this_machine
 
@@ -219,10 +218,8 @@ def teacher_data(
             "the training documents hold fewer tokens than one chunk; add --data or lower --chunk-tokens"
         )
     data = collect(model, chunks, sorted(set(args.layers)), args.top_k, progress=not args.quiet)
-    buffer = io.BytesIO()
-    torch.save({"data": data.state(), "counts": counts}, buffer)
     # The checkpoint cache is the project's folder: a link there is replaced, never written through.
-    write_bytes_atomic(cached, buffer.getvalue(), owned=True)
+    save_state(cached, {"data": data.state(), "counts": counts}, owned=True)
     return data, counts, split.domains()["train"]
 
 
@@ -315,7 +312,7 @@ def _main(argv: list[str] | None = None) -> int:
                 "layer": layer,
                 "kind": kind,
                 "frontier": frontier,
-                "parameters": state_size(adapter.module),
+                "parameters": sum(p.numel() for p in adapter.module.parameters()),
                 "train_seconds": seconds,
                 "steps": result.steps,
                 "stopped_early": result.stopped_early,

@@ -168,10 +168,11 @@ def evaluate(
     return {key: Scores(int(n), right / n, kl / n) for key, (n, right, kl) in sums.items()}
 
 
-def _save_checkpoint(path: Path, state: dict) -> None:
+def save_state(path: str | os.PathLike[str], state: dict, owned: bool = False) -> None:
+    """``state`` (what ``load_state`` reads back) written atomically; ``owned`` as ``write_bytes_atomic``."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
+    write_bytes_atomic(path, buffer.getvalue(), owned=owned)
 
 
 def load_state(path: str | os.PathLike[str]) -> dict:
@@ -315,7 +316,7 @@ def train_adapter(
                 if path is not None:
                     counters = (step, finished, best_loss, best_state, waited, evaluations)
                     state = {name: part.state_dict() for name, part in parts.items()} | dict(zip(COUNTERS, counters))
-                    _save_checkpoint(path, state | {"settings": asdict(settings)})
+                    save_state(path, state | {"settings": asdict(settings)})
                 if stopped_early:
                     break
     bar.close()
@@ -334,7 +335,3 @@ def rank_rows(data: TeacherData, vocab_size: int, count: int) -> torch.Tensor:
     counts += torch.bincount(data.ids.reshape(-1), minlength=vocab_size).float() * 0.1  # text tokens, lightly
     order = torch.argsort(-counts - torch.arange(vocab_size) * 1e-9, stable=True)  # ties: lower id first
     return order[:count]
-
-
-def state_size(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

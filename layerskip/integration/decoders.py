@@ -40,15 +40,6 @@ def _spec_key(spec: PolicySpec) -> tuple[Any, ...]:
     return ("spec", text, str(path.resolve()) if version else "", version)
 
 
-def _resolve(spec: PolicySpec, model: nn.Module) -> SkipPolicy | None:
-    if isinstance(spec, SkipPolicy):
-        return spec
-    if spec == PLAIN:  # no draft: plain decoding on the engine
-        return None
-    # The policy-argument syntax is the command line's (--policy), so both accept the same values.
-    return load_policy(os.fspath(spec), next(model.parameters()).device, "skip_policy=")[1]
-
-
 def decoder_for(model: nn.Module, spec: PolicySpec | None) -> Decoder:
     """The prepared decoder of ``model`` for ``spec``; built on first use, then reused."""
     if not isinstance(spec, (SkipPolicy, str, os.PathLike)):
@@ -59,13 +50,15 @@ def decoder_for(model: nn.Module, spec: PolicySpec | None) -> Decoder:
     first = next(model.parameters())
     # Moving or casting the model invalidates a draft copied from its weights.
     key = (_spec_key(spec), str(first.device), str(first.dtype))
-    decoders: dict[tuple[Any, ...], Decoder] | None = model.__dict__.get(CACHE_ATTRIBUTE)
-    if decoders is None:
-        decoders = {}
-        model.__dict__[CACHE_ATTRIBUTE] = decoders  # bypasses nn.Module.__setattr__: a plain dict
+    # In the instance's __dict__, bypassing nn.Module.__setattr__: a plain dict
+    decoders: dict[tuple[Any, ...], Decoder] = model.__dict__.setdefault(CACHE_ATTRIBUTE, {})
     decoder = decoders.pop(key, None)
     if decoder is None:
-        decoder = Decoder.for_policy(model, _resolve(spec, model))
+        policy = spec if isinstance(spec, SkipPolicy) else None
+        if policy is None and spec != PLAIN:  # plain: no draft, plain decoding on the engine
+            # The policy-argument syntax is the command line's (--policy), so both accept the same values.
+            policy = load_policy(os.fspath(spec), first.device, "skip_policy=")[1]
+        decoder = Decoder.for_policy(model, policy)
         while len(decoders) >= MAX_DECODERS:
             decoders.pop(next(iter(decoders)))  # the least recently used
     decoders[key] = decoder  # re-inserted: dict order is recency

@@ -38,10 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.generation.logits_process import (
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-)
+from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from layerskip.engine.decoding import DecodeSettings, StopCheck
 from layerskip.engine.verifiers import LogitsHook
@@ -80,8 +77,10 @@ class EngineCall:
         def check(history: list[int]) -> bool:
             ids = torch.tensor([[*padding, *history]], device=self.device)
             so_far = None if scores is None else scores(len(history) - prompt_length)
-            # Every criterion is asked, as plain generate's list asks them all (some keep state).
-            return any([_stops(criterion(ids, so_far)) for criterion in criteria])
+            # Every criterion is asked, as plain generate's list asks them all (some keep state). An answer
+            # may be a bool tensor of shape [1] (HF's own criteria), or a Python or numpy bool (as many
+            # user criteria return, and plain generate accepts).
+            return any([bool(torch.as_tensor(criterion(ids, so_far)).any()) for criterion in criteria])
 
         return check
 
@@ -217,12 +216,6 @@ class RowProcessors:
                 scores = processor(ids, scores)
             rows.append(scores)
         return torch.cat(rows)
-
-
-def _stops(answer: object) -> bool:
-    """A criterion's answer for one row: a bool tensor of shape [1] (HF's own criteria), a Python
-    or numpy bool (what many user criteria return, and plain ``generate`` accepts)."""
-    return bool(torch.as_tensor(answer).any())
 
 
 def engine_calls(
