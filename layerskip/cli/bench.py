@@ -415,7 +415,6 @@ def run_batch_bench(args: argparse.Namespace, command: str) -> int:
 
 
 def _report(written: list[Path], markdown: str) -> int:
-    """Name the files written (stderr), then print the report."""
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
     print(markdown)
