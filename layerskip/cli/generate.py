@@ -229,8 +229,7 @@ def _main(argv: list[str] | None) -> int:
     if args.save_policy is not None:
         assert decoder.draft is not None
         # Its choices were priced by speeds measured here: the policy records this machine.
-        fixed = decoder.draft.fixed_policy().with_model(model, loaded.name)
-        fixed = fixed.with_machine(this_machine(decoder.device))
+        fixed = decoder.draft.fixed_policy().with_model(model, loaded.name).with_machine(this_machine(decoder.device))
         report["saved_policy"] = str(fixed.save(args.save_policy))
     if args.json:
         print(json.dumps(report))

@@ -18,8 +18,6 @@ from layerskip.errors import LayerskipError
 
 CODE_DOMAIN = "code"
 CODE_SUFFIXES = (".py",)
-
-
 OWN_SUFFIX = ":own"  # the domain of the model's own continuations of a domain's prompts
 
 
