@@ -76,19 +76,15 @@ def check_request(
             f"{asked}: llama.cpp applies no HF logits processors; drop {', '.join(sorted(generation))} "
             "(--generation-config and its flags)"
         )
+    from layerskip.hf.models import EMBEDDED
+
     if gguf is not None:
         gguf_path(model, gguf)  # a file, or one line saying what it is instead
-    elif not _is_gguf_source(model):
+    elif model not in EMBEDDED and Path(model).suffix != ".gguf":
         raise LayerskipError(
             f"{asked}: llama.cpp runs a GGUF file, and model '{model}' is not one; pass --gguf PATH "
             "(this model quantised, e.g. a .Q4_K_M.gguf)"
         )
-
-
-def _is_gguf_source(model: str) -> bool:
-    from layerskip.hf.models import EMBEDDED
-
-    return model in EMBEDDED or Path(model).suffix == ".gguf"
 
 
 def gguf_path(model: str, gguf: str | None) -> Path:

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 STATUS = Path("/proc/self/status")
-CLEAR_REFS = Path("/proc/self/clear_refs")
-RESET_PEAK = "5"  # proc(5): "5" resets the peak resident set size (VmHWM) to the current one
+CLEAR_REFS = Path("/proc/self/clear_refs")  # proc(5): writing "5" resets the peak resident set size (VmHWM)
 
 
 def _status_mb(field: str) -> float | None:
@@ -51,17 +50,12 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def release_free_memory() -> None:
-    """Hand the memory the C allocator keeps from freed blocks back to the system (glibc only)."""
-    if (trim := _malloc_trim()) is not None:
-        trim(0)
-
-
 def process_memory_mb(device: torch.device) -> float | None:
     """What the process holds now: resident memory on a CPU, allocated memory on a GPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
-    release_free_memory()
+    if (trim := _malloc_trim()) is not None:
+        trim(0)  # hand the memory the C allocator keeps from freed blocks back to the system
     return _status_mb("VmRSS")
 
 
@@ -89,7 +83,7 @@ def call_growth_mb(call: Callable[[], Any], device: torch.device) -> float | Non
     if start is None:
         return None
     try:
-        CLEAR_REFS.write_text(RESET_PEAK)
+        CLEAR_REFS.write_text("5")
     except OSError:  # a kernel that does not allow the reset
         return None
     call()

@@ -27,6 +27,7 @@ from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.latency import verify_seconds
 from layerskip.hf import adapters
+from layerskip.measure.report import table
 from layerskip.measure.timing import Runner, TimedRun, run_interleaved, throughput
 from layerskip.stats import GenerationStats
 
@@ -149,20 +150,9 @@ def csv_text(report: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    costs = report["forward_costs"]
-    lines = [
-        "Forward cost of a block of b tokens, relative to one plain step "
-        f"({report['plain_ms']:.1f} ms); overhead twin step: "
-        f"{costs['twin_step_relative']:.2f} of a plain step.",
-        "",
-        "| b | " + " | ".join(costs["block_relative"]) + " |",
-        "|---|" + "---|" * len(costs["block_relative"]),
-        "| c(b)/c(1) | " + " | ".join(f"{v:.2f}" for v in costs["block_relative"].values()) + " |",
-        "",
-        "| config | tok/s | vs plain | tokens/verify | steps drafted | lookup steps | ms/token | prefill | draft"
-        " | verify fwd | verify rest | loop other | framework floor |",
-        "|" + "---|" * 13,
-    ]
+    costs, rows = report["forward_costs"], []
+    header = ["config", "tok/s", "vs plain", "tokens/verify", "steps drafted", "lookup steps", "ms/token", "prefill"]
+    header += ["draft", "verify fwd", "verify rest", "loop other", "framework floor"]
     for s in report["configs"]:
         speed, per_verify, drafted, lookup = (s.get(k) for k in CSV_COLUMNS[1:])
         cells = [
@@ -174,5 +164,12 @@ def markdown(report: dict[str, Any]) -> str:
             "-" if lookup is None else f"{100 * lookup:.0f}%",
             *(f"{s['ms_per_token'][part]:.1f}" for part in MS_PARTS),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    blocks = costs["block_relative"]
+    return (
+        "Forward cost of a block of b tokens, relative to one plain step "
+        f"({report['plain_ms']:.1f} ms); overhead twin step: {costs['twin_step_relative']:.2f} of a plain step.\n\n"
+        + table(["b", *blocks], [["c(b)/c(1)", *(f"{v:.2f}" for v in blocks.values())]])
+        + "\n\n"
+        + table(header, rows)
+    )

@@ -51,14 +51,8 @@ def markdown_table(results: dict[str, Any]) -> str:
     rows = []
     for name, figures in methods.items():
         o = figures["overall"]
-        cells = [
-            name,
-            _fmt(o["tokens_per_second"], 1),
-            f"{_fmt(o['speedup'])}x",
-            _fmt(o["mean_accepted"]),
-            _fmt(o["acceptance_rate"]),
-            _identity(o),
-        ]
+        cells = [name, _fmt(o["tokens_per_second"], 1), f"{_fmt(o['speedup'])}x", _fmt(o["mean_accepted"])]
+        cells += [_fmt(o["acceptance_rate"]), _identity(o)]
         if memory:
             cells.append(_fmt((memory.get(name) or {}).get("peak_mb"), 0))
         by_category = figures["by_category"]
@@ -165,12 +159,9 @@ def markdown_report(results: dict[str, Any]) -> str:
         "within the measured rounding error of the two paths, `defect`: it is not):"
     )
     sampled = results.get("sampled")
+    parts = [f"Sampled ({decoding_label(sampled)}), every method alike: draws are not compared token for token."]
     parts = [
-        *(
-            [f"Sampled ({decoding_label(sampled)}), every method alike: draws are not compared token for token."]
-            if sampled
-            else []
-        ),
+        *(parts if sampled else []),
         markdown_table(results),
         *own_arithmetic_note(results),
         *section(divergences, divergences_by_prompt(results)),
@@ -183,14 +174,12 @@ def markdown_report(results: dict[str, Any]) -> str:
 def own_arithmetic_note(results: dict[str, Any]) -> list[str]:
     """The note under the table for methods that run another program's model (llama.cpp): their
     outputs are not the HF model's, so their equal outputs are counted and nothing more is claimed."""
-    named = {
-        name: o["computes_with"] for name, f in results["methods"].items() if (o := f["overall"]).get("computes_with")
-    }
-    if not named:
-        return []
     groups: dict[str, list[str]] = {}
-    for name, what in named.items():
-        groups.setdefault(what, []).append(name)
+    for name, figures in results["methods"].items():
+        if what := figures["overall"].get("computes_with"):
+            groups.setdefault(what, []).append(name)
+    if not groups:
+        return []
     methods = "; ".join(f"{', '.join(names)} ({what})" for what, names in groups.items())
     return [
         f"Not compared token for token: {methods} compute with the GGUF's own weight type (a "

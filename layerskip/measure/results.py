@@ -26,17 +26,7 @@ from typing import Any
 from layerskip.drafts.auto import AUTO_REVISION
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
-from layerskip.fileio import (
-    SCALAR,
-    Items,
-    Maybe,
-    Number,
-    Obj,
-    Table,
-    Where,
-    load_json,
-    write_json_atomic,
-)
+from layerskip.fileio import SCALAR, Items, Maybe, Number, Obj, Table, Where, load_json, write_json_atomic
 from layerskip.measure.batch_results import README_START as BATCHES_START
 from layerskip.measure.batch_results import batch_outputs, load_batch_runs
 from layerskip.measure.bench import BASELINE
@@ -214,35 +204,27 @@ RESULT_SHAPE = Obj(
     },
 )
 _ROW_COST = Table(Number(), int_keys=True)  # {"rows": cost over one row's}
+_SCRIPT_RUN = {key: str for key in ("command", "model", "dtype", "machine")}  # what draft_cost.py / tree_ceiling.py ran
+_DRAFT_ROW = Obj(
+    required={
+        "policy": str,
+        "precision": str,
+        **{key: Number() for key in ("draft_step_ms", "relative_to_plain_step", "floor_relative_to_plain_step")},
+    },
+    optional={"fraction_of_weights_bypassed": Number()},
+)
 DRAFT_COST_SHAPE = Obj(
     required={
         "plain_step_ms": Number(positive=True),
-        "command": str,
-        "model": str,
-        "dtype": str,
-        "machine": str,
-        "rows": Items(
-            Obj(
-                required={
-                    "policy": str,
-                    "precision": str,
-                    "draft_step_ms": Number(),
-                    "relative_to_plain_step": Number(),
-                    "floor_relative_to_plain_step": Number(),
-                },
-                optional={"fraction_of_weights_bypassed": Number()},
-            )
-        ),
+        **_SCRIPT_RUN,
+        "rows": Items(_DRAFT_ROW),
         "verify_curves": Table(Obj(required={"to_plain_step": _ROW_COST})),
     },
     optional=_CODE,
 )
 TREE_CEILING_SHAPE = Obj(
     required={
-        "command": str,
-        "model": str,
-        "dtype": str,
-        "machine": str,
+        **_SCRIPT_RUN,
         "tau_chain": Number(positive=True),  # every extra is shown as a share of it
         "extra_tokens_per_step": Table(Number()),
         "verify_rows_cost": _ROW_COST,
@@ -553,20 +535,14 @@ def summary_table(files: list[ResultFile], page: str | None) -> str:
     each linked to the file's section of the results page (``page``: its path from where the table is;
     "" on the page itself; None: no links)."""
     if not files:
-        how = "how to produce them" if page is None else f"[how to produce them]({_sibling(page, 'reproducing.md')})"
+        how = (
+            "how to produce them" if page is None else f"[how to produce them]({Path(page).parent / 'reproducing.md'})"
+        )
         return f"No result files are committed yet (`docs/results/` is empty): {how}."
     best = [f.best_by_kind() for f in files]
     columns = [(kind, header) for kind, header in KINDS if any(kind in cells for cells in best)]
-    header = [
-        "model",
-        "dtype",
-        "CPU",
-        "prompts × new tokens",
-        "decoding",
-        *(h for _, h in columns),
-        "peak memory, MiB: HF → fastest",
-        "identical (worst)",
-    ]
+    header = ["model", "dtype", "CPU", "prompts × new tokens", "decoding", *(h for _, h in columns)]
+    header += ["peak memory, MiB: HF → fastest", "identical (worst)"]
     rows = [
         [
             f.data["model"],
@@ -676,10 +652,6 @@ def _linked(text: str, page: str | None, anchor: str) -> str:
     return text if page is None else f"[{text}]({page}#{anchor})"
 
 
-def _sibling(page: str, name: str) -> str:
-    return str(Path(page).parent / name) if Path(page).parent != Path(".") else name
-
-
 def _policy_line(label: str, data: dict[str, Any]) -> str:
     try:
         description = SkipPolicy.from_dict(data, source=f"policy {label}").describe()
@@ -717,21 +689,6 @@ def _median_max(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} / {max(values):.3f}" if values else "not recorded"
 
 
-def chain_twin(methods: dict[str, Any], method: str) -> str | None:
-    """The chain run of a tree-drafting method: ``METHOD (chain)`` (``bench --tree-ablation``), else
-    the ``chain`` ablation ``METHOD-chain`` (``bench --ablate``); None when the run has neither."""
-    for twin in (f"{method}{CHAIN_SUFFIX}", f"{method}-chain"):
-        if twin in methods:
-            return twin
-    return None
-
-
-def _steps(overall: dict[str, Any]) -> int | None:
-    """Verify steps of a method, from its draft-length histogram (None before it was recorded)."""
-    lengths = overall.get("draft_lengths")
-    return sum(int(n) for n in lengths.values()) if isinstance(lengths, dict) and lengths else None
-
-
 def tree_table(data: dict[str, Any]) -> str:
     """Token trees against chains: one row per method that drafted trees (a policy with tree
     settings, or verify steps recorded as trees), beside its chain twin (the same policy with trees
@@ -742,11 +699,12 @@ def tree_table(data: dict[str, Any]) -> str:
     rows = []
     for method, figures in methods.items():
         overall = figures["overall"]
-        twin = chain_twin(methods, method)
+        # Its chain run: METHOD (chain) (bench --tree-ablation), else the chain ablation METHOD-chain (--ablate).
+        twin = next((t for t in (f"{method}{CHAIN_SUFFIX}", f"{method}-chain") if t in methods), None)
         if method.endswith((CHAIN_SUFFIX, "-chain")) or not (overall.get("tree_steps") or twin):
             continue
         chain = methods[twin]["overall"] if twin else {}
-        steps = _steps(overall)
+        steps = sum(int(n) for n in (overall.get("draft_lengths") or {}).values())  # verify steps (0: not recorded)
         trees = int(overall.get("tree_steps") or 0)
         share = f" ({trees / steps:.0%})" if steps else ""
         rows.append(
