@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from layerskip.machine import SOURCE_ROOT, code_version
-from layerskip.measure.batch_results import BatchRun, run_section
 from layerskip.measure.bench import environment
 from layerskip.measure.labels import commit_label
-from layerskip.measure.results import ResultFile, file_section, load_result_files
+from layerskip.measure.results import BatchRun, ResultFile, file_section, load_result_files, run_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"

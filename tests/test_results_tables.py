@@ -23,11 +23,10 @@ from layerskip.drafts.auto import AUTO_REVISION
 from layerskip.drafts.policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import results as published
-from layerskip.measure.batch_results import README_END as BATCHES_END
-from layerskip.measure.batch_results import README_START as BATCHES_START
-from layerskip.measure.batch_results import load_batch_runs
 from layerskip.measure.report import batch_markdown, batch_table
 from layerskip.measure.results import (
+    BATCHES_END,
+    BATCHES_START,
     FIRST_SCREEN_END,
     FIRST_SCREEN_START,
     README_END,
@@ -39,6 +38,7 @@ from layerskip.measure.results import (
     cpu_name,
     divergences_by_method,
     draft_cost_section,
+    load_batch_runs,
     load_draft_costs,
     load_result_files,
     policy_kind,
