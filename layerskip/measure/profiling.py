@@ -14,8 +14,6 @@ Three measurements, all on the model's own device:
 
 from __future__ import annotations
 
-import csv
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +25,7 @@ from layerskip.drafts.policy import SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.latency import verify_seconds
 from layerskip.hf import adapters
-from layerskip.measure.report import table
+from layerskip.measure.report import csv_table, table
 from layerskip.measure.timing import Runner, TimedRun, run_interleaved, throughput
 from layerskip.stats import GenerationStats
 
@@ -141,12 +139,8 @@ MS_PARTS = ("total", "prefill", "draft", "verify_forward", "verify_rest", "loop_
 def csv_text(report: dict[str, Any]) -> str:
     """One row per configuration: its figures, then its ms-per-token split."""
     parts = list(report["configs"][0]["ms_per_token"]) if report["configs"] else []
-    buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(["config", *CSV_COLUMNS, *(f"ms_{part}" for part in parts)])
-    for c in report["configs"]:
-        writer.writerow([c["name"], *(c.get(k) for k in CSV_COLUMNS), *(c["ms_per_token"][part] for part in parts)])
-    return buffer.getvalue()
+    rows = [{**c, "config": c["name"], **{f"ms_{p}": c["ms_per_token"][p] for p in parts}} for c in report["configs"]]
+    return csv_table(rows, ("config", *CSV_COLUMNS, *(f"ms_{part}" for part in parts)))
 
 
 def markdown(report: dict[str, Any]) -> str:

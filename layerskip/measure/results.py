@@ -438,17 +438,10 @@ def draft_cost_section(costs: list[DraftCostFile]) -> str:
     draft, verify = [], []
     for c in costs:
         link = f"[{c.name}](results/draft-cost/{c.name}/draft_cost.json)"
-        row = c.whole_int4_draft()
-        figures = (
-            [
-                row["policy"],
-                f"{row['draft_step_ms']:.1f} ms",
-                f"**{row['relative_to_plain_step']:.2f}**",
-                f"{row['floor_relative_to_plain_step']:.2f}",
-            ]
-            if row
-            else ["no int4 draft measured", "", "", ""]
-        )
+        figures = ["no int4 draft measured", "", "", ""]
+        if row := c.whole_int4_draft():
+            figures = [row["policy"], f"{row['draft_step_ms']:.1f} ms", f"**{row['relative_to_plain_step']:.2f}**"]
+            figures.append(f"{row['floor_relative_to_plain_step']:.2f}")
         run = [link, c.data["model"], c.data["dtype"], c.cpu(), f"commit {commit_label(c.data)}"]
         draft.append([*run, f"{c.data['plain_step_ms']:.1f} ms", *figures])
         for dtype, curve in c.data["verify_curves"].items():
@@ -673,11 +666,8 @@ def divergences_by_method(data: dict[str, Any]) -> str:
             continue
         gaps = [abs(float(g)) for d in divergences if (g := d.get("fp32_gap", d.get("top2_logit_gap"))) is not None]
         bounds = [float(d["error_bound"]) for d in divergences if d.get("error_bound") is not None]
-        classed = (
-            f"{overall['n_rounding']} / {overall['n_defect']}"
-            if "n_rounding" in overall and "n_defect" in overall
-            else "not checked"
-        )
+        # The check's counts are all there or none (RESULT_SHAPE).
+        classed = f"{overall['n_rounding']} / {overall['n_defect']}" if "n_defect" in overall else "not checked"
         rows.append(
             [method, f"{len(divergences)} / {overall['n_prompts']}", classed, _median_max(gaps), _median_max(bounds)]
         )
@@ -1026,25 +1016,6 @@ def _method_columns(f: ResultFile, method: str) -> dict[str, Any]:
     return {**run, "method": method, "kind": kind, "decoding": f.decoding()}
 
 
-def figure_rows(files: list[ResultFile]) -> list[dict[str, Any]]:
-    """Notebook 03's figures.csv: per result file, method and category (and ``overall``)."""
-    return [
-        {**_method_columns(f, method), "category": category, **{key: values.get(key) for key in _FIGURE_KEYS}}
-        for f in files
-        for method, figures in f.data["methods"].items()
-        for category, values in [("overall", figures["overall"]), *figures.get("by_category", {}).items()]
-    ]
-
-
-def prompt_rows(files: list[ResultFile]) -> list[dict[str, Any]]:
-    """Notebook 03's prompts.csv: per result file, method and prompt (steps only for our engine's methods)."""
-    return [
-        {**_method_columns(f, record["method"]), **{key: record.get(key) for key in _PROMPT_KEYS}}
-        for f in files
-        for record in f.data["per_prompt"]
-    ]
-
-
 def csv_text(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     """A notebook CSV file: ``rows``' ``columns``, fractions to six decimals."""
     rounded = [{c: round(v, 6) if isinstance(v := row.get(c), float) else v for c in columns} for row in rows]
@@ -1056,11 +1027,21 @@ PROMPT_COLUMNS = ("results", "model", "dtype", "method", "kind", *_PROMPT_KEYS)
 
 
 def notebook_data(files: list[ResultFile]) -> dict[str, str]:
-    """File name -> text of the two CSV files notebook 03 reads."""
-    return {
-        FIGURES_CSV: csv_text(figure_rows(files), FIGURE_COLUMNS),
-        PROMPTS_CSV: csv_text(prompt_rows(files), PROMPT_COLUMNS),
-    }
+    """File name -> text of the two CSV files notebook 03 reads: figures.csv, a row per result file,
+    method and category (and ``overall``), and prompts.csv, a row per result file, method and prompt
+    (steps only for our engine's methods)."""
+    figures = [
+        {**_method_columns(f, method), "category": category, **{key: values.get(key) for key in _FIGURE_KEYS}}
+        for f in files
+        for method, by_method in f.data["methods"].items()
+        for category, values in [("overall", by_method["overall"]), *by_method.get("by_category", {}).items()]
+    ]
+    prompts = [
+        {**_method_columns(f, record["method"]), **{key: record.get(key) for key in _PROMPT_KEYS}}
+        for f in files
+        for record in f.data["per_prompt"]
+    ]
+    return {FIGURES_CSV: csv_text(figures, FIGURE_COLUMNS), PROMPTS_CSV: csv_text(prompts, PROMPT_COLUMNS)}
 
 
 def rendered(root: str | Path = ".") -> dict[Path, str]:
