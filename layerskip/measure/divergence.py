@@ -140,8 +140,8 @@ class DivergenceCheck:
     """Classifies first divergences against the reference (HF ``generate``, greedy, in the model's dtype).
 
     Holds an fp32 copy of the model's weights once one is needed (none when the model is fp32
-    already): use it as a context manager, or call ``close``, so the copy is freed with the
-    last check. ``tokenizer`` only adds the tokens' text to the reports."""
+    already): use it as a context manager, so the copy is freed with the last check.
+    ``tokenizer`` only adds the tokens' text to the reports."""
 
     def __init__(self, model: nn.Module, tokenizer: Any | None = None) -> None:
         self.model = model
@@ -154,9 +154,6 @@ class DivergenceCheck:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
         self._fp32 = None
 
     def _fp32_model(self) -> nn.Module:

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
 from layerskip.stats import DeviceClock, GenerationStats
-
-T = TypeVar("T")
 
 # (prompt ids, max new tokens) -> (new tokens, our engine's record or None for HF methods)
 Runner = Callable[[list[int], int], tuple[list[int], GenerationStats | None]]
@@ -45,12 +42,6 @@ def timed_call(runner: Runner, ids: list[int], max_new_tokens: int, device: torc
     seconds = clock.now() - start
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return TimedRun(tokens, seconds, stats, peak)
-
-
-def rotated(items: Sequence[T], index: int) -> list[T]:
-    """The run order for prompt ``index``: rotated by one per prompt, so no method always runs first."""
-    shift = index % len(items)
-    return [*items[shift:], *items[:shift]]
 
 
 def run_interleaved(
@@ -92,7 +83,8 @@ def run_rounds(
         passes: list[dict[str, TimedRun]] = []
         for index, ids in enumerate(prompt_ids):
             runs: dict[str, TimedRun] = {}
-            for name in rotated(names, round_index + index):
+            shift = (round_index + index) % len(names)
+            for name in names[shift:] + names[:shift]:
                 runs[name] = timed_call(runners[name], ids, max_new_tokens, device)
                 bar.update()
             passes.append({name: runs[name] for name in names})
