@@ -341,11 +341,9 @@ class ResultFile:
 
 def policy_kind(policy: dict[str, Any]) -> str:
     """What a policy (as a result file records it) drafts with: a summary column of ``KINDS``."""
-    provenance = policy.get("provenance") or {}
     if is_auto(policy):
         return "auto"
-    command = str(provenance.get("command", ""))
-    if "--preset" in command.split():
+    if "--preset" in str((policy.get("provenance") or {}).get("command", "")).split():
         return "quick"
     if policy.get("on_the_fly") is not None:
         return "on-the-fly"
@@ -873,11 +871,8 @@ _BATCH_ROW = Obj(
     required={
         "batch_size": int,
         "layout": str,
-        "hf_tokens_per_second": Number(positive=True),
-        "ours_tokens_per_second": Number(positive=True),
-        "speedup": Number(positive=True),
-        "row_latency_hf_s": Number(),
-        "row_latency_ours_s": Number(),
+        **{key: Number(positive=True) for key in ("hf_tokens_per_second", "ours_tokens_per_second", "speedup")},
+        **{key: Number() for key in ("row_latency_hf_s", "row_latency_ours_s")},
         "identical_rows": int,
         "rows": int,
     },
