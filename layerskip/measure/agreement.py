@@ -97,12 +97,10 @@ class TeacherForcedDraft:
         allowed = self.first_seen <= known  # [|U|]
         logits = self.logits[start:stop].masked_fill(~allowed, float("-inf"))
         top = torch.topk(logits, min(2, int(allowed.sum())), dim=-1)
-        tokens = self.rows[top.indices[:, 0]]
-        if top.values.shape[-1] < 2:
-            confidence = torch.ones(len(tokens), device=tokens.device)
-        else:
-            confidence = torch.tanh((top.values[:, 0] - top.values[:, 1]) / 2)  # as drafters.top2_confidence
-        return tokens.tolist(), confidence.tolist()
+        tokens = self.rows[top.indices[:, 0]].tolist()
+        if top.values.shape[-1] < 2:  # one row known: nothing competes with it
+            return tokens, [1.0] * len(tokens)
+        return tokens, torch.tanh((top.values[:, 0] - top.values[:, 1]) / 2).tolist()  # as skip.top2_confidence
 
     def agreement(self) -> tuple[int, int]:
         """(matches, positions): top-1 equal to the reference, each position with the rows known before it."""
