@@ -18,7 +18,7 @@ minutes of calibration or trials, on something it could have refused at the star
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,39 +78,20 @@ from layerskip.search.study import (
 HOPELESS_PREDICTED = 0.5  # finalists predicted below this are not confirmed by real generation
 
 
-@dataclass(frozen=True)
-class StudyRequest:
-    """What a search is asked for: ``run_study``'s arguments, a preset's values applied."""
-
-    model: str | LoadedModel  # an embedded name, a path or a hub id, or a model already loaded
-    prompts: str | tuple[Prompt, ...]  # a prompts source (builtin, code, a file), or the prompts themselves
-    settings: SearchSettings
-    preset: dict[str, Any] | None  # what the study records of the preset: its values and what overrode them
-    command: str  # as the study and the policy's provenance record it
-
-    @property
-    def model_name(self) -> str:
-        return self.model.name if isinstance(self.model, LoadedModel) else self.model
-
-    @property
-    def prompts_source(self) -> str:
-        """Where the prompts come from, as the study records it."""
-        return self.prompts if isinstance(self.prompts, str) else "a list"
-
-
 @dataclass
 class Inputs:
-    """What the request asks for, read and checked before the model loads."""
+    """What a search is asked for (``run_study``'s arguments, a preset's values applied), read and
+    checked before the model loads."""
 
-    request: StudyRequest
+    model: str | LoadedModel  # an embedded name, a path or a hub id, or a model already loaded
+    prompts_source: str  # where the prompts come from, as the study records it ("a list": given as such)
+    args: SearchSettings
+    preset: dict[str, Any] | None  # what the study records of the preset: its values and what overrode them
+    command: str  # as the study and the policy's provenance record it
     prompts: list[Prompt]
     seeds: dict[str, SkipPolicy]  # --warm-start path -> its policy
     exit_choices: tuple[ExitChoice, ...]
     study_name: str
-
-    @property
-    def args(self) -> SearchSettings:
-        return self.request.settings
 
     @property
     def progress(self) -> bool:
@@ -145,10 +126,17 @@ class Target:
     here: Machine
 
 
-def run(request: StudyRequest) -> tuple[optuna.Study, SkipPolicy, list[FrozenTrial]]:
-    """The whole search, every phase in order: the study, the policy exported (written where the
-    settings' ``out`` says) and the finalists."""
-    inputs = check_inputs(request)
+def run(
+    model: str | LoadedModel,
+    prompts: str | tuple[Prompt, ...],
+    settings: SearchSettings,
+    preset: dict[str, Any] | None,
+    command: str,
+) -> tuple[optuna.Study, SkipPolicy, list[FrozenTrial]]:
+    """The whole search, every phase in order (``prompts``: a prompts source, or the prompts
+    themselves): the study, the policy exported (written where the settings' ``out`` says) and the
+    finalists."""
+    inputs = check_inputs(model, prompts, settings, preset, command)
     storage = check_storage(inputs)
     target = check_model(inputs, storage)
     existing = open_study_storage(storage, target)
@@ -160,29 +148,33 @@ def run(request: StudyRequest) -> tuple[optuna.Study, SkipPolicy, list[FrozenTri
 
 
 # -- check ------------------------------------------------------------------------------------------------------------
-def check_inputs(request: StudyRequest) -> Inputs:
+def check_inputs(
+    model: str | LoadedModel,
+    prompts: str | tuple[Prompt, ...],
+    args: SearchSettings,
+    preset: dict[str, Any] | None,
+    command: str,
+) -> Inputs:
     """Every value and file the request names, read and checked; the outputs checked too (a
     search must not end, after all its work, unable to save)."""
-    args = request.settings
     check_arguments(args)
-    if isinstance(request.prompts, str):  # a source: those the settings select
-        prompts = prompts_selected_by(request.prompts, args)
-    else:  # given as such: all of them
-        prompts = list(request.prompts)
+    # A source: those the settings select; given as such: all of them.
+    selected = prompts_selected_by(prompts, args) if isinstance(prompts, str) else list(prompts)
     # Bad files fail before the model loads; "auto" becomes auto's choices once it has run (check_model).
     seeds = {
         path: SkipPolicy.auto_choice() if path == AUTO else SkipPolicy.load(path, "--warm-start")
         for path in args.warm_start
     }
     exit_choices = read_exit_choices(args.exit_adapters)
-    preset = request.preset["name"] if request.preset else None
-    study_name = args.study_name or default_study_name(request.model_name, preset or args.objective)
+    model_name = model.name if isinstance(model, LoadedModel) else model
+    study_name = args.study_name or default_study_name(model_name, preset["name"] if preset else args.objective)
     if args.out is not None:
         check_output_file(args.out, "--out")
         check_replaceable(args.out, "--out", is_policy_file, "a layerskip policy", args.force)  # a resume re-exports
     if args.plots:
         check_output_dir(args.plots, "--plots", PLOT_FILES)
-    return Inputs(request, prompts, seeds, exit_choices, study_name)
+    source = prompts if isinstance(prompts, str) else "a list"
+    return Inputs(model, source, args, preset, command, selected, seeds, exit_choices, study_name)
 
 
 def auto_policy(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: int, name: str) -> SkipPolicy:
@@ -206,7 +198,7 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     """The model loaded and checked against the warm starts, head sizes, exit adapters, prompts and
     the resumed study's chat setting; the search space the flags ask for, on its layers."""
     args = inputs.args
-    model_given = inputs.request.model
+    model_given = inputs.model
     loaded = model_given if isinstance(model_given, LoadedModel) else load_model(model_given, args.dtype, args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies({f"--warm-start {path}": policy for path, policy in inputs.seeds.items()}, model)
@@ -230,7 +222,7 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     if AUTO in inputs.seeds:
         inputs.seeds[AUTO] = auto_policy(model, prompt_ids, args.max_new_tokens, loaded.name)
     calibration_info = {
-        "source": inputs.request.prompts_source,
+        "source": inputs.prompts_source,
         "prompts": [p.id for p in inputs.prompts],
         "prompts_sha256": prompts_digest(inputs.prompts),
         "categories": sorted({p.category for p in inputs.prompts}),
@@ -259,7 +251,7 @@ def check_storage(inputs: Inputs) -> Storage:
     if opened is not None:  # resuming: a flag that changes the study's space or prompts is refused before any work
         attrs = existing_study_attrs(opened, name)
         check_resumed_space(attrs, name, args)
-        check_resumed_calibration(attrs, name, args.reference_tokens, inputs.request.prompts_source, inputs.prompts)
+        check_resumed_calibration(attrs, name, args.reference_tokens, inputs.prompts_source, inputs.prompts)
     return Storage(url, name, opened, attrs)
 
 
@@ -359,14 +351,14 @@ def open_search_study(
         seed_params.append(params)
     metadata = {
         **target.identity,
-        "command": inputs.request.command,
+        "command": inputs.command,
         "calibration": calibration.description,
-        "space": space.to_dict(),
+        "space": asdict(space),
         "device": str(next(model.parameters()).device),
         "machine": target.here.to_dict(),
         "dtype": args.dtype,
         "torch": torch.__version__,
-        **({"preset": inputs.request.preset} if inputs.request.preset else {}),
+        **({"preset": inputs.preset} if inputs.preset else {}),
     }
     opened = storage.open()
     seed = args.seed + 1000 * args.worker

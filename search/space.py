@@ -31,9 +31,6 @@ class ExitChoice:
     adapter: str  # absolute path of the safetensors file
     sha256: str
 
-    def settings(self) -> ExitSettings:
-        return ExitSettings(self.adapter, self.sha256, self.layer, self.kind)
-
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -89,9 +86,6 @@ class SearchSpace:
         high = min(len(self.ranked), math.floor(self.max_fraction * total + 1e-9), total - 1)
         return low, high
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     # -- Optuna ---------------------------------------------------------------------------
     def suggest(self, trial: optuna.Trial) -> SkipPolicy:
         """Sample a policy; prunes a trial whose skipped fraction breaks the user's rules.
@@ -101,9 +95,16 @@ class SearchSpace:
         those switches, do not apply to it.
         """
         draft = self._suggest_draft(trial)
-        exit_choice = self._suggest_exit(trial) if draft.use_skip_draft else None
-        if exit_choice is not None:
-            return self._exit_policy(trial, draft, exit_choice)
+        exits = {choice.label: choice for choice in self.exit_choices} if draft.use_skip_draft else {}
+        choice = exits.get(trial.suggest_categorical("exit", ["none", *exits])) if exits else None
+        if choice is not None:
+            # It stops below a confidence threshold (Kangaroo's rule), which then adapts.
+            threshold = _pick(trial, "exit_threshold", self.exit_threshold_choices)
+            draft = replace(draft, adaptive=True, length_by_cost=False, initial_threshold=threshold)
+            exit = ExitSettings(choice.adapter, choice.sha256, choice.layer, choice.kind)
+            policy = SkipPolicy.early_exit(self.num_layers, choice.layer + 1, draft=draft, exit=exit)
+            trial.set_user_attr("skip_fraction", len(policy.skip_attention) / self.num_layers)
+            return policy
         if self.sublayer_order:
             chosen = self.ranked[: trial.suggest_int("skip_count", *self.skip_count_range)]
             attention = [i for i, kind in chosen if kind == "attention"]
@@ -122,20 +123,6 @@ class SearchSpace:
         if not draft.use_skip_draft:
             attention, mlp = [], []  # lookup-only drafting: the skip switches are unused
         return SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft)
-
-    def _exit_policy(self, trial: optuna.Trial, draft: DraftSettings, choice: ExitChoice) -> SkipPolicy:
-        # It stops below a confidence threshold (Kangaroo's rule), which then adapts.
-        threshold = _pick(trial, "exit_threshold", self.exit_threshold_choices)
-        draft = replace(draft, adaptive=True, length_by_cost=False, initial_threshold=threshold)
-        policy = SkipPolicy.early_exit(self.num_layers, choice.layer + 1, draft=draft, exit=choice.settings())
-        trial.set_user_attr("skip_fraction", len(policy.skip_attention) / self.num_layers)
-        return policy
-
-    def _suggest_exit(self, trial: optuna.Trial) -> ExitChoice | None:
-        if not self.exit_choices:
-            return None
-        labels = {choice.label: choice for choice in self.exit_choices}
-        return labels.get(trial.suggest_categorical("exit", ["none", *labels]))
 
     def _suggest_draft(self, trial: optuna.Trial) -> DraftSettings:
         k = trial.suggest_categorical("max_draft_tokens", list(self.draft_token_choices))
@@ -364,16 +351,15 @@ def _differences(label: str, wanted: DraftSettings, evaluated: DraftSettings) ->
         unused |= {"lookup_min_ngram", "lookup_max_tokens", "lookup_confidence", "tree_matches"}
     unused |= {"tree_margin", "tree_nodes"}  # not searched: a trial keeps the defaults
     if not evaluated.use_skip_draft:
-        unused |= {"draft_vocab_size", "precision", "adaptive", "initial_threshold", "target_acceptance"}
-        unused |= {"length_by_cost"}
+        unused |= {"draft_vocab_size", "precision", "adaptive", "length_by_cost"}
+        unused |= {"initial_threshold", "target_acceptance"}
     if not evaluated.adaptive:
         unused |= {"initial_threshold", "target_acceptance"}
-    notes = []
-    for name, value in asdict(wanted).items():
-        got = getattr(evaluated, name)
-        if name not in unused and got != value:
-            notes.append(f"{label}: {name} {value} is not a choice of this search; the trial uses {got}")
-    return notes
+    return [
+        f"{label}: {name} {value} is not a choice of this search; the trial uses {getattr(evaluated, name)}"
+        for name, value in asdict(wanted).items()
+        if name not in unused and getattr(evaluated, name) != value
+    ]
 
 
 def _pick(trial: optuna.Trial, name: str, choices: tuple[Any, ...]) -> Any:
@@ -393,9 +379,7 @@ def with_vocabulary(policy: SkipPolicy, ranking: Sequence[int]) -> SkipPolicy:
 
 def policy_attr(policy: SkipPolicy) -> dict[str, Any]:
     """What a trial stores: the evaluated policy, less its head rows (the study's ranking, stored once)."""
-    data = policy.to_dict()
-    data["draft_vocabulary"] = []
-    return data
+    return {**policy.to_dict(), "draft_vocabulary": []}
 
 
 def trial_policy(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:

@@ -71,15 +71,10 @@ def _with_installed_driver(url: str) -> str:
     SQLAlchemy 2.1 reads a bare ``postgresql://`` as psycopg 3 (2.0 as psycopg2); the project's
     extras install psycopg2-binary, so pick whichever of the two is importable.
     """
-    if not url.startswith("postgresql://"):
+    installed = [driver for driver in ("psycopg2", "psycopg") if importlib.util.find_spec(driver) is not None]
+    if not url.startswith("postgresql://") or len(installed) != 1:
         return url
-    have_v3 = importlib.util.find_spec("psycopg") is not None
-    have_v2 = importlib.util.find_spec("psycopg2") is not None
-    if have_v2 and not have_v3:
-        return "postgresql+psycopg2://" + url.removeprefix("postgresql://")
-    if have_v3 and not have_v2:
-        return "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    return url
+    return f"postgresql+{installed[0]}://" + url.removeprefix("postgresql://")
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
@@ -104,8 +99,11 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             f"storage {_redact(url)} needs a database driver ({missing} is not installed); pip install {package}"
         ) from None
     except Exception as exc:  # sqlalchemy raises OperationalError / ArgumentError subclasses
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LayerskipError(f"cannot open storage {_redact(url)}: {first_line}") from None
+        raise LayerskipError(f"cannot open storage {_redact(url)}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _rdb_storage(url: str, attempts: int = 6) -> optuna.storages.RDBStorage:
@@ -151,15 +149,11 @@ def existing_study_attrs(storage: optuna.storages.BaseStorage, name: str) -> dic
     try:
         summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
     except Exception as exc:  # sqlalchemy and the journal raise many types
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise LayerskipError(
-            f"cannot read the study storage ({type(exc).__name__}: {first_line[:200]}); it may be damaged: "
+            f"cannot read the study storage ({type(exc).__name__}: {_first_line(exc)[:200]}); it may be damaged: "
             "restore it from a backup or use another --storage"
         ) from None
-    for summary in summaries:
-        if summary.study_name == name:
-            return dict(summary.user_attrs)
-    return None
+    return next((dict(summary.user_attrs) for summary in summaries if summary.study_name == name), None)
 
 
 def check_local_storage(url: str) -> None:
@@ -299,13 +293,8 @@ def run_trials(
 
     Ctrl-C stops the run and records the trial it interrupted as FAIL (see ``_InterruptGuard``).
     """
-    told = 0
-
-    def count_told(study: optuna.Study, trial: FrozenTrial) -> None:
-        nonlocal told
-        told += 1
-
-    callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] = [count_told]
+    told: list[int] = []  # the trials this process ran to an end (any state)
+    callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] = [lambda study, trial: told.append(trial.number)]
     if total_trials is not None:
         callbacks.append(optuna.study.MaxTrialsCallback(total_trials, states=COUNTED_STATES))
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -313,7 +302,7 @@ def run_trials(
     if failed:
         print(f"trial(s) {failed} were left RUNNING by a process that no longer runs: marked FAIL", file=sys.stderr)
     with _InterruptGuard(objective) as guarded:
-        while told < n_trials:
+        while len(told) < n_trials:
             if total_trials is not None and counted_trials(study) >= total_trials:
                 return
             left = None if deadline is None else deadline - time.monotonic()
@@ -322,7 +311,7 @@ def run_trials(
             try:
                 study.optimize(
                     guarded,
-                    n_trials=n_trials - told,
+                    n_trials=n_trials - len(told),
                     timeout=left,
                     callbacks=callbacks,
                     show_progress_bar=progress,
@@ -370,11 +359,9 @@ def fail_trials_of_dead_workers(study: optuna.Study) -> list[int]:
     return failed
 
 
-class _QuietInterrupt(logging.Filter):
-    """Drop Optuna's "Trial N failed" traceback when the failure is the user's Ctrl-C."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
+def _not_interrupt(record: logging.LogRecord) -> bool:
+    """A logging filter: drop Optuna's "Trial N failed" traceback when the failure is the user's Ctrl-C."""
+    return not (record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt))
 
 
 class _InterruptGuard:
@@ -394,7 +381,6 @@ class _InterruptGuard:
         self.pending = False
         self.previous: Any = None
         self.installed = False
-        self.log_filter = _QuietInterrupt()
         self.logger = logging.getLogger("optuna.study._optimize")
 
     def check(self) -> None:
@@ -415,7 +401,7 @@ class _InterruptGuard:
         os.write(2, b"\nCtrl-C: stopping this trial at its next step (press Ctrl-C again to stop at once)\n")
 
     def __enter__(self) -> _InterruptGuard:
-        self.logger.addFilter(self.log_filter)
+        self.logger.addFilter(_not_interrupt)
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self._on_sigint)
             self.installed = True
@@ -424,7 +410,7 @@ class _InterruptGuard:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self.installed:
             signal.signal(signal.SIGINT, signal.default_int_handler if self.previous is None else self.previous)
-        self.logger.removeFilter(self.log_filter)
+        self.logger.removeFilter(_not_interrupt)
         if self.pending and not isinstance(exc, KeyboardInterrupt):
             raise KeyboardInterrupt from None
 
