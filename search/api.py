@@ -1,10 +1,5 @@
-"""``run_study``: the search from Python, as ``layerskip-search`` runs it (the command line calls it).
-
-Every ``layerskip-search`` flag is a keyword argument with underscores (``--n-trials 30`` is
-``n_trials=30``, ``--no-cache`` is ``no_cache=True``, a list flag takes a list); a refusal names the
-flag. The storage URLs, resuming, pruning, presets and workers sharing a PostgreSQL study are the
-command line's own.
-"""
+"""``run_study``: the search from Python, as ``layerskip-search`` runs it (the command line calls it);
+its flags are keywords (``layerskip.search.settings``), and a refusal names the flag."""
 
 from __future__ import annotations
 

@@ -76,8 +76,7 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--total-trials", type=int, help="stop when the study (all workers) has this many trials")
     parser.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
     parser.add_argument(
-        "--storage",
-        help="sqlite:///path.db, a journal file path.log, or postgresql://user:pass@host/db",
+        "--storage", help="sqlite:///path.db, a journal file path.log, or postgresql://user:pass@host/db"
     )
     parser.add_argument("--study-name", help="default: MODEL-OBJECTIVE (with --preset: MODEL-PRESET)")
     parser.add_argument("--objective", choices=OBJECTIVES)
@@ -104,15 +103,11 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
         help="do not search how drafts end (fixed k only: no adaptive threshold, no length by cost)",
     )
     parser.add_argument(
-        "--draft-vocab",
-        type=int_list,
-        help="truncated draft head sizes to search (0 = full head), e.g. 0,4096,16384",
+        "--draft-vocab", type=int_list, help="truncated draft head sizes to search (0 = full head), e.g. 0,4096,16384"
     )
     parser.add_argument("--lookup", type=int_list, help="prompt-lookup max n-gram choices (0 = off), e.g. 0,3")
     parser.add_argument(
-        "--lookup-tokens",
-        type=int_list,
-        help="longest lookup run choices, e.g. 4,8,16 (default: the draft length k)",
+        "--lookup-tokens", type=int_list, help="longest lookup run choices, e.g. 4,8,16 (default: the draft length k)"
     )
     parser.add_argument("--lookup-min", type=int_list, help="shortest lookup n-gram choices, e.g. 1,2")
     parser.add_argument(
@@ -121,9 +116,7 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
         help="choices for cutting lookup runs below this estimated chance of full acceptance, e.g. 0,0.1,0.2",
     )
     parser.add_argument(
-        "--verify-pad",
-        type=int_list,
-        help="choices for padding short verify blocks to N tokens (0 = never), e.g. 0,4",
+        "--verify-pad", type=int_list, help="choices for padding short verify blocks to N tokens (0 = never), e.g. 0,4"
     )
     parser.add_argument(
         "--tree-matches",

@@ -36,11 +36,7 @@ class SharedTiming:
 
 
 def draft_key(
-    model: nn.Module,
-    policy: SkipPolicy,
-    head_rows: Sequence[int] | None,
-    context: Sequence[int],
-    repeats: int,
+    model: nn.Module, policy: SkipPolicy, head_rows: Sequence[int] | None, context: Sequence[int], repeats: int
 ) -> dict[str, Any]:
     """Everything that decides what one draft step of ``policy`` costs when timed after ``context``."""
     parameter = next(model.parameters())

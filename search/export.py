@@ -68,7 +68,10 @@ def choose_trial(study: optuna.Study, trial_number: int | None = None) -> Frozen
     return max(candidates, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0))
 
 
-def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
+def export_policy(study: optuna.Study, out: str | Path | None, trial_number: int | None = None) -> SkipPolicy:
+    """The chosen trial's policy (``choose_trial``) with the study's model identity, provenance and
+    the figures measured for it, saved to ``out`` unless it is None."""
+    trial = choose_trial(study, trial_number)
     attrs = study.user_attrs
     identity = ModelIdentity(
         name=attrs.get("model_name", ""),
@@ -78,9 +81,9 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
         weights_sample=attrs.get("model_weights_sample", ""),
     )
     measured = {key: trial.user_attrs[key] for key in CHEAP_FIGURES if key in trial.user_attrs}
-    confirmed = confirmations(study).get(trial.number)
-    if confirmed is not None:
-        measured["confirmed"] = confirmed
+    confirmed = confirmations(study)
+    if trial.number in confirmed:
+        measured["confirmed"] = confirmed[trial.number]
     provenance = {
         "method": "optuna",
         "study": study.study_name,
@@ -99,10 +102,13 @@ def policy_for_trial(study: optuna.Study, trial: FrozenTrial) -> SkipPolicy:
         provenance["preset"] = attrs["preset"]
     window = confirmation_window(study)
     if window is not None:
-        provenance["confirmation"] = window_provenance(window, confirmations(study), trial.number)
+        provenance["confirmation"] = window_provenance(window, confirmed, trial.number)
     if trial.user_attrs.get("latency_warning"):  # its costs were measured on a busy machine
         provenance["latency_warning"] = trial.user_attrs["latency_warning"]
-    return replace(trial_policy(study, trial), model=identity, provenance=provenance, measured=measured)
+    policy = replace(trial_policy(study, trial), model=identity, provenance=provenance, measured=measured)
+    if out is not None:
+        policy.save(out)
+    return policy
 
 
 def window_provenance(window: dict[str, Any], confirmed: dict[int, dict[str, Any]], exported: int) -> dict[str, Any]:
@@ -147,14 +153,6 @@ def verdict(policy: SkipPolicy) -> str:
         return "not measured"
     note = ": predicted not to beat plain decoding" if predicted < 1.0 else ""
     return f"predicted {predicted:.2f}x (not confirmed by real generation){note}"
-
-
-def export_policy(study: optuna.Study, out: str | Path | None, trial_number: int | None = None) -> SkipPolicy:
-    """The chosen trial's policy (``choose_trial``), saved to ``out`` unless it is None."""
-    policy = policy_for_trial(study, choose_trial(study, trial_number))
-    if out is not None:
-        policy.save(out)
-    return policy
 
 
 def summary(study: optuna.Study, top: Sequence[FrozenTrial]) -> str:

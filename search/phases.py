@@ -190,16 +190,15 @@ def auto_policy(model: nn.Module, prompt_ids: list[list[int]], max_new_tokens: i
 def default_study_name(model: str, suffix: str) -> str:
     """``MODEL-SUFFIX`` from a model argument: its last path part (``org/Llama-3.2-1B`` ->
     ``Llama-3.2-1B``), without a ``.gguf`` suffix."""
-    name = Path(model).name
-    return f"{name.removesuffix('.gguf')}-{suffix}"
+    return f"{Path(model).name.removesuffix('.gguf')}-{suffix}"
 
 
 def check_model(inputs: Inputs, storage: Storage) -> Target:
     """The model loaded and checked against the warm starts, head sizes, exit adapters, prompts and
     the resumed study's chat setting; the search space the flags ask for, on its layers."""
     args = inputs.args
-    model_given = inputs.model
-    loaded = model_given if isinstance(model_given, LoadedModel) else load_model(model_given, args.dtype, args.device)
+    given = inputs.model
+    loaded = given if isinstance(given, LoadedModel) else load_model(given, args.dtype, args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies({f"--warm-start {path}": policy for path, policy in inputs.seeds.items()}, model)
     check_head_sizes(args.draft_vocab, adapters.lm_head(model).weight.shape[0])
@@ -287,11 +286,7 @@ def calibrate(inputs: Inputs, target: Target) -> tuple[Calibration, CalibrationC
 
 # -- rank -------------------------------------------------------------------------------------------------------------
 def rank(
-    inputs: Inputs,
-    target: Target,
-    existing: dict[str, Any] | None,
-    cache: CalibrationCache,
-    calibration: Calibration,
+    inputs: Inputs, target: Target, existing: dict[str, Any] | None, cache: CalibrationCache, calibration: Calibration
 ) -> SearchSpace:
     """The ranked space with its sublayers ordered by how little bypassing each alone changes the
     draft's top-1 token (a resumed study keeps the order it was made with; a new study's starts
