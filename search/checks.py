@@ -173,17 +173,19 @@ def check_resumed_space(attrs: dict[str, Any] | None, study_name: str, args: Sea
         was = recorded[key]
         if _normalise(key, was) != _normalise(key, value):
             name = flag(SPACE_SETTINGS[key])
-            raise LayerskipError(
-                f"study '{study_name}' was made with {_describe(name, was)} but this run has {_describe(name, value)}; "
-                f"re-run with the study's value, or start a new study with another --study-name"
-            )
+            raise _changed(study_name, f"made with {_describe(name, was)}", _describe(name, value), "the study's value")
     was_ranked = bool(recorded.get("sublayer_order"))
     if "sublayer_order" in recorded and was_ranked != (args.space == "ranked"):
-        made = "ranked" if was_ranked else "switches"
-        raise LayerskipError(
-            f"study '{study_name}' was made with --space {made} but this run has --space {args.space}; "
-            f"re-run with --space {made}, or start a new study with another --study-name"
-        )
+        made = "--space " + ("ranked" if was_ranked else "switches")
+        raise _changed(study_name, f"made with {made}", f"--space {args.space}", made)
+
+
+def _changed(study_name: str, was: str, now: str, rerun: str, verb: str = "has") -> LayerskipError:
+    """The refusal of a flag that changes a resumed study."""
+    return LayerskipError(
+        f"study '{study_name}' was {was} but this run {verb} {now}; "
+        f"re-run with {rerun}, or start a new study with another --study-name"
+    )
 
 
 def _normalise(key: str, value: Any) -> Any:
@@ -230,13 +232,10 @@ def check_resumed_calibration(
     recorded = (attrs or {}).get("calibration")
     if not isinstance(recorded, dict):
         return
-    way_out = "or start a new study with another --study-name"
     was_length = recorded.get("reference_tokens")
     if was_length is not None and was_length != reference_tokens:
-        raise LayerskipError(
-            f"study '{study_name}' was calibrated with --reference-tokens {was_length} but this run has "
-            f"--reference-tokens {reference_tokens}; re-run with the study's value, {way_out}"
-        )
+        was, now = f"--reference-tokens {was_length}", f"--reference-tokens {reference_tokens}"
+        raise _changed(study_name, f"calibrated with {was}", now, "the study's value")
     was_ids = list(recorded.get("prompts", []))
     ids = [p.id for p in prompts]
     digest = recorded.get("prompts_sha256")
@@ -249,10 +248,8 @@ def check_resumed_calibration(
         change = f"the same prompt ids from {source} with other text (the file changed, or --text-field)"
     else:
         change = f"{len(ids)} prompt(s) {few(ids, 3)} from {source}"
-    raise LayerskipError(
-        f"study '{study_name}' was calibrated on {len(was_ids)} prompt(s) {few(was_ids, 3)} from {recorded_source} but "
-        f"this run picks {change}; re-run with the study's {PROMPT_FLAGS}, {way_out}"
-    )
+    was = f"calibrated on {len(was_ids)} prompt(s) {few(was_ids, 3)} from {recorded_source}"
+    raise _changed(study_name, was, change, f"the study's {PROMPT_FLAGS}", verb="picks")
 
 
 def check_resumed_chat(attrs: dict[str, Any] | None, study_name: str, chat: bool) -> None:
@@ -261,7 +258,4 @@ def check_resumed_chat(attrs: dict[str, Any] | None, study_name: str, chat: bool
     was = ((attrs or {}).get("calibration") or {}).get("chat")
     if was is not None and bool(was) != chat:
         before, now = ("--chat", "--no-chat") if was else ("--no-chat", "--chat")
-        raise LayerskipError(
-            f"study '{study_name}' was calibrated with {before} but this run has {now}; "
-            f"re-run with {before}, or start a new study with another --study-name"
-        )
+        raise _changed(study_name, f"calibrated with {before}", now, before)
