@@ -18,7 +18,6 @@ repeated plain-step timings spread widely (a busy machine) is warned about and n
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +28,7 @@ from layerskip.engine.latency import Latency
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference
 from layerskip.result_cache import ResultCache, cache_env, model_key
-from layerskip.search.log import Log, to_stderr
+from layerskip.search.log import to_stderr
 
 FORMAT = 1
 CACHE = "search"  # the result cache that holds a search's references
@@ -43,13 +42,10 @@ class CalibrationCache:
     cached ones.
     """
 
-    def __init__(
-        self, model: nn.Module, root: str | os.PathLike[str] | None = None, read: bool = True, log: Log = to_stderr
-    ) -> None:
+    def __init__(self, model: nn.Module, read: bool = True) -> None:
         self.model = model
-        self.files = ResultCache(CACHE, root, "search cache", log)
+        self.files = ResultCache(CACHE, None, "search cache", to_stderr)
         self.read = read
-        self.log = log
         self.identity: dict[str, Any] = {"format": FORMAT, **model_key(model)}
         # Every sublayer of the model, as a cached order must list them (not part of the key: the
         # fingerprint already fixes the layer count).
@@ -60,7 +56,7 @@ class CalibrationCache:
     def _store(self, kind: str, key: dict[str, Any], payload: dict[str, Any]) -> None:
         problem = self.files.store(kind, key, payload)
         if problem is not None:  # read-only, or a FIFO in its place: costs time, never the search
-            self.log(f"warning: {problem}")
+            to_stderr(f"warning: {problem}")
 
     # -- references -----------------------------------------------------------------------------------------------
     def _references_key(self, prompts: Sequence[Sequence[int]], reference_tokens: int) -> dict[str, Any]:
@@ -92,7 +88,7 @@ class CalibrationCache:
         if data is None:
             return None
         self._references_entry = (key, data)
-        self.log(f"using cached references from {self.files.path('references', key)}")
+        to_stderr(f"using cached references from {self.files.path('references', key)}")
         return [Reference(tuple(prompt), tuple(continuation)) for prompt, continuation in data["references"]]
 
     def _check_order(self, order: Any) -> None:
@@ -135,9 +131,9 @@ class CalibrationCache:
     def latency(self, blocks: Sequence[int], progress: bool) -> Latency:
         """The plain step and verify curve over ``blocks`` at least: ``auto``'s, measured once per
         model and machine (``machine_latency``), measured again with ``read=False``."""
-        latency = machine_latency(self.model, blocks, read=self.read, progress=progress, warn=self.log)
+        latency = machine_latency(self.model, blocks, read=self.read, progress=progress, warn=to_stderr)
         if latency.cached_from is not None:
-            self.log(
+            to_stderr(
                 f"using cached calibration (latency measured {latency.measured_at or '?'}) from "
                 f"{latency.cached_from}; --no-cache measures it again"
             )

@@ -94,7 +94,6 @@ def plot_importance(study: optuna.Study, path: Path) -> Path:
 
 
 def write_plots(study: optuna.Study, directory: str | Path) -> list[Path]:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    pareto, history, frequency = (directory / name for name in PLOT_FILES)
-    return [plot_pareto(study, pareto), plot_history(study, history), plot_importance(study, frequency)]
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    plots = (plot_pareto, plot_history, plot_importance)  # in PLOT_FILES' order
+    return [plot(study, Path(directory) / name) for plot, name in zip(plots, PLOT_FILES)]

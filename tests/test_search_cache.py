@@ -209,13 +209,12 @@ def test_a_cached_sublayer_order_is_checked_against_the_model(
 def test_auto_and_the_search_measure_one_latency_between_them(counted) -> None:
     """The plain and verify curve ``auto`` calibrates is the one the search's cache reads, and the
     other way round: each model is timed once, whichever comes first."""
-    quiet = calibration_cache.CalibrationCache
     first, second = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
     costs = engine_calibration.calibrate(first, SkipPolicy.auto_choice(), DraftModels(first))
-    latency = quiet(first, log=lambda line: None).latency(range(2, 10), progress=False)
+    latency = calibration_cache.CalibrationCache(first).latency(range(2, 10), progress=False)
     assert counted["latency"] == 1 and latency.cached_from and latency.verify_seconds == costs.verify
 
-    latency = quiet(second, log=lambda line: None).latency(range(2, 10), progress=False)
+    latency = calibration_cache.CalibrationCache(second).latency(range(2, 10), progress=False)
     costs = engine_calibration.calibrate(second, SkipPolicy.auto_choice(), DraftModels(second))
     assert counted["latency"] == 2 and costs.info["cached"] is False  # its draft steps were timed, not its curve
     assert costs.verify == latency.verify_seconds and costs.plain_step == latency.plain_step_seconds
