@@ -65,13 +65,30 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
         f"machine: {_as_flags(preset_values('quick', torch.device('cpu')))} (trials stop starting after 150 s; "
         "on a GPU --draft-precision model). A flag given explicitly overrides the preset's value",
     )
-    # The calibration prompts: which, how many, chat template or not
+    _add_prompt_arguments(parser)
+    _add_study_arguments(parser)
+    _add_draft_arguments(parser)
+    _add_bypass_arguments(parser)
+    _add_run_arguments(parser)
+    if argument_default is None:  # append flags add to a list of their own
+        parser.set_defaults(**{name: list(v) if name in APPENDED else v for name, v in vars(DEFAULTS).items()})
+    return parser
+
+
+APPENDED = ("warm_start", "exit_adapters")
+
+
+def _add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """The calibration prompts: which, how many, chat template or not."""
     add_prompt_arguments(parser)
     parser.add_argument("--n-prompts", type=int, help="calibration prompts (spread over categories)")
     parser.add_argument("--per-category", type=int, help="sample this many prompts from each category first")
     parser.add_argument("--categories", type=str_list, help="only these prompt categories, e.g. qa,rag")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction)
-    # The study: its budget, storage, name and objective, the reference length, and the confirmation
+
+
+def _add_study_arguments(parser: argparse.ArgumentParser) -> None:
+    """The study: its budget, storage, name and objective, the reference length, and the confirmation."""
     parser.add_argument("--n-trials", type=int, help="trials this process runs")
     parser.add_argument("--total-trials", type=int, help="stop when the study (all workers) has this many trials")
     parser.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
@@ -95,7 +112,10 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
         "every calibration prompt, interleaved; a finalist's speedup is the median over rounds, its noise the "
         "interquartile range",
     )
-    # The draft settings a trial chooses among
+
+
+def _add_draft_arguments(parser: argparse.ArgumentParser) -> None:
+    """The draft settings a trial chooses among."""
     parser.add_argument("--draft-tokens", type=int_list, help="max draft token choices")
     parser.add_argument(
         "--no-adaptive",
@@ -138,7 +158,10 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="every trial drafts with its skip policy (lookup, if on, leads where the context repeats)",
     )
-    # Which sublayers a trial may bypass, and where the search starts
+
+
+def _add_bypass_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which sublayers a trial may bypass, and where the search starts."""
     parser.add_argument(
         "--space",
         choices=("ranked", "switches"),
@@ -165,7 +188,10 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--never-skip", type=int_list, help="layers never to bypass, e.g. 0,1")
     parser.add_argument("--min-skip-fraction", type=float)
     parser.add_argument("--max-skip-fraction", type=float)
-    # This process: its seed and worker number, its outputs and what it prints
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """This process: its seed and worker number, its outputs and what it prints."""
     parser.add_argument("--seed", type=int)
     parser.add_argument("--worker", type=int, help="worker number: varies the sampler seed between workers")
     parser.add_argument("--out", help="policy JSON to write (default: STUDY_NAME.policy.json)")
@@ -184,10 +210,6 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
         "dtype, device and machine; cached latency is reused as measured, so pass this when the machine's state "
         "has changed (a calibration measured on a busy machine is never cached). Fresh results replace the cached ones",
     )
-    if argument_default is None:  # append flags add to a list of their own
-        appended = ("warm_start", "exit_adapters")
-        parser.set_defaults(**{name: list(v) if name in appended else v for name, v in vars(DEFAULTS).items()})
-    return parser
 
 
 def _main(argv: list[str] | None) -> int:
