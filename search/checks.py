@@ -1,12 +1,12 @@
 """Checks of a search's command line made before any model loads or any storage is written.
 
-Three kinds: values no study can use (a negative seed, timeout or head size), exit adapters
-that are not there (``read_exit_choices``), and, for a study
-that already exists, flags that would change its search space or its calibration. Optuna refuses
-a parameter whose choices changed ("dynamic value space") only when a trial samples it, after
-minutes of calibration, and records a FAIL trial; here it is one line before any work. Other
-calibration prompts would not fail at all: new trials would be scored on other text than the
-study's earlier ones, and the study and its exported policy would still name the first prompts.
+Three kinds: values no study can use (a negative seed, timeout or head size), exit adapters that
+are not there (``read_exit_choices``), and, for a study that already exists, flags that would
+change its search space or its calibration. Optuna refuses a parameter whose choices changed
+("dynamic value space") only when a trial samples it, after minutes of calibration, and records a
+FAIL trial; here it is one line before any work. Other calibration prompts would not fail at all:
+new trials would be scored on other text than the study's earlier ones, and the study and its
+exported policy would still name the first prompts.
 """
 
 from __future__ import annotations

@@ -133,9 +133,8 @@ def run(
     preset: dict[str, Any] | None,
     command: str,
 ) -> tuple[optuna.Study, SkipPolicy, list[FrozenTrial]]:
-    """The whole search, every phase in order (``prompts``: a prompts source, or the prompts
-    themselves): the study, the policy exported (written where the settings' ``out`` says) and the
-    finalists."""
+    """The whole search, every phase in order: the study, the policy exported (written where the
+    settings' ``out`` says) and the finalists. ``prompts``: a prompts source, or the prompts."""
     inputs = check_inputs(model, prompts, settings, preset, command)
     storage = check_storage(inputs)
     target = check_model(inputs, storage)

@@ -71,10 +71,10 @@ def _with_installed_driver(url: str) -> str:
     SQLAlchemy 2.1 reads a bare ``postgresql://`` as psycopg 3 (2.0 as psycopg2); the project's
     extras install psycopg2-binary, so pick whichever of the two is importable.
     """
-    installed = [driver for driver in ("psycopg2", "psycopg") if importlib.util.find_spec(driver) is not None]
-    if not url.startswith("postgresql://") or len(installed) != 1:
+    if not url.startswith("postgresql://"):
         return url
-    return f"postgresql+{installed[0]}://" + url.removeprefix("postgresql://")
+    installed = [driver for driver in ("psycopg2", "psycopg") if importlib.util.find_spec(driver) is not None]
+    return f"postgresql+{installed[0]}://" + url.removeprefix("postgresql://") if len(installed) == 1 else url
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
