@@ -45,8 +45,7 @@ def plot_pareto(study: optuna.Study, path: Path) -> Path:
     if on_front:
         ax.plot(*zip(*on_front), color="crimson", lw=1.2, marker="o", mfc="none", label="Pareto front")
         ax.legend(loc="lower right")
-    ax.set_xlabel("draft step latency (ms, measured)")
-    ax.set_ylabel("teacher-forced acceptance")
+    ax.set(xlabel="draft step latency (ms, measured)", ylabel="teacher-forced acceptance")
     ax.set_title(f"{study.study_name}: acceptance vs draft latency")
     return _save(fig, path)
 
@@ -60,8 +59,7 @@ def plot_history(study: optuna.Study, path: Path) -> Path:
     if values:
         ax.plot(numbers, np.maximum.accumulate(values), color="crimson", label="best so far")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("trial")
-    ax.set_ylabel("predicted speedup vs plain decoding")
+    ax.set(xlabel="trial", ylabel="predicted speedup vs plain decoding")
     ax.set_title(f"{study.study_name}: optimisation history")
     ax.legend()
     return _save(fig, path)
