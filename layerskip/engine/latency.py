@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -197,37 +198,28 @@ def batch_step_timings(
     greedy = engine_verify_head(model)
     ranked = None if not head_size else torch.tensor(sorted({*range(head_size), *context}), dtype=torch.long)
     head = draft_model.head(ranked)
-    plain: dict[int, float] = {}
-    draft: dict[int, float] = {}
-    wide: dict[int, float] = {}
+    timed = BatchStepTimings({}, {}, {})
     for count in sorted(set(rows), reverse=True):
         if cache.rows > count:
             cache.keep_rows(list(range(count)))
-        token = torch.full((count,), context[-1], device=device)  # [R]
-        block = token[:, None].expand(count, WIDE_BLOCK)  # [R, WIDE_BLOCK]
+        token = torch.full((count, 1), context[-1], device=device)  # [R, 1]
         lengths = [length] * count
 
-        def plain_step(token: torch.Tensor = token, lengths: list[int] = lengths) -> None:
-            hidden = block_hidden(model, token[:, None], cache)  # [R, 1, H]
-            greedy.argmax(hidden[:, 0])
-            cache.set_lengths(lengths)
-
-        def wide_step(block: torch.Tensor = block, lengths: list[int] = lengths) -> None:
-            hidden = block_hidden(model, block, cache)  # [R, WIDE_BLOCK, H]
+        def verify_step(block: torch.Tensor, lengths: list[int] = lengths) -> None:
+            hidden = block_hidden(model, block, cache)  # [R, n, H]
             greedy.argmax(hidden.flatten(0, 1))
             cache.set_lengths(lengths)
 
         def draft_step(token: torch.Tensor = token, lengths: list[int] = lengths) -> None:
             with draft_model.active((), ()):
-                head(draft_model.hidden(token[:, None], cache)[:, 0]).argmax(-1)  # [R, n] -> [R]
+                head(draft_model.hidden(token, cache)[:, 0]).argmax(-1)  # [R, n] -> [R]
             cache.set_lengths(lengths)
 
-        steps = {"plain": plain_step, "draft": draft_step, "wide": wide_step}
-        seconds = interleaved_timings(steps, device, repeats)
-        plain[count] = statistics.median(seconds["plain"])
-        draft[count] = statistics.median(seconds["draft"])
-        wide[count] = statistics.median(seconds["wide"])
-    return BatchStepTimings(plain, draft, wide)
+        wide = token.expand(count, WIDE_BLOCK)  # [R, WIDE_BLOCK]
+        steps = {"plain": partial(verify_step, token), "draft": draft_step, "wide": partial(verify_step, wide)}
+        for name, seconds in interleaved_timings(steps, device, repeats).items():
+            getattr(timed, name)[count] = statistics.median(seconds)
+    return timed
 
 
 # Positions the full head's extra cost is timed at: one row's plain step, a row's long draft, and

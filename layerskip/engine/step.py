@@ -58,20 +58,6 @@ StepObserver = Callable[[RollbackCache, list[int]], None]
 
 
 @dataclass
-class StepOutcome:
-    proposal: Proposal
-    verdict: Verdict
-    block: int  # positions the verify ran over (fillers included)
-    draft_seconds: float
-    verify_seconds: float  # verify forward, acceptance and rollback
-
-    @property
-    def tokens(self) -> list[int]:
-        """The candidates the full model kept, then its own token."""
-        return self.verdict.tokens(self.proposal)
-
-
-@dataclass
 class Row:
     """One prompt of the batch: what its generation keeps while the batch runs."""
 
@@ -194,11 +180,12 @@ class Stepper:
         kept_by_row = []
         remaining = [row.output.remaining for row in self.rows]
         for row, proposal, verdict in zip(self.rows, proposals, verdicts, strict=True):
-            draft_seconds = drafted - start if proposal.source != base.NONE else 0.0
-            outcome = StepOutcome(proposal, verdict, width, draft_seconds, seconds - (drafted - start))
-            kept = row.output.emit(outcome.tokens)
+            kept = row.output.emit(verdict.tokens(proposal))  # the candidates kept, then the model's own token
             kept_by_row.append(kept)
-            record_outcome(row.stats, row.drafter if own else None, outcome, kept)
+            stats = row.stats
+            stats.draft_seconds += drafted - start if proposal.source != base.NONE else 0.0
+            stats.verify_seconds += seconds - (drafted - start)  # verify forward, acceptance and rollback
+            record_outcome(stats, row.drafter if own else None, proposal, verdict, kept, width)
         # A step that grew the cache's buffers rates its kind without that: growth comes a few
         # times per batch (the buffers double) and would brand whichever kind happened to run.
         wall = seconds - (self.cache.growth_seconds - grown)
@@ -302,20 +289,19 @@ class Stepper:
         self.rows = [self.rows[b] for b in staying]
 
 
-def record_outcome(stats: GenerationStats, drafter: Drafter | None, outcome: StepOutcome, kept: int) -> None:
-    """One step's figures; the drafter that proposed (None: not the row's own) learns the verdict
-    as far as it was used."""
-    proposal = outcome.proposal
-    verdict = outcome.verdict.cut(kept)  # candidates past an EOS or the budget were not used
-    stats.draft_seconds += outcome.draft_seconds
-    stats.verify_seconds += outcome.verify_seconds
-    stats.record_step(len(proposal), verdict.accepted)
+def record_outcome(
+    stats: GenerationStats, drafter: Drafter | None, proposal: Proposal, verdict: Verdict, kept: int, block: int
+) -> None:
+    """One step's figures (``block``: the positions the verify ran over, fillers included); the
+    drafter that proposed (None: not the row's own) learns the verdict as far as it was used."""
+    used = verdict.cut(kept)  # candidates past an EOS or the budget were not used
+    stats.record_step(len(proposal), used.accepted)
     stats.record_draft(len(proposal))
-    stats.record_block(outcome.block)
+    stats.record_block(block)
     if proposal.source == base.LOOKUP and len(proposal):
         stats.lookup_steps += 1
     if not proposal.tree.is_chain:
         stats.tree_steps += 1
-        stats.off_branch_steps += off_first_branch(outcome.verdict)
+        stats.off_branch_steps += off_first_branch(verdict)
     if drafter is not None:
-        drafter.learn(proposal, verdict)
+        drafter.learn(proposal, used)

@@ -180,26 +180,20 @@ class VerifyHead:
         return int(tokens[values == best].min())  # ties go to the lower id, as argmax's do
 
 
-_SHARED_ATTRIBUTE = "_layerskip_verify_heads"
+def engine_verify_head(model: nn.Module, certified: bool | None = None) -> VerifyHead:
+    """The verify head the engine uses for ``model``: by default certified on the CPU (where the
+    fp32 head is a large part of every step), the model's own head elsewhere.
 
-
-def shared_verify_head(model: nn.Module, certified: bool) -> VerifyHead:
-    """The model's verify head, shared by every decoder of it (the bf16 copy is made once). Kept on
-    the model object itself, keyed by the head's storage, dtype and device: a cast or moved model
-    gets a new one, and nothing outlives the model."""
+    Shared by every decoder of the model (the bf16 copy is made once): kept on the model object
+    itself, keyed by the head's storage, dtype and device, so a cast or moved model gets a new
+    one, and nothing outlives the model."""
+    if certified is None:
+        certified = next(model.parameters()).device.type == "cpu"
     weight = adapters.lm_head(model).weight
     key = (certified, weight.data_ptr(), weight.dtype, str(weight.device), tuple(weight.shape))
-    heads: dict[tuple[object, ...], VerifyHead] = model.__dict__.setdefault(_SHARED_ATTRIBUTE, {})
+    heads: dict[tuple[object, ...], VerifyHead] = model.__dict__.setdefault("_layerskip_verify_heads", {})
     if key not in heads:
         for stale in [k for k in heads if k[1:] != key[1:]]:  # a head of an older storage
             del heads[stale]
         heads[key] = VerifyHead(model, certified)
     return heads[key]
-
-
-def engine_verify_head(model: nn.Module, certified: bool | None = None) -> VerifyHead:
-    """The verify head the engine uses for ``model``: by default certified on the CPU (where the
-    fp32 head is a large part of every step), the model's own head elsewhere."""
-    if certified is None:
-        certified = next(model.parameters()).device.type == "cpu"
-    return shared_verify_head(model, certified)

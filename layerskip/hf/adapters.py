@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -59,10 +61,6 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
 }
 
 
-def supported_architectures() -> list[str]:
-    return sorted(ARCHITECTURES)
-
-
 def architecture_of(model: nn.Module) -> str:
     return str(getattr(model.config, "model_type", type(model).__name__))
 
@@ -72,7 +70,7 @@ def spec_for(model: nn.Module) -> ArchitectureSpec:
     spec = ARCHITECTURES.get(arch)
     if spec is None:
         raise LayerskipError(
-            f"unsupported architecture '{arch}'; layerskip supports {', '.join(supported_architectures())} "
+            f"unsupported architecture '{arch}'; layerskip supports {', '.join(sorted(ARCHITECTURES))} "
             "(add an entry to layerskip/adapters.py ARCHITECTURES to support another)"
         )
     return spec
@@ -354,10 +352,6 @@ class ContributionRecord:
     mlp: dict[int, torch.Tensor]
 
 
-def _first_tensor(output: object) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output  # attention returns (output, weights)
-
-
 @contextlib.contextmanager
 def sublayer_contributions(model: nn.Module) -> Iterator[ContributionRecord]:
     """Record, for every forward inside the block, how much each sublayer adds to the residual
@@ -371,7 +365,7 @@ def sublayer_contributions(model: nn.Module) -> Iterator[ContributionRecord]:
 
     def watch(target: dict[int, torch.Tensor], index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: object, output: object) -> None:
-            target[index] = norms(_first_tensor(output))
+            target[index] = norms(output[0] if isinstance(output, tuple) else output)  # attention: (output, weights)
 
         return hook
 
@@ -467,13 +461,6 @@ def stack_hidden(
     return stack(**kwargs).last_hidden_state
 
 
-_CACHE_ARGUMENT: dict[type, str] = {}
-
-
+@functools.cache
 def _cache_argument(stack_class: type) -> str:
-    if stack_class not in _CACHE_ARGUMENT:
-        import inspect
-
-        parameters = inspect.signature(stack_class.forward).parameters
-        _CACHE_ARGUMENT[stack_class] = "cache" if "cache" in parameters else "past_key_values"
-    return _CACHE_ARGUMENT[stack_class]
+    return "cache" if "cache" in inspect.signature(stack_class.forward).parameters else "past_key_values"

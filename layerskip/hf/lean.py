@@ -22,6 +22,7 @@ states together on every tiny architecture it covers). Architectures it does not
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -147,9 +148,13 @@ class LeanPlan:
         config = model.config.get_text_config(decoder=True)
         layer_types = getattr(config, "layer_types", None)
         # Gemma 3 keeps one rotary table per layer type; the others one for all layers.
-        per_type = layer_types is not None and "layer_type" in _parameters(base.rotary_emb.forward)
+        per_type = layer_types is not None and "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
         self.attention: list[_Attention] = []
         self.mlp: list[_MLP] = []
+
+        def norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+            return _norm_weight(module, family.norm_offset)
+
         for i, layer in enumerate(adapters.decoder_layers(model)):
             attn = adapters.attention_module(model, i)
             q_out = projection_groups(model, i, "attention")[0]
@@ -158,46 +163,31 @@ class LeanPlan:
             kv_heads = int(config.num_key_value_heads)
             qk_norm = None
             if family.qk_norm:
-                qw, eps = _norm_weight(attn.q_norm, family.norm_offset)
-                kw, _ = _norm_weight(attn.k_norm, family.norm_offset)
+                (qw, eps), (kw, _) = norm(attn.q_norm), norm(attn.k_norm)
                 qk_norm = (torch.cat([qw.expand(q_heads, head_dim), kw.expand(kv_heads, head_dim)]), eps)
+            sandwich = family.sandwich
             self.attention.append(
                 _Attention(
-                    norm=_norm_weight(layer.input_layernorm, family.norm_offset),
-                    q_heads=q_heads,
-                    kv_heads=kv_heads,
-                    head_dim=head_dim,
-                    scaling=float(attn.scaling),
-                    window=windows[i],
-                    rotary_key=layer_types[i] if per_type else None,
-                    qk_norm=qk_norm,
-                    post_norm=_norm_weight(layer.post_attention_layernorm, family.norm_offset)
-                    if family.sandwich
-                    else None,
+                    norm(layer.input_layernorm),
+                    q_heads,
+                    kv_heads,
+                    head_dim,
+                    float(attn.scaling),
+                    windows[i],
+                    layer_types[i] if per_type else None,
+                    qk_norm,
+                    norm(layer.post_attention_layernorm) if sandwich else None,
                 )
             )
-            pre_mlp = layer.pre_feedforward_layernorm if family.sandwich else layer.post_attention_layernorm
-            self.mlp.append(
-                _MLP(
-                    norm=_norm_weight(pre_mlp, family.norm_offset),
-                    activation=activation,
-                    post_norm=_norm_weight(layer.post_feedforward_layernorm, family.norm_offset)
-                    if family.sandwich
-                    else None,
-                )
-            )
+            pre_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            post_mlp = norm(layer.post_feedforward_layernorm) if sandwich else None
+            self.mlp.append(_MLP(norm(pre_mlp), activation, post_mlp))
         self.rotary_tables: dict[torch.dtype, RotaryTable] = {}
 
     def rotary(self, dtype: torch.dtype) -> RotaryTable:
         if dtype not in self.rotary_tables:
             self.rotary_tables[dtype] = RotaryTable(self.model, dtype)
         return self.rotary_tables[dtype]
-
-
-def _parameters(fn: Callable[..., object]) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(fn).parameters)
 
 
 def lean_plan(model: nn.Module) -> tuple[LeanPlan | None, str]:
