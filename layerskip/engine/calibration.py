@@ -198,18 +198,9 @@ def _measure(
     dense = dense_head_timings(model, context, DRAFT_REPEATS)
     if latency.warning is not None:
         info["warning"] = latency.warning
-    chosen = precision if len(key["precisions"]) > 1 else ""
-    return DraftCosts(
-        latency.plain_step_seconds,
-        latency.verify_seconds,
-        draft,
-        info,
-        chosen,
-        batch.plain,
-        batch.draft,
-        batch.wide,
-        dense,
-    )
+    choice = precision if len(key["precisions"]) > 1 else ""
+    plain, verify = latency.plain_step_seconds, latency.verify_seconds
+    return DraftCosts(plain, verify, draft, info, choice, batch.plain, batch.draft, batch.wide, dense)
 
 
 def _choose_precision(

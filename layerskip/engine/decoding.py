@@ -144,14 +144,6 @@ class Decoder:
         """Per cache layer, its sliding window (a layer exit adapter adds one of its own)."""
         return adapters.sliding_windows(self.model) if self.draft is None else self.draft.cache_windows()
 
-    def _settings(self, settings: DecodeSettings) -> DecodeSettings:
-        """``settings`` checked, their EOS ids resolved: None stops at the model's own, as HF's
-        ``generate`` does (its generation config's ``eos_token_id``)."""
-        settings.validate()
-        if settings.eos_token_ids is not None:
-            return settings
-        return replace(settings, eos_token_ids=eos_token_ids(self.model))
-
     def _drafter(
         self, prompt_length: int, settings: DecodeSettings, generator: torch.Generator | None, dense: bool
     ) -> Drafter:
@@ -221,49 +213,49 @@ class Decoder:
         ``on_tokens[i]`` receives row i's tokens as they are accepted; ``drafters`` replace the
         prepared draft's, one per row; ``step_observer(cache, committed lengths)`` is called after
         every step."""
-        settings = self._settings(settings)
+        settings.validate()
+        if settings.eos_token_ids is None:  # the model's own, as HF's generate stops at (its generation config's)
+            settings = replace(settings, eos_token_ids=eos_token_ids(self.model))
         check_batch(prompts)
         ids = [prompt_ids(prompt) for prompt in prompts]
         # Every row before any decodes (a batch's row i is "prompt i + 1", as the CLI counts them).
         for index, row in enumerate(ids):
             what = "the prompt" if len(ids) == 1 else f"prompt {index + 1}"
             check_fits(self.model, len(row), settings.max_new_tokens, what)
-        count = len(ids)
-        hooks = list(logits_hooks) if logits_hooks is not None else [None] * count
-        stops = list(stop_checks) if stop_checks is not None else [None] * count
-        streams = list(on_tokens) if on_tokens is not None else [None] * count
+
+        def each(values: Sequence[object] | None) -> list[object]:
+            return list(values) if values is not None else [None] * len(ids)
+
+        rows = list(zip(ids, each(logits_hooks), each(stop_checks), each(on_tokens), strict=True))
         if not self.batches():
             return [
-                self._decode_rows(
-                    [prompt], settings, tokenizer, [hook], [stop], [stream], None, step_observer, seed_offset=index
-                )[0]
-                for index, (prompt, hook, stop, stream) in enumerate(zip(ids, hooks, stops, streams, strict=True))
+                self._decode_rows([row], settings, tokenizer, None, step_observer, seed_offset=index)[0]
+                for index, row in enumerate(rows)
             ]
-        return self._decode_rows(ids, settings, tokenizer, hooks, stops, streams, drafters, step_observer)
+        return self._decode_rows(rows, settings, tokenizer, drafters, step_observer)
 
     def _decode_rows(
         self,
-        ids: list[list[int]],
+        prompts: list[tuple[list[int], LogitsHook | None, StopCheck | None, TokenCallback | None]],
         settings: DecodeSettings,
         tokenizer: object | None,
-        hooks: list[LogitsHook | None],
-        stops: list[StopCheck | None],
-        streams: list[TokenCallback | None],
         drafters: Sequence[Drafter] | None,
         step_observer: StepObserver | None,
         seed_offset: int = 0,
     ) -> list[tuple[list[int], GenerationStats]]:
+        """``prompts`` (ids, logits hook, stop check, token callback each) decoded as one batch."""
         with self.threads.session():  # the caller's thread count comes back afterwards
             clock = DeviceClock(self.device)
             start = clock.now()  # everything this call does is timed, set-up included
             fallbacks_before = self.head.stats.fallbacks
+            ids = [prompt for prompt, *_ in prompts]
             generators = [
                 seeded_generator(None if settings.seed is None else settings.seed + seed_offset + index, self.device)
                 for index in range(len(ids))
             ]
             verifiers = [
                 verifier_for(self.head, settings.sampling, generator, hook)
-                for generator, hook in zip(generators, hooks, strict=True)
+                for generator, (_, hook, _, _) in zip(generators, prompts, strict=True)
             ]
             # One row reading every logit makes the batch's verify read them for all (verify_rows).
             dense = any(verifier.needs_logits for verifier in verifiers)
@@ -275,8 +267,8 @@ class Decoder:
                     verifier,
                     generator,
                 )
-                for index, (prompt, stop, stream, verifier, generator) in enumerate(
-                    zip(ids, stops, streams, verifiers, generators, strict=True)
+                for index, ((prompt, _, stop, stream), verifier, generator) in enumerate(
+                    zip(prompts, verifiers, generators, strict=True)
                 )
             ]
             lookup = None if self.draft is None else self.draft.lookup_drafter()
@@ -290,26 +282,16 @@ class Decoder:
             def menu_for(size: int) -> StepKinds:
                 return self._step_kinds(size, settings, has_draft, lookup is not None, batch_draft is not None, dense)
 
-            kinds = menu_for(len(rows))
-            stepper = Stepper(
-                self.model,
-                model_cache(self.model, self.cache_windows(), rows=len(rows)),
-                rows,
-                kinds,
-                lookup,
-                self.threads,
-                clock,
-                self.device,
-                batch_draft,
-                prepared=self.draft,
-                started=start,
-                observer=step_observer,
-                menu_for=menu_for,
-            )
+            cache = model_cache(self.model, self.cache_windows(), rows=len(rows))
+            stepper = Stepper(self.model, cache, rows, menu_for, lookup, self.threads, clock, self.device)
+            stepper.batch_draft, stepper.prepared, stepper.started = batch_draft, self.draft, start
+            stepper.observer = step_observer
             results = []
             for row in stepper.run():
                 row.drafter.report(row.stats)
-                self._finish(row.stats, fallbacks_before)
+                row.stats.thread_runs = dict(self.threads.used)
+                row.stats.paths.update(dict.fromkeys(self.paths(), 1))
+                row.stats.head_fallback_rows = self.head.stats.fallbacks - fallbacks_before
                 row.stats.new_tokens = len(row.output.generated)
                 if len(rows) > 1:
                     row.stats.batch_steps = dict(stepper.steps)
@@ -328,12 +310,6 @@ class Decoder:
             if prices is not None:
                 menu.prices, menu.pricer, menu.rows = prices.priced(menu.kinds, rows), prices, rows
         return self.batch_rates.setdefault(key, menu)  # the rates the last such batch measured
-
-    def _finish(self, stats: GenerationStats, fallbacks_before: int) -> None:
-        stats.thread_runs = dict(self.threads.used)
-        for path in self.paths():
-            stats.paths[path] = 1
-        stats.head_fallback_rows = self.head.stats.fallbacks - fallbacks_before
 
 
 def decode(

@@ -145,17 +145,16 @@ def head_size_timings(
     cache, device = prefilled_cache(draft_model.model, context)
     length = len(context)
     token = torch.tensor([[context[-1]]], device=device)
+
+    def step(head: DraftHead) -> None:
+        with draft_model.active((), ()):
+            draft_model.logits(token, cache, head)
+        cache.rollback(length)
+
     steps = {}
     for size in sizes:
         rows = None if not size else torch.tensor(sorted({*range(size), *context}), dtype=torch.long)
-        head = draft_model.head(rows)
-
-        def step(head: DraftHead = head) -> None:
-            with draft_model.active((), ()):
-                draft_model.logits(token, cache, head)
-            cache.rollback(length)
-
-        steps[size] = step
+        steps[size] = partial(step, draft_model.head(rows))
     seconds = interleaved_timings(steps, device, repeats)
     return {size: statistics.median(values) for size, values in seconds.items()}
 
@@ -247,27 +246,33 @@ def dense_head_timings(model: nn.Module, context: Sequence[int], repeats: int) -
     return {count: max(seconds["full", count] - seconds["greedy", count], 1e-6) for count in DENSE_POSITIONS}
 
 
-@torch.inference_mode()
-def verify_timings(
-    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
-) -> list[float]:
-    """Seconds of each of ``repeats`` full forwards over ``block`` tokens after ``context``.
-
-    Without ``greedy`` every row's full logits are computed (block=1: a plain step, as HF
-    ``generate`` takes it); with it, the greedy verify as the engine runs it (its argmax).
-    """
+def _verify_steps(
+    model: nn.Module, context: Sequence[int], blocks: Sequence[int], greedy: VerifyHead | None
+) -> tuple[dict[int, Callable[[], None]], torch.device]:
+    """A full forward over each block length after ``context``, rolled back after every call:
+    without ``greedy`` every row's full logits (block=1: a plain step, as HF ``generate`` takes
+    it), with it the greedy verify as the engine runs it (its argmax)."""
     cache, device = prefilled_cache(model, context)
     length = len(context)
-    tokens = torch.tensor([[context[-1]] * block], device=device)
 
-    def step() -> None:
+    def step(tokens: torch.Tensor) -> None:
+        block = tokens.shape[1]
         if greedy is None:
             full_logits(model, tokens, cache, keep=block)
         else:
             greedy.argmax(full_hidden(model, tokens, cache, keep=block))
         cache.rollback(length)
 
-    return timings(step, device, repeats)
+    return {block: partial(step, torch.tensor([[context[-1]] * block], device=device)) for block in blocks}, device
+
+
+@torch.inference_mode()
+def verify_timings(
+    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
+) -> list[float]:
+    """Seconds of each of ``repeats`` full forwards over ``block`` tokens after ``context`` (``_verify_steps``)."""
+    steps, device = _verify_steps(model, context, [block], greedy)
+    return timings(steps[block], device, repeats)
 
 
 @torch.inference_mode()
@@ -277,17 +282,7 @@ def curve_timings(
     """Seconds of ``repeats`` greedy verifies of each block length after ``context``, interleaved:
     every round times each length once, so a load that comes and goes touches them all alike
     (timed one length after another, a busy spell would bend the curve)."""
-    cache, device = prefilled_cache(model, context)
-    length = len(context)
-    steps = {}
-    for block in blocks:
-        tokens = torch.tensor([[context[-1]] * block], device=device)
-
-        def step(tokens: torch.Tensor = tokens, block: int = block) -> None:
-            greedy.argmax(full_hidden(model, tokens, cache, keep=block))
-            cache.rollback(length)
-
-        steps[block] = step
+    steps, device = _verify_steps(model, context, blocks, greedy)
     return interleaved_timings(steps, device, repeats)
 
 

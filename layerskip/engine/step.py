@@ -77,7 +77,7 @@ class Stepper:
     model: nn.Module
     cache: RollbackCache
     rows: list[Row]
-    kinds: StepKinds
+    menu_for: Callable[[int], StepKinds]  # the menu of a batch of that many rows (``step_kinds``)
     lookup: LookupDrafter | None  # the policy's lookup, for the batch's lookup steps (None: it has none)
     threads: ThreadTuner
     clock: DeviceClock
@@ -86,14 +86,14 @@ class Stepper:
     prepared: PreparedDraft | None = None  # the policy's draft (its verify padding)
     started: float = 0.0  # the clock when the batch began (set-up included)
     observer: StepObserver | None = None
-    # The menu for fewer rows, where rows leave (``step_kinds`` for that many).
-    menu_for: Callable[[int], StepKinds] | None = None
+    kinds: StepKinds = field(init=False)
     finished: list[Row] = field(default_factory=list)
     steps: dict[str, int] = field(default_factory=dict)  # steps of each kind this batch took
     _batched_forwards: int = 0  # draft forwards of this step's batched skip draft
 
     def run(self) -> list[Row]:
         """Prefill, then steps until every row has finished; the rows in the caller's order."""
+        self.kinds = self.menu_for(len(self.rows))
         self.prefill()
         while self.rows:
             self.step()
@@ -282,10 +282,9 @@ class Stepper:
         self.finished.extend(row for row in self.rows if row.output.done)
         if staying:
             self.cache.keep_rows(staying)
-            if self.menu_for is not None:
-                # The menu of the rows left, priced for that many (one row: its own drafter), with
-                # the rates the last batch of that size measured.
-                self.kinds = self.menu_for(len(staying))
+            # The menu of the rows left, priced for that many (one row: its own drafter), with
+            # the rates the last batch of that size measured.
+            self.kinds = self.menu_for(len(staying))
         self.rows = [self.rows[b] for b in staying]
 
 

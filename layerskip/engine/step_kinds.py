@@ -198,7 +198,7 @@ class StepKinds:
         recent = self.recent.get(kind)
         if not recent:
             tokens, seconds = self.prices[kind]
-            return tokens / max(seconds * self.price_scale(), 1e-9)
+            return tokens / max(seconds, 1e-9)
         seconds = sum(seconds for _, seconds in recent) * self.misprice(kind)
         return sum(tokens for tokens, _ in recent) / max(seconds, 1e-9)
 
@@ -215,20 +215,6 @@ class StepKinds:
             return sum(self.wall[name]) / max(sum(seconds for _, seconds in self.recent[name]), 1e-9)
 
         return ratio(kind) / max(ratio(PLAIN), 1e-9)
-
-    def price_scale(self) -> float:
-        """How much longer this batch's steps take than priced, over the priced kinds it measured
-        (1 before any): the calibration times short contexts, a batch's rows hold longer ones, and
-        that slows every kind of step alike, so an unmeasured kind's price is scaled by it. Steps
-        priced from their shapes need no scale."""
-        if self.pricer is not None:
-            return 1.0
-        measured = priced = 0.0
-        for kind, recent in self.recent.items():
-            if kind in self.prices and recent:
-                measured += sum(seconds for _, seconds in recent)
-                priced += len(recent) * self.prices[kind][1]
-        return measured / priced if priced > 0 else 1.0
 
     def choose(self) -> str:
         for kind in self.kinds:  # each kind without a price once, the plain step first

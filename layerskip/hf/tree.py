@@ -92,12 +92,6 @@ def _as_model_mask(allowed: torch.Tensor, boolean: bool, dtype: torch.dtype) -> 
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-def _layer_types(model: nn.Module) -> list[str] | None:
-    config = model.config.get_text_config(decoder=True)
-    types = getattr(config, "layer_types", None)
-    return list(types[: config.num_hidden_layers]) if types is not None else None
-
-
 def model_masks(
     model: nn.Module, visible: Callable[[int | None], torch.Tensor]
 ) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -113,14 +107,15 @@ def model_masks(
     masks = {w: _as_model_mask(visible(w), boolean, dtype) for w in set(windows)}
     if len(masks) == 1:
         return next(iter(masks.values()))
-    types = _layer_types(model)
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None)
     if types is None:
         raise LayerskipError(
             f"'{adapters.architecture_of(model)}' mixes attention windows {sorted(map(str, masks))} "
             "without config.layer_types: no per-layer mask can be passed to it"
         )
     by_type: dict[str, torch.Tensor] = {}
-    for kind, window in zip(types, windows, strict=True):
+    for kind, window in zip(types[: config.num_hidden_layers], windows, strict=True):
         if by_type.setdefault(kind, masks[window]) is not masks[window]:
             raise LayerskipError(f"layers of type '{kind}' use different windows; cannot build one mask for them")
     return by_type
