@@ -36,7 +36,6 @@ from layerskip.engine.output import (
     TokenCallback,
     TokenOutput,
     prompt_ids,
-    seeded_generator,
 )
 from layerskip.engine.step import Row, StepObserver, Stepper
 from layerskip.engine.step_kinds import BatchPrices, StepKinds, step_kinds
@@ -249,8 +248,9 @@ class Decoder:
             start = clock.now()  # everything this call does is timed, set-up included
             fallbacks_before = self.head.stats.fallbacks
             ids = [prompt for prompt, *_ in prompts]
+            seed = settings.seed
             generators = [
-                seeded_generator(None if settings.seed is None else settings.seed + seed_offset + index, self.device)
+                None if seed is None else torch.Generator(self.device).manual_seed(seed + seed_offset + index)
                 for index in range(len(ids))
             ]
             verifiers = [

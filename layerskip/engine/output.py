@@ -91,14 +91,6 @@ class TokenOutput:
         return any(stop in text for stop in self.settings.stop_strings)
 
 
-def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
-
-
 def prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(input_ids, torch.Tensor):
         if input_ids.is_floating_point() or input_ids.is_complex():

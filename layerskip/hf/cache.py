@@ -125,7 +125,7 @@ class RollbackCache(DynamicCache):
         self.capacity = max(1, initial_capacity or _MIN_CAPACITY)
         self.growth_seconds = 0.0  # time spent growing the buffers (a step that grew is not its kind's usual cost)
         self.lengths = [0] * rows
-        self._common: int | None = 0
+        self.common_length: int | None = 0  # the one length every row holds (None where they differ)
         self._write_index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (q, rows, positions)
         self.layers = [CacheLayer(window, self) for window in sliding_windows]
         self.layer_class_to_replicate = None
@@ -142,11 +142,6 @@ class RollbackCache(DynamicCache):
     def length(self) -> int:
         """The longest row's length (a one-row cache's length)."""
         return self.longest
-
-    @property
-    def common_length(self) -> int | None:
-        """The one length every row holds, or None where they differ (worked out when lengths change)."""
-        return self._common
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.longest
@@ -193,7 +188,7 @@ class RollbackCache(DynamicCache):
 
     def _lengths_changed(self) -> None:
         first = self.lengths[0]
-        self._common = first if all(n == first for n in self.lengths) else None
+        self.common_length = first if all(n == first for n in self.lengths) else None
         self._write_index = None
 
     def advance(self, q: int) -> None:
