@@ -340,15 +340,11 @@ class Latency:
     cached_from: str | None = None
     context: list[int] = field(default_factory=list)  # the tokens it was timed after: time drafts after them too
 
-    @property
-    def spread(self) -> float:
-        return timing_spread(self.plain_timings)
-
     def describe(self) -> dict[str, Any]:
         """What a study records about how its costs were measured."""
         info: dict[str, Any] = {
             "plain_step_ms": 1000 * self.plain_step_seconds,
-            "plain_step_spread": round(self.spread, 4),
+            "plain_step_spread": round(timing_spread(self.plain_timings), 4),
             "measured_at": self.measured_at,
             "busy": self.warning is not None,
         }

@@ -72,7 +72,7 @@ class PhaseThreads:
         for count in self.candidates:  # warm-up: every candidate a few times, in turn
             if self.uses.get(count, 0) < self.warmup:
                 return count
-        best = self._fastest()
+        best = self.best()
         if best != self.chosen:
             self.chosen, self.interval, self.since_probe = best, self.min_interval, 0
         self.since_probe += 1
@@ -101,10 +101,7 @@ class PhaseThreads:
         self.last_run[threads] = self.runs
 
     def best(self) -> int:
-        """The fastest count measured so far (the first candidate before any measurement); no re-try."""
-        return self._fastest() if self.average else self.candidates[0]
-
-    def _fastest(self) -> int:
+        """The fastest count measured so far (the most threads before any measurement); no re-try."""
         return min(self.candidates, key=lambda c: (self.average.get(c, float("inf")), -c))
 
 

@@ -18,7 +18,7 @@ the same rule: the verify runs only the deeper layers, and the shallow ones keep
 wrote at exactly those positions.
 
 Every row attends to the buffer's first ``max(lengths) + q`` keys; where rows' lengths differ (or
-a block is a tree) the verify passes a 4D mask (``hf.forward.block_masks``) so row ``b``'s query
+a block is a tree) the verify passes a 4D mask (``hf.tree.block_masks``) so row ``b``'s query
 ``i`` sees only its own prefix and block; positions are per row, so each row computes what it
 would compute alone. Sliding-window layers keep their full history too and rely on the windowed
 mask, so a rollback past the window is always possible.
