@@ -357,13 +357,7 @@ def generate(
     calls. A list of prompts is decoded together (``Decoder.decode_batch``) and gives a list of
     results, in order; streaming takes one prompt.
     """
-    settings = DecodeSettings(
-        max_new_tokens=max_new_tokens,
-        sampling=sampling,
-        seed=seed,
-        eos_token_ids=eos_token_ids(model, tokenizer),
-        stop_strings=tuple(stop_strings),
-    )
+    settings = DecodeSettings(max_new_tokens, sampling, seed, eos_token_ids(model, tokenizer), tuple(stop_strings))
     one = isinstance(prompt, str)
     texts = [prompt] if one else _texts(prompt)
     check_batch(texts)
@@ -375,10 +369,7 @@ def generate(
     for index, row in enumerate(ids):
         check_fits(model, len(row), max_new_tokens, "the prompt" if one else f"prompt {index + 1}")
     decoder = decoder or Decoder.for_policy(model, policy)
-    if one:
-        results = [decoder.decode(ids[0], settings, tokenizer=tokenizer, on_tokens=stream)]
-    else:
-        results = decoder.decode_batch(ids, settings, tokenizer=tokenizer)
+    results = decoder.decode_batch(ids, settings, tokenizer=tokenizer, on_tokens=[stream] * len(ids))
     outputs = [
         GenerationResult(
             tokens=tokens,

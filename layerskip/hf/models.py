@@ -122,12 +122,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _gguf_cache_path(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{gguf.stem}-{key}"
-
-
 def safetensors_is_whole(weights: Path) -> bool:
     """Whether a safetensors file is as long as its own header says (a truncated file, from a killed
     write, an interrupted download or a disk fault, is not; nor is one whose header is garbage)."""
@@ -220,8 +214,11 @@ def cache_write_error(exc: OSError) -> LayerskipError:
 
 
 def _convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF once and keep a safetensors copy; returns the HF directory."""
-    target = _gguf_cache_path(gguf)
+    """Dequantise a GGUF once and keep a safetensors copy, keyed by the file's path, size and
+    modification time; returns the HF directory."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
     if cache_is_whole(target):  # a read-only cache that holds the copy already is fine
         return target
     try:
