@@ -36,13 +36,7 @@ from layerskip.engine.latency import (
     head_size_timings,
     measure_latency,
 )
-from layerskip.engine.precision_choice import (
-    PrecisionPrice,
-    agreement,
-    candidates,
-    chosen,
-    own_texts,
-)
+from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, chosen, own_texts
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import full_logits

@@ -29,14 +29,7 @@ from layerskip.drafts.builder import (
     prepare_draft,
 )
 from layerskip.engine.calibration import prepare_calibration
-from layerskip.engine.output import (
-    CacheObserver,
-    DecodeSettings,
-    StopCheck,
-    TokenCallback,
-    TokenOutput,
-    prompt_ids,
-)
+from layerskip.engine.output import CacheObserver, DecodeSettings, StopCheck, TokenCallback, TokenOutput, prompt_ids
 from layerskip.engine.step import Row, StepObserver, Stepper
 from layerskip.engine.step_kinds import BatchPrices, StepKinds, step_kinds
 from layerskip.engine.threads import ThreadTuner
@@ -372,10 +365,7 @@ def generate(
     results = decoder.decode_batch(ids, settings, tokenizer=tokenizer, on_tokens=[stream] * len(ids))
     outputs = [
         GenerationResult(
-            tokens=tokens,
-            text=tokenizer.decode(tokens, skip_special_tokens=True),
-            prompt_tokens=len(row),
-            stats=stats,
+            tokens=tokens, text=tokenizer.decode(tokens, skip_special_tokens=True), prompt_tokens=len(row), stats=stats
         )
         for row, (tokens, stats) in zip(ids, results, strict=True)
     ]

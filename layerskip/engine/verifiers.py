@@ -144,10 +144,7 @@ class HookedVerifier:
 
 
 def verifier_for(
-    head: VerifyHead,
-    sampling: Sampling | None,
-    generator: torch.Generator | None,
-    hook: LogitsHook | None = None,
+    head: VerifyHead, sampling: Sampling | None, generator: torch.Generator | None, hook: LogitsHook | None = None
 ) -> Verifier:
     """The verifier of one generation: greedy or sampled, behind a logits hook or not."""
     sampled = None if sampling is None else SampledVerifier(head, sampling, generator)
@@ -157,10 +154,7 @@ def verifier_for(
 
 
 def verify_rows(
-    verifiers: Sequence[Verifier],
-    hidden: Sequence[torch.Tensor],
-    proposals: Proposals,
-    histories: Sequence[list[int]],
+    verifiers: Sequence[Verifier], hidden: Sequence[torch.Tensor], proposals: Proposals, histories: Sequence[list[int]]
 ) -> list[Verdict]:
     """The verdicts of a batch's rows (``hidden[r] [n_r+1, H]``), their head applied once for all
     rows where they share one: one product reads the head once, where a product per row would read

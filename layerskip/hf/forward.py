@@ -37,10 +37,7 @@ def stack_forward(
 
 
 def block_hidden(
-    model: nn.Module,
-    block: torch.Tensor,
-    cache: RollbackCache,
-    parents: Sequence[Sequence[int] | None] | None = None,
+    model: nn.Module, block: torch.Tensor, cache: RollbackCache, parents: Sequence[Sequence[int] | None] | None = None
 ) -> torch.Tensor:
     """Final hidden states ``[B, q, H]`` of the verify block ``block [B, q]``: row ``b`` is
     ``[pending, node 0..q-2]`` after the row's ``cache.lengths[b]`` committed tokens, its nodes with

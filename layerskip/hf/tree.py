@@ -122,11 +122,7 @@ def model_masks(
 
 
 def block_masks(
-    model: nn.Module,
-    lengths: Sequence[int],
-    parents: Sequence[Sequence[int] | None],
-    q: int,
-    device: torch.device,
+    model: nn.Module, lengths: Sequence[int], parents: Sequence[Sequence[int] | None], q: int, device: torch.device
 ) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
     """The masks and position ids of a verify block of ``q`` positions per row: row ``b`` holds
     ``lengths[b]`` committed tokens and its block ``[pending, node 0..q-2]`` has ``parents[b]``
