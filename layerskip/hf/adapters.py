@@ -71,7 +71,7 @@ def spec_for(model: nn.Module) -> ArchitectureSpec:
     if spec is None:
         raise LayerskipError(
             f"unsupported architecture '{arch}'; layerskip supports {', '.join(sorted(ARCHITECTURES))} "
-            "(add an entry to layerskip/adapters.py ARCHITECTURES to support another)"
+            "(add an entry to layerskip/hf/adapters.py ARCHITECTURES to support another)"
         )
     return spec
 
