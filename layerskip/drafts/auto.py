@@ -34,18 +34,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from layerskip.drafts.base import LOOKUP, NONE, SKIP, BaseDrafter, DraftRequest, Proposal, Verdict, chain_run
+from layerskip.drafts.base import (
+    LOOKUP,
+    NONE,
+    SKIP,
+    DraftRequest,
+    NoDrafter,
+    Proposal,
+    Verdict,
+    WrappingDrafter,
+    chain_run,
+)
 from layerskip.drafts.branching import sibling_paths
 from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost, LengthPrior
 from layerskip.drafts.lookup import LookupDrafter, RankedRunLengths, RunCounts
 from layerskip.drafts.policy import DraftSettings
 from layerskip.drafts.skip import ChainDraft, ChainDrafter
-from layerskip.drafts.token_tree import TokenTree
-from layerskip.drafts.tree_shape import Shape, merged_paths, shape_tree
-from layerskip.hf.cache import RollbackCache
+from layerskip.drafts.tree_shape import Paths, Shape, merged_paths, shape_tree
 from layerskip.sampling import ROOT
 from layerskip.stats import DeviceClock, GenerationStats
 
@@ -100,14 +106,13 @@ class HeadCoverage:
         prior = COVERAGE_PRIOR * COVERAGE_PRIOR_WEIGHT
         return (self.covered.get(size, 0.0) + prior) / (self.seen + COVERAGE_PRIOR_WEIGHT)
 
-    def observe(self, token: int, earlier: set[int], rank: Sequence[int] | None = None) -> None:
+    def observe(self, token: int, earlier: set[int]) -> None:
         """One token the model produced after the tokens in ``earlier``."""
         self.seen = COVERAGE_DECAY * self.seen + 1.0
         for size in self.sizes:
-            held = size == 0 or token in earlier or _ranked_below(token, size, rank)
-            self.covered[size] = COVERAGE_DECAY * self.covered.get(size, 0.0) + held
+            self.covered[size] = COVERAGE_DECAY * self.covered.get(size, 0.0) + _held(token, size, earlier)
 
-    def seed(self, prompt: Sequence[int], rank: Sequence[int] | None = None) -> None:
+    def seed(self, prompt: Sequence[int]) -> None:
         """Before any generated text: the prompt's own tokens as a prior, weighed lightly."""
         if self.seen > 0 or len(prompt) < 2:
             return
@@ -115,19 +120,17 @@ class HeadCoverage:
         held = dict.fromkeys(self.sizes, 0)
         for token in prompt:
             for size in self.sizes:
-                held[size] += size == 0 or token in earlier or _ranked_below(token, size, rank)
+                held[size] += _held(token, size, earlier)
             earlier.add(token)
         weight = min(PROMPT_PRIOR_WEIGHT, len(prompt)) / len(prompt)
         self.seen = weight * len(prompt)
         self.covered = {size: weight * count for size, count in held.items()}
 
 
-def _ranked_below(token: int, size: int, rank: Sequence[int] | None) -> bool:
-    """Whether a head of ``size`` ranked rows holds ``token`` (no ranking: the lowest token ids,
-    which BPE vocabularies give their most frequent merges)."""
-    if rank is None:
-        return token < size
-    return token in rank[:size]
+def _held(token: int, size: int, earlier: set[int]) -> bool:
+    """Whether a head of ``size`` rows (0: the full head) scores ``token``: one of the lowest ids,
+    which BPE vocabularies give their most frequent merges, or a token of the text before it."""
+    return size == 0 or token in earlier or token < size
 
 
 @dataclass
@@ -251,17 +254,19 @@ def best_skip_rate(acceptance: float, draft_seconds: float, verify: Callable[[in
 SkipFactory = Callable[[int, DraftLengthByCost], ChainDrafter]
 
 
-class AutoDrafter(BaseDrafter):
+class AutoDrafter(WrappingDrafter):
     """One generation's drafter under ``auto``: a chooser over the drafters, step by step.
 
     Each offers its candidates priced by one cost model (``costs`` and ``tree_shape``): the
     lookup drafter its matches with their learned chances, the skip drafter its chain (its
     length decided by ``DraftLengthByCost``) with its siblings (``branching``) and this step's
     matches as further branches. It proposes the offer with the most expected tokens per second,
-    or nothing when neither beats a plain step.
+    or nothing when neither beats a plain step. The rest of the drafter interface is the skip
+    drafter's, once it is made.
     """
 
     def __init__(self, state: AutoState, make_skip: SkipFactory, dense: bool = False) -> None:
+        super().__init__(NoDrafter())
         self.state = state
         self.dense = dense  # the verify reads every logit: priced so (AutoState.verify_seconds)
         self.make_skip = make_skip
@@ -283,16 +288,18 @@ class AutoDrafter(BaseDrafter):
             self.clock = DeviceClock(request.device)
             rows = self.state.choose_head(request.history, self.dense)
             self.length = self.state.length_rule(self.state.costs.draft_step[rows], self.dense)
-            self.skip = self.make_skip(rows, self.length)
+            self.skip = self.inner = self.make_skip(rows, self.length)
         self._observe(request.history)
         self.last_chain = None
         runs, plan = self._lookup_offer(request)
         kind = self._choose(plan, self._skip_rate(request.max_tokens))
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self.since_skip = 0 if kind == SKIP else self.since_skip + 1
-        if kind == LOOKUP:
+        if kind == LOOKUP:  # the chosen run, whole, with the other matches as branches where they pay
             assert plan is not None
-            return Proposal(self._lookup_tree(runs, plan), LOOKUP)
+            budget = self.state.settings.node_budget
+            tree = plan.tree if len(runs) < 2 else self._shape(runs, self.lookup_seconds, budget, len(plan.tree)).tree
+            return Proposal(tree, LOOKUP)
         if kind == NONE:
             return Proposal.nothing()
         return self._skip_offer(request, runs)
@@ -314,11 +321,10 @@ class AutoDrafter(BaseDrafter):
         draft_seconds = self.length.draft_cost or self.state.costs.draft_step[self.state.head_rows]
         return best_skip_rate(self.length.pooled_acceptance, draft_seconds, self.length.verify_price, cap)
 
-    def _lookup_offer(self, request: DraftRequest) -> tuple[list[tuple[list[int], list[float]]], Shape | None]:
+    def _lookup_offer(self, request: DraftRequest) -> tuple[Paths, Shape | None]:
         """This step's lookup matches with their chances, and the best one's run cut where the
         expected tokens per second peak: what lookup is weighed by against the skip draft (as a
         chain would be; the other matches join as branches once a kind is chosen)."""
-        assert self.length is not None
         cap = min(self.state.settings.lookup_max_tokens, request.max_tokens)
         start = time.perf_counter()
         runs = self.lookup.runs(request, cap)
@@ -326,18 +332,15 @@ class AutoDrafter(BaseDrafter):
         self.lookup_seconds = (1 - LOOKUP_TIME_SMOOTHING) * self.lookup_seconds + LOOKUP_TIME_SMOOTHING * seconds
         if not runs:
             return runs, None
-        shape = shape_tree(merged_paths(runs[:1]), self.length.verify_price, self.lookup_seconds, cap)
+        shape = self._shape(runs[:1], self.lookup_seconds, cap)
         return runs, (shape if len(shape.tree) else None)
 
-    def _lookup_tree(self, runs: list[tuple[list[int], list[float]]], plan: Shape) -> TokenTree:
-        """The chosen run, whole, with the other matches added as branches where they pay."""
-        if len(runs) < 2:
-            return plan.tree
+    def _shape(self, paths: Paths, spent: float, budget: int, required: int = 0) -> Shape:
+        """``paths`` merged into the tree that pays best at the length rule's verify prices."""
         assert self.length is not None
-        price, spent, budget = self.length.verify_price, self.lookup_seconds, self.state.settings.node_budget
-        return shape_tree(merged_paths(runs), price, spent, budget, required=len(plan.tree)).tree
+        return shape_tree(merged_paths(paths), self.length.verify_price, spent, budget, required=required)
 
-    def _skip_offer(self, request: DraftRequest, runs: list[tuple[list[int], list[float]]]) -> Proposal:
+    def _skip_offer(self, request: DraftRequest, runs: Paths) -> Proposal:
         """The skip chain, with the draft's next choices as siblings and this step's lookup matches
         as branches where they pay (a token tree; the chain stays its first branch, whole unless
         the node budget is shorter)."""
@@ -355,9 +358,7 @@ class AutoDrafter(BaseDrafter):
         paths += runs  # free to propose, cheap to verify
         # The chain's length was decided token by token as it was drafted: the tree keeps all of it
         # (merged_paths puts it first) and adds only the branches that pay.
-        budget = self.state.settings.node_budget
-        price, required = self.length.verify_price, len(chain.tokens)
-        tree = shape_tree(merged_paths(paths), price, chain.seconds, budget, required=required).tree
+        tree = self._shape(paths, chain.seconds, self.state.settings.node_budget, len(chain.tokens)).tree
         if not min(tree.first_branch_length, len(chain.tokens)):  # the budget kept none of the chain
             return chain.proposal()
         return Proposal(tree, SKIP)
@@ -373,11 +374,8 @@ class AutoDrafter(BaseDrafter):
             self._earlier.add(token)
         self._known = len(history)
 
-    # --- the rest of the drafter interface: the skip drafter's ----------------------------------
-
     def learn(self, proposal: Proposal, verdict: Verdict) -> None:
-        if self.skip is not None:
-            self.skip.learn(proposal, verdict)
+        super().learn(proposal, verdict)
         chain, self.last_chain = self.last_chain, None
         if chain is None or proposal.tree.is_chain:
             return
@@ -388,22 +386,16 @@ class AutoDrafter(BaseDrafter):
 
     @contextlib.contextmanager
     def watch_verify(self, block: int) -> Iterator[None]:
-        if self.skip is None or self.clock is None:  # the prefill: nothing drafted yet
+        if self.clock is None:  # the prefill: nothing drafted yet
             yield
             return
         start = self.clock.now()
-        with self.skip.watch_verify(block):
+        with self.inner.watch_verify(block):
             yield
         self.state.observe_verify(block, self.clock.now() - start, self.dense)
 
-    def around_verify(
-        self, cache: RollbackCache, start: int, block: torch.Tensor
-    ) -> contextlib.AbstractContextManager[object]:
-        return self.skip.around_verify(cache, start, block) if self.skip is not None else contextlib.nullcontext()
-
     def report(self, stats: GenerationStats) -> None:
-        if self.skip is not None:
-            self.skip.report(stats)
+        super().report(stats)
         self.state.keep(self.length, self.lookup.ranks)
         skip_steps = self.kinds.get(SKIP, 0)
         if skip_steps:

@@ -152,48 +152,31 @@ class DraftRequest:
 
 
 class Drafter(Protocol):
+    """What the engine drafts with. A drafter that subclasses it explicitly takes the defaults of
+    the optional methods (every one but ``propose``): nothing to learn, watch or report."""
+
     def propose(self, request: DraftRequest) -> Proposal: ...
 
     def learn(self, proposal: Proposal, verdict: Verdict) -> None:
         """What the full model made of the step's proposal (the verdict cut to what was used)."""
-        ...
 
     def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
         """Entered around every verify forward of ``block`` positions (on-the-fly selection reads
         the full model there; draft length by cost times it)."""
-        ...
+        return contextlib.nullcontext()
 
     def report(self, stats: GenerationStats) -> None:
         """Adds what the drafter tracked to the generation's stats at the end."""
-        ...
 
     def around_verify(
         self, cache: RollbackCache, start: int, block: torch.Tensor
     ) -> contextlib.AbstractContextManager[object]:
         """Entered around every verify forward of ``block [1, q]`` at positions ``start..``: an exit
         draft may let the verify reuse what it computed, or fill its adapter's cache after it."""
-        ...
-
-
-class BaseDrafter:
-    """Defaults for the optional drafter methods: nothing to learn, watch or report."""
-
-    def learn(self, proposal: Proposal, verdict: Verdict) -> None:
-        pass
-
-    def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext()
-
-    def report(self, stats: GenerationStats) -> None:
-        pass
-
-    def around_verify(
-        self, cache: RollbackCache, start: int, block: torch.Tensor
-    ) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
 
 
-class WrappingDrafter(BaseDrafter):
+class WrappingDrafter(Drafter):
     """A drafter that changes what ``inner`` proposes (or records it) and passes everything else on."""
 
     def __init__(self, inner: Drafter) -> None:
@@ -217,7 +200,7 @@ class WrappingDrafter(BaseDrafter):
         self.inner.report(stats)
 
 
-class NoDrafter(BaseDrafter):
+class NoDrafter(Drafter):
     """Plain decoding: nothing proposed, so every step verifies just the pending token."""
 
     def propose(self, request: DraftRequest) -> Proposal:

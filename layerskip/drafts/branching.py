@@ -22,6 +22,7 @@ import torch
 from layerskip.drafts.base import SKIP, DraftRequest, Proposal, WrappingDrafter
 from layerskip.drafts.skip import ChainDraft, ChainDrafter
 from layerskip.drafts.token_tree import ChainNodes, TreeBuilder
+from layerskip.drafts.tree_shape import Paths
 from layerskip.sampling import DETERMINISTIC, ROOT, Draw
 
 
@@ -97,13 +98,13 @@ def branched(chain: ChainDraft, margin: float, width: int, budget: int) -> Propo
 
 def sibling_paths(
     chain: ChainDraft, reach: Sequence[float], accept: Sequence[float], sibling_chance: float, margin: float
-) -> list[tuple[list[int], list[float]]]:
+) -> Paths:
     """The chain's candidate branches for a tree shaped by cost (``tree_shape``): at each position
     whose top-2 margin is below ``margin``, the chain up to it and then the draft's second choice,
     with the chance of each token (``reach[t]``: the chain's first t tokens all accepted;
     ``accept[t]``: token t accepted after them; ``sibling_chance``: the second choice is the
     model's token where the chain's was not)."""
-    paths: list[tuple[list[int], list[float]]] = []
+    paths: Paths = []
     if chain.top_tokens is None or chain.top_probs is None:
         return paths
     for t, token in enumerate(chain.tokens):

@@ -397,25 +397,23 @@ class PreparedDraft:
         if self.auto is not None:
             return self._auto_drafter(run)
         policy, settings = self.policy, self.policy.draft
-        skip: Drafter | None = None
-        if self.draft_model is not None:
-            head = self.draft_model.head(self.vocab_rows, growth=run.prompt_length + run.max_new_tokens)
-            args = (self.draft_model, policy.skip_attention, policy.skip_mlp, settings, head)
-            args += (run.sampling, run.generator)
-            chains: ChainDrafter
-            if policy.exit is not None:
-                chains = ExitDrafter(*args, reuse_kv=policy.exit.reuse_kv)
-            else:
-                chains = SkipDrafter(*args, alternatives=settings.tree_siblings)
-            if self.selection is not None:
-                chains = OnTheFlyDrafter(chains, self.model, self.selection)
-            skip = chains
-            if settings.tree_siblings and run.sampling is None:
-                skip = BranchingDrafter(chains, settings.tree_margin, 1 + settings.tree_siblings, settings.node_budget)
-        if not settings.lookup_max_ngram:
-            assert skip is not None  # a policy validates to lookup, a skip draft, or both
-            return skip
-        return HybridDrafter(LookupDrafter(settings), skip)
+        lookup = self.lookup_drafter()
+        if self.draft_model is None:
+            assert lookup is not None  # a policy validates to lookup, a skip draft, or both
+            return lookup
+        head = self.draft_model.head(self.vocab_rows, growth=run.prompt_length + run.max_new_tokens)
+        args = (self.draft_model, policy.skip_attention, policy.skip_mlp, settings, head, run.sampling, run.generator)
+        chains: ChainDrafter
+        if policy.exit is not None:
+            chains = ExitDrafter(*args, reuse_kv=policy.exit.reuse_kv)
+        else:
+            chains = SkipDrafter(*args, alternatives=settings.tree_siblings)
+        if self.selection is not None:
+            chains = OnTheFlyDrafter(chains, self.model, self.selection)
+        skip: Drafter = chains
+        if settings.tree_siblings and run.sampling is None:
+            skip = BranchingDrafter(chains, settings.tree_margin, 1 + settings.tree_siblings, settings.node_budget)
+        return skip if lookup is None else HybridDrafter(lookup, skip)
 
     def lookup_drafter(self) -> LookupDrafter | None:
         """The policy's prompt lookup for a batch's lookup steps (None: the policy has none)."""
@@ -432,23 +430,24 @@ class PreparedDraft:
         rows = self.vocab_rows
         attention, mlp = policy.skip_attention, policy.skip_mlp
         if self.auto is not None:
-            size = self.auto.choose_head([token for prompt in prompts for token in prompt])
-            ranking = policy.draft_vocabulary or range(self.vocab_size)
-            rows = None if size == 0 else torch.tensor(ranking[:size], dtype=torch.long)
+            rows = self._ranked_rows(self.auto.choose_head([token for prompt in prompts for token in prompt]))
             attention, mlp = (), ()
         growth = sum(len(p) for p in prompts) + len(prompts) * run.max_new_tokens
         head = self.draft_model.head(rows, growth=growth)
         return SkipDrafter(self.draft_model, tuple(attention), tuple(mlp), policy.draft, head, run.sampling, None)
 
+    def _ranked_rows(self, size: int) -> torch.Tensor | None:
+        """The policy's ``size`` best-ranked head rows (0: None, the full head)."""
+        ranking = self.policy.draft_vocabulary or range(self.vocab_size)
+        return None if size == 0 else torch.tensor(ranking[:size], dtype=torch.long)
+
     def _auto_drafter(self, run: DraftRun) -> AutoDrafter:
         """``auto``'s drafter; it builds its skip drafter once it has chosen the head size."""
         assert self.auto is not None and self.draft_model is not None and self.selection is not None
         draft_model, selection, settings = self.draft_model, self.selection, self.policy.draft
-        ranking = self.policy.draft_vocabulary or range(self.vocab_size)
 
         def make_skip(rows: int, length: DraftLengthByCost) -> ChainDrafter:
-            head_rows = None if rows == 0 else torch.tensor(ranking[:rows], dtype=torch.long)
-            head = draft_model.head(head_rows, growth=run.prompt_length + run.max_new_tokens)
+            head = draft_model.head(self._ranked_rows(rows), growth=run.prompt_length + run.max_new_tokens)
             skip = SkipDrafter(
                 draft_model, (), (), settings, head, run.sampling, run.generator, length, settings.tree_siblings
             )

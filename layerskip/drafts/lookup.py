@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from layerskip.drafts.base import LOOKUP, BaseDrafter, DraftRequest, Proposal
+from layerskip.drafts.base import LOOKUP, Drafter, DraftRequest, Proposal
 from layerskip.drafts.policy import DraftSettings
-from layerskip.drafts.tree_shape import likeliest_tree, merged_paths
+from layerskip.drafts.tree_shape import Paths, likeliest_tree, merged_paths
 
 
 @dataclass
@@ -144,7 +144,7 @@ class LookupRunLength:
         self.pending = still
 
 
-class LookupDrafter(BaseDrafter):
+class LookupDrafter(Drafter):
     """Proposes the continuation of a matching n-gram from the prompt or the text so far (no model
     call); with ``tree_matches`` > 1 several matches merged into a token tree. It learns from the
     history itself (``LookupRunLength.observe``), so a verdict teaches it nothing more."""
@@ -180,7 +180,7 @@ class LookupDrafter(BaseDrafter):
             return Proposal.chain([], LOOKUP)
         return Proposal(likeliest_tree(merged_paths(matches), self.settings.node_budget), LOOKUP)
 
-    def runs(self, request: DraftRequest, cap: int) -> list[tuple[list[int], list[float]]]:
+    def runs(self, request: DraftRequest, cap: int) -> Paths:
         """This step's matches of up to ``cap`` tokens, best first, each with the chance of each of
         its tokens (its earlier ones included), scored against the text as it grows."""
         s = self.settings

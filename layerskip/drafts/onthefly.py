@@ -30,11 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.drafts.base import BaseDrafter, DraftRequest, Proposal, Verdict
+from layerskip.drafts.base import DraftRequest, Proposal, Verdict, WrappingDrafter
 from layerskip.drafts.policy import OnTheFlySettings, SkipPolicy
 from layerskip.drafts.skip import ChainDraft, SkipDrafter
 from layerskip.hf import adapters
-from layerskip.hf.cache import RollbackCache
 from layerskip.stats import GenerationStats
 
 Sublayer = tuple[int, str]  # (layer, "attention" | "mlp")
@@ -189,10 +188,11 @@ def converged_policy(policy: SkipPolicy, state: SelectionState) -> SkipPolicy:
     return replace(policy, skip_attention=state.attention, skip_mlp=state.mlp, on_the_fly=None, provenance=provenance)
 
 
-class OnTheFlyDrafter(BaseDrafter):
+class OnTheFlyDrafter(WrappingDrafter):
     """A skip drafter whose bypassed sublayers follow a ``SelectionState`` learned from the verifies."""
 
     def __init__(self, skip: SkipDrafter, model: nn.Module, state: SelectionState) -> None:
+        super().__init__(skip)
         self.skip = skip
         self.model = model
         self.state = state
@@ -209,11 +209,6 @@ class OnTheFlyDrafter(BaseDrafter):
         deep = getattr(self.skip, "deep_layers", ())
         self.skip.attention = tuple(sorted({*self.state.attention, *deep}))
         self.skip.mlp = tuple(sorted({*self.state.mlp, *deep}))
-
-    def around_verify(
-        self, cache: RollbackCache, start: int, block: torch.Tensor
-    ) -> contextlib.AbstractContextManager[object]:
-        return self.skip.around_verify(cache, start, block)
 
     @contextlib.contextmanager
     def watch_verify(self, block: int) -> Iterator[None]:

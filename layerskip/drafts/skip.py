@@ -9,17 +9,7 @@ from typing import Protocol
 
 import torch
 
-from layerskip.drafts.base import (
-    SKIP,
-    BaseDrafter,
-    Drafter,
-    DraftRequest,
-    EditsAfter,
-    Proposal,
-    Proposals,
-    Verdict,
-    chain_run,
-)
+from layerskip.drafts.base import SKIP, Drafter, DraftRequest, EditsAfter, Proposal, Proposals, Verdict, chain_run
 from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.head import DraftHead
 from layerskip.drafts.model import DraftModel
@@ -90,7 +80,7 @@ class AdaptiveStop:
         self.threshold = min(1.0, max(0.0, self.threshold + step))
 
 
-class SkipDrafter(BaseDrafter):
+class SkipDrafter(Drafter):
     """Drafts with the same model, some sublayers bypassed, sharing the verify cache.
 
     ``attention`` / ``mlp`` are the bypassed sublayers; they may change between calls (on-the-fly

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from layerskip.drafts.token_tree import TokenTree, TreeBuilder
 from layerskip.sampling import DETERMINISTIC, ROOT, Draw
 
+# Candidate continuations of the pending token (lookup matches, greedy chains), each with the
+# chance that each of its tokens is accepted, its earlier ones included.
+Paths = list[tuple[list[int], list[float]]]
+
 
 @dataclass(frozen=True)
 class Candidate:
