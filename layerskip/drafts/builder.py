@@ -32,8 +32,7 @@ from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
 from layerskip.drafts.head import DraftHead
-from layerskip.drafts.hybrid import HybridDrafter
-from layerskip.drafts.lookup import LookupDrafter
+from layerskip.drafts.lookup import HybridDrafter, LookupDrafter
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
 from layerskip.drafts.policy import ExitSettings, SkipPolicy, check_vocabulary_ids

@@ -45,6 +45,11 @@ def expected_tokens(acceptance: float, drafted: int) -> float:
     return (1.0 - acceptance ** (drafted + 1)) / (1.0 - acceptance)
 
 
+# A batch's curves, then the dense head's: each absent from the file where empty.
+BATCH_CURVES = ("batch_plain", "batch_draft", "batch_wide")
+OPTIONAL_CURVES = (*BATCH_CURVES, "dense_head")
+
+
 @dataclass
 class DraftCosts:
     """Seconds of one plain step, of one verify forward per block length (the engine's verify),
@@ -76,10 +81,7 @@ class DraftCosts:
             "draft_step": _keyed(self.draft_step),
             "info": self.info,
             **({"precision": self.precision} if self.precision else {}),
-            **({"batch_plain": _keyed(self.batch_plain)} if self.batch_plain else {}),
-            **({"batch_draft": _keyed(self.batch_draft)} if self.batch_draft else {}),
-            **({"batch_wide": _keyed(self.batch_wide)} if self.batch_wide else {}),
-            **({"dense_head": _keyed(self.dense_head)} if self.dense_head else {}),
+            **{name: _keyed(getattr(self, name)) for name in OPTIONAL_CURVES if getattr(self, name)},
         }
 
     @classmethod
@@ -109,14 +111,11 @@ class DraftCosts:
             _curve("draft_step", data.get("draft_step"), low=0),
             dict(info),
             _precision(data.get("precision", "")),
-            _curve("batch_plain", data["batch_plain"], low=1) if "batch_plain" in data else {},
-            _curve("batch_draft", data["batch_draft"], low=1) if "batch_draft" in data else {},
-            _curve("batch_wide", data["batch_wide"], low=1) if "batch_wide" in data else {},
-            _curve("dense_head", data["dense_head"], low=1) if "dense_head" in data else {},
+            **{name: _curve(name, data[name], low=1) for name in OPTIONAL_CURVES if name in data},
         )
         if blocks is not None and set(costs.verify) != set(blocks):
             raise ValueError(f"its verify blocks {few(sorted(costs.verify))} are not the calibrated {sorted(blocks)}")
-        for name in ("batch_plain", "batch_draft", "batch_wide"):
+        for name in BATCH_CURVES:
             curve = getattr(costs, name)
             if batch_rows is not None and curve and set(curve) != set(batch_rows):
                 raise ValueError(f"its {name} rows {few(sorted(curve))} are not the calibrated {sorted(batch_rows)}")

@@ -50,10 +50,8 @@ class LengthPrior:
     @classmethod
     def assumed(cls, acceptance: float, weight: int) -> LengthPrior:
         """Before any draft: ``acceptance`` as ``weight`` drafts of the most confident bin."""
-        reached = [0.0] * CONFIDENCE_BINS
-        right = [0.0] * CONFIDENCE_BINS
-        reached[-1], right[-1] = weight, round(acceptance * weight)
-        return cls(tuple(reached), tuple(right))
+        others = (0.0,) * (CONFIDENCE_BINS - 1)
+        return cls((*others, weight), (*others, round(acceptance * weight)))
 
 
 @dataclass
@@ -100,15 +98,10 @@ class DraftLengthByCost:
     def learned(self, weight: float) -> LengthPrior:
         """What this rule learned, as the next generation's prior: its counts, and its rate's
         tokens and cost weighed by ``weight`` (no rate before a skip-drafted step was costed)."""
+        counts = tuple(map(float, self.reached)), tuple(map(float, self.right))
         if self.step_cost <= 0:
-            return LengthPrior(tuple(map(float, self.reached)), tuple(map(float, self.right)))
-        return LengthPrior(
-            tuple(map(float, self.reached)),
-            tuple(map(float, self.right)),
-            self.steps,
-            weight * self.step_tokens,
-            weight * self.step_cost,
-        )
+            return LengthPrior(*counts)
+        return LengthPrior(*counts, self.steps, weight * self.step_tokens, weight * self.step_cost)
 
     # --- what is measured ---
 

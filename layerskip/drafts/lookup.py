@@ -1,11 +1,12 @@
-"""Prompt lookup: propose the continuation of an earlier occurrence of the text's last n-gram."""
+"""Prompt lookup: propose the continuation of an earlier occurrence of the text's last n-gram; and the
+hybrid drafter, prompt lookup where the context repeats and the skip draft otherwise."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from layerskip.drafts.base import LOOKUP, Drafter, DraftRequest, Proposal
+from layerskip.drafts.base import LOOKUP, Drafter, DraftRequest, Proposal, WrappingDrafter
 from layerskip.drafts.policy import DraftSettings
 from layerskip.drafts.tree_shape import Paths, likeliest_tree, merged_paths
 
@@ -101,13 +102,8 @@ class LookupRunLength:
     def cut(self, match: LookupMatch) -> list[int]:
         if self.confidence <= 0.0:
             return match.tokens
-        chance = 1.0
-        for i in range(len(match.tokens)):
-            key = (match.ngram, i)
-            chance *= self.chance(key)
-            if chance < self.confidence:
-                return match.tokens[:i]
-        return match.tokens
+        chances = self.chances(match)
+        return match.tokens[: next((i for i, chance in enumerate(chances) if chance < self.confidence), len(chances))]
 
     def chance(self, key: tuple[int, int]) -> float:
         """``p(n, i)`` for ``key = (n, i)``: token i of a match of an n-gram is right, its earlier ones were."""
@@ -159,8 +155,8 @@ class LookupDrafter(Drafter):
         s = self.settings
         self.run_length.observe(request.history)
         cap = min(s.lookup_max_tokens, request.max_tokens)
-        if s.tree_matches > 1:
-            return self._tree(request, cap)
+        if s.tree_matches > 1:  # several matches in a tree of the likeliest nodes (each match's runs scored by rank)
+            return Proposal(likeliest_tree(merged_paths(self.runs(request, cap)), s.node_budget), LOOKUP)
         match = self.match(request.history, cap)
         self.run_length.track(match, len(request.history))
         return Proposal.chain(self.run_length.cut(match), LOOKUP)
@@ -172,14 +168,6 @@ class LookupDrafter(Drafter):
         shortest = s.lookup_max_ngram if longest_only else s.lookup_min_ngram
         return match_lookup(history, shortest, s.lookup_max_ngram, cap)
 
-    def _tree(self, request: DraftRequest, cap: int) -> Proposal:
-        """Several matches merged into a token tree of at most the policy's node budget, the
-        likeliest nodes first (each match's runs scored by rank)."""
-        matches = self.runs(request, cap)
-        if not matches:
-            return Proposal.chain([], LOOKUP)
-        return Proposal(likeliest_tree(merged_paths(matches), self.settings.node_budget), LOOKUP)
-
     def runs(self, request: DraftRequest, cap: int) -> Paths:
         """This step's matches of up to ``cap`` tokens, best first, each with the chance of each of
         its tokens (its earlier ones included), scored against the text as it grows."""
@@ -187,7 +175,7 @@ class LookupDrafter(Drafter):
         matches = match_lookups(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap, s.tree_matches)
         self.ranks.observe(request.history)
         self.ranks.track(matches, len(request.history))
-        return [(m.tokens, self.ranks.chances(rank, m)) for rank, m in enumerate(matches)]
+        return [(m.tokens, self.ranks.by_rank[rank].chances(m)) for rank, m in enumerate(matches)]
 
 
 # One rank's counts: how often run position (n, i) was reached, and right.
@@ -225,6 +213,15 @@ class RankedRunLengths:
         for rule, match in zip(self.by_rank, matches):
             rule.track(match, start)
 
-    def chances(self, rank: int, match: LookupMatch) -> list[float]:
-        """Chance that each token of ``match`` is accepted, its earlier ones included."""
-        return self.by_rank[rank].chances(match)
+
+class HybridDrafter(WrappingDrafter):
+    """Lookup when the context repeats an earlier n-gram, otherwise the skip draft, which learns
+    from its own drafts only but sees every verify."""
+
+    def __init__(self, lookup: LookupDrafter, skip: Drafter) -> None:
+        super().__init__(skip)
+        self.lookup = lookup
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        proposal = self.lookup.propose(request)
+        return proposal if len(proposal) else self.inner.propose(request)

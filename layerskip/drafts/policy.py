@@ -488,12 +488,8 @@ class SkipPolicy:
             "provenance": self.provenance,
             "measured": self.measured,
             "draft_vocabulary": list(self.draft_vocabulary),
-            **{name: asdict(section) for name, section in self._optional_sections()},
+            **{name: asdict(getattr(self, name)) for name in OPTIONAL_SECTIONS if getattr(self, name) is not None},
         }
-
-    def _optional_sections(self) -> list[tuple[str, Any]]:
-        """``(key, settings)`` of each optional section this policy has, in file order."""
-        return [(name, getattr(self, name)) for name in OPTIONAL_SECTIONS if getattr(self, name) is not None]
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "policy") -> SkipPolicy:
@@ -536,8 +532,9 @@ class SkipPolicy:
         try:
             policy.draft.validate()
             check_vocabulary_ids(policy.draft_vocabulary)
-            for _, section in policy._optional_sections():
-                section.validate()
+            for section in (getattr(policy, name) for name in OPTIONAL_SECTIONS):
+                if section is not None:
+                    section.validate()
         except LayerskipError as exc:
             raise LayerskipError(f"{source}: {exc}") from None
         return policy
