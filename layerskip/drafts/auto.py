@@ -191,17 +191,15 @@ class AutoState:
         """The head size expected to give the most tokens per second: each size's calibrated draft
         step against the acceptance its coverage allows."""
         self.coverage.seed(prompt)
-        base = self.full_head_acceptance()
-        best, best_rate = self.coverage.sizes[0], -math.inf  # always a calibrated size
-        for size in self.coverage.sizes:
-            acceptance = base * self.coverage.share(size)
-            cap = self.settings.max_draft_tokens
-            verify = functools.partial(self.verify_seconds, dense=dense)
-            rate = best_skip_rate(acceptance, self.costs.draft_step[size], verify, cap)
-            if math.isfinite(rate) and rate > best_rate:
-                best, best_rate = size, rate
-        self.head_rows = best
-        return best
+        base, cap = self.full_head_acceptance(), self.settings.max_draft_tokens
+        verify = functools.partial(self.verify_seconds, dense=dense)
+        rates = {
+            size: best_skip_rate(base * self.coverage.share(size), self.costs.draft_step[size], verify, cap)
+            for size in self.coverage.sizes
+        }
+        finite = [size for size, rate in rates.items() if math.isfinite(rate)]
+        self.head_rows = max(finite, key=rates.__getitem__, default=self.coverage.sizes[0])  # always a calibrated size
+        return self.head_rows
 
     def full_head_acceptance(self) -> float:
         """Per-token acceptance of skip drafts as a full head would see it: the measured one over
@@ -255,14 +253,9 @@ SkipFactory = Callable[[int, DraftLengthByCost], ChainDrafter]
 
 
 class AutoDrafter(WrappingDrafter):
-    """One generation's drafter under ``auto``: a chooser over the drafters, step by step.
-
-    Each offers its candidates priced by one cost model (``costs`` and ``tree_shape``): the
-    lookup drafter its matches with their learned chances, the skip drafter its chain (its
-    length decided by ``DraftLengthByCost``) with its siblings (``branching``) and this step's
-    matches as further branches. It proposes the offer with the most expected tokens per second,
-    or nothing when neither beats a plain step. The rest of the drafter interface is the skip
-    drafter's, once it is made.
+    """One generation's drafter under ``auto``: each step, the offer (lookup's, the skip draft's, or
+    nothing) with the most expected tokens per second, as the module's docstring tells. The rest
+    of the drafter interface is the skip drafter's, once it is made.
     """
 
     def __init__(self, state: AutoState, make_skip: SkipFactory, dense: bool = False) -> None:

@@ -7,12 +7,11 @@ trials, a benchmark's policies, a script's table) shares them. Exit adapters are
 against their policy's directory, loaded and checked against the policy's layer and kind there,
 once per file and hash.
 
-``PreparedDraft`` owns a policy once it is loaded. Preparing is the expensive part and happens
-once per model and policy: the policy is checked against the model, its draft forward (with its
-exit adapter) taken from ``DraftModels``, the truncated head's starting
-rows resolved, and an on-the-fly selection state started. The decode loop then asks it, and
-nothing else, about drafting: which cache windows to keep (``cache_windows``), the drafter for
-one generation (``start``), and how to pad a verify block (``verify_block``).
+``PreparedDraft`` owns a policy once it is loaded. Preparing, the expensive part, happens once
+per model and policy: the policy checked against the model, its draft forward (with its exit
+adapter) taken from ``DraftModels``, the head's starting rows resolved, an on-the-fly selection
+started. The decode loop then asks it, and nothing else, about drafting: cache windows, the
+drafter of one generation (``start``), the padding of a verify block.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from layerskip.drafts.head import DraftHead
 from layerskip.drafts.lookup import HybridDrafter, LookupDrafter
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
-from layerskip.drafts.policy import ExitSettings, SkipPolicy, check_vocabulary_ids
+from layerskip.drafts.policy import SkipPolicy, check_vocabulary_ids
 from layerskip.drafts.policy_spec import AUTO, PLAIN, load_policy
 from layerskip.drafts.skip import ChainDrafter, SkipDrafter
 from layerskip.errors import LayerskipError, few
@@ -90,9 +89,9 @@ class DraftRun:
 @dataclass(frozen=True)
 class DraftModelKey:
     precision: str
-    exit: tuple[str, str]  # (resolved adapter path, sha256); ("", "") without an exit
-    compile: bool | str
-    lean: bool
+    exit: tuple[str, str] = ("", "")  # (resolved adapter path, sha256); ("", "") without an exit
+    compile: bool | str = False
+    lean: bool = True
 
 
 def kept_sublayers(policy: SkipPolicy, model: nn.Module) -> frozenset[tuple[int, str]] | None:
@@ -257,24 +256,32 @@ class DraftModels:
         sublayers it keeps (``all_sublayers``: every one, to serve other skip sets too)."""
         wanted = None if all_sublayers else kept_sublayers(policy, self.model)
         exit_key = ("", "") if policy.exit is None else _exit_key(policy)
-        key = DraftModelKey(policy.draft.precision, exit_key, False, True)
-        return self._get(key, wanted, self.exit_adapter(policy))
+        return self._get(DraftModelKey(policy.draft.precision, exit_key), wanted, self.exit_adapter(policy))
 
     def holds(self, precision: str) -> bool:
         """Whether the plain draft forward in ``precision`` (no exit, not compiled) is built."""
-        return DraftModelKey(precision, ("", ""), False, True) in self._built
+        return DraftModelKey(precision) in self._built
 
     def discard(self, precision: str) -> None:
         """Drop the plain draft forward in ``precision`` (its copies' memory goes with it)."""
-        self._built.pop(DraftModelKey(precision, ("", ""), False, True), None)
+        self._built.pop(DraftModelKey(precision), None)
 
     def exit_adapter(self, policy: SkipPolicy) -> ExitAdapter | None:
-        """The exit adapter ``policy`` drafts through, loaded and checked (None: no exit)."""
-        if policy.exit is None:
+        """The exit adapter ``policy`` drafts through, loaded and checked against what the policy
+        says of it (None: no exit)."""
+        settings = policy.exit
+        if settings is None:
             return None
         key = _exit_key(policy)
         if key not in self._exits:
-            self._exits[key] = load_exit_adapter(policy.exit, Path(key[0]), self.model)
+            path = Path(key[0])
+            adapter = ExitAdapter.load(path, self.model, settings.sha256)
+            if adapter.spec.layer != settings.layer or adapter.spec.kind != settings.kind:
+                raise LayerskipError(
+                    f"exit adapter {path} is a {adapter.spec.kind} exit after layer {adapter.spec.layer}, "
+                    f"but the policy says {settings.kind} after {settings.layer}"
+                )
+            self._exits[key] = adapter
         return self._exits[key]
 
     def _get(
@@ -294,17 +301,6 @@ class DraftModels:
 def _exit_key(policy: SkipPolicy) -> tuple[str, str]:
     assert policy.exit is not None
     return str(policy.exit_adapter_path().resolve()), policy.exit.sha256
-
-
-def load_exit_adapter(settings: ExitSettings, path: Path, model: nn.Module) -> ExitAdapter:
-    """The adapter file at ``path`` for ``model``, checked against what the policy says of it."""
-    adapter = ExitAdapter.load(path, model, settings.sha256)
-    if adapter.spec.layer != settings.layer or adapter.spec.kind != settings.kind:
-        raise LayerskipError(
-            f"exit adapter {path} is a {adapter.spec.kind} exit after layer {adapter.spec.layer}, "
-            f"but the policy says {settings.kind} after {settings.layer}"
-        )
-    return adapter
 
 
 class PreparedDraft:
@@ -332,9 +328,7 @@ class PreparedDraft:
         self.vocab_size = adapters.lm_head(model).weight.shape[0]
         self.models = models if models is not None else DraftModels(model)
         self.exit = self.models.exit_adapter(policy)
-        self.draft_model: DraftModel | None = None
-        if policy.draft.use_skip_draft:
-            self.draft_model = self.models.for_policy(policy)
+        self.draft_model = self.models.for_policy(policy) if policy.draft.use_skip_draft else None
         if vocab_rows is None:
             rows = head_rows(policy, self.vocab_size)
             vocab_rows = None if rows is None else torch.tensor(rows, dtype=torch.long)

@@ -1,9 +1,8 @@
 """What drafting costs on this machine, and the expected tokens a draft buys.
 
 ``DraftCosts`` holds seconds measured at load (``engine.calibration``): a plain step, a verify
-forward per block length, a draft step per head size. ``auto`` prices its choices with them:
-with per-token acceptance ``a``, draft length ``g``, draft step ``c`` and verify ``v(g + 1)``, a
-step yields ``(1 - a^(g+1)) / (1 - a)`` tokens on average and costs ``g * c + v(g + 1)``.
+forward per block length, a draft step per head size. ``auto`` prices its choices with them and
+``expected_tokens`` (drafts/auto.py).
 """
 
 from __future__ import annotations

@@ -73,17 +73,12 @@ class DraftModel:
         # Per kept sublayer, its fused low-precision products (none in the model's own precision).
         self.projections: dict[tuple[int, str], list[tuple[list[nn.Module], FusedProjections]]] = {}
         if precision != "model":
-            wanted = (
-                {(i, kind) for i in range(adapters.num_layers(model)) for kind in SUBLAYER_KINDS}
-                if keep is None
-                else set(keep)
-            )
-            for index, kind in sorted(wanted):
-                groups = [
-                    FusedProjections(modules, [adapters.projection_weight(m) for m in modules], precision)
+            every = ((i, kind) for i in range(adapters.num_layers(model)) for kind in SUBLAYER_KINDS)
+            for index, kind in sorted(set(every if keep is None else keep)):
+                self.projections[(index, kind)] = [
+                    (modules, FusedProjections(modules, [adapters.projection_weight(m) for m in modules], precision))
                     for modules in projection_groups(model, index, kind)
                 ]
-                self.projections[(index, kind)] = [(group.modules, group) for group in groups]
             if exit is not None:
                 # The adapter's own projections run in low precision too (a layer adapter costs as
                 # much as one of the model's layers), int8 where the layers run int4: its trained
@@ -123,25 +118,15 @@ class DraftModel:
         head = 0 if self._full_head_copy is None else self._full_head_copy.numel() * self._full_head_copy.element_size()
         return copies + head
 
-    def _head_weight(self, truncated: bool) -> torch.Tensor:
-        weight = adapters.lm_head(self.model).weight
-        if self.precision == "model" or truncated:
-            return weight  # a truncated head gathers its rows and casts them itself
-        if self._full_head_copy is None:
-            self._full_head_copy = weight.detach().to(self.dtype)
-        return self._full_head_copy
-
     def head(self, rows: torch.Tensor | None, growth: int = 0) -> DraftHead:
         """A head over ``rows`` (None = every row) in the draft's dtype, with room to grow by ``growth`` rows."""
-        truncated = rows is not None
-        return DraftHead(
-            self._head_weight(truncated),
-            self._head_bias,
-            adapters.final_logit_softcap(self.model),
-            rows,
-            growth,
-            dtype=self.dtype,
-        )
+        weight = adapters.lm_head(self.model).weight
+        if self.precision != "model" and rows is None:  # a truncated head gathers its rows and casts them itself
+            if self._full_head_copy is None:
+                self._full_head_copy = weight.detach().to(self.dtype)
+            weight = self._full_head_copy
+        softcap = adapters.final_logit_softcap(self.model)
+        return DraftHead(weight, self._head_bias, softcap, rows, growth, dtype=self.dtype)
 
     def replacements(self, attention: Iterable[int], mlp: Iterable[int]) -> list[tuple[nn.Module, object]]:
         """Forward replacements for one draft run (cached for the last skip set)."""

@@ -181,8 +181,7 @@ class SkipDrafter(Drafter):
         longest limit) or until every row has ended. The cache's rows move on by the tokens run (an exit
         draft that reuses its K/V carries on from there)."""
         rows = len(pending)
-        device = self.draft_model.device
-        token = torch.tensor(pending, device=device)  # [R]
+        token = torch.tensor(pending, device=self.draft_model.device)  # [R]
         chosen: list[torch.Tensor] = []  # per drafted position: [R] ids
         q_rows: list[list[torch.Tensor]] = [[] for _ in range(rows)]
         confidences: list[list[float]] = [[] for _ in range(rows)]
@@ -221,8 +220,7 @@ class SkipDrafter(Drafter):
                         if not ended[r]:
                             confidences[r].append(confidence)
                             ended[r] = stop(confidences[r])
-                for r in range(rows):
-                    ended[r] = ended[r] or position + 1 >= limits[r]
+                ended = [done or position + 1 >= limit for done, limit in zip(ended, limits)]
         ids = torch.stack(chosen, dim=1).tolist() if chosen else [[] for _ in range(rows)]  # [R, drafted]
         chains = []
         for r, row_ids in enumerate(ids):
