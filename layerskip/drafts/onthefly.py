@@ -39,10 +39,6 @@ from layerskip.stats import GenerationStats
 Sublayer = tuple[int, str]  # (layer, "attention" | "mlp")
 
 
-def skip_set_label(attention: tuple[int, ...], mlp: tuple[int, ...]) -> str:
-    return f"a{','.join(map(str, attention))}|m{','.join(map(str, mlp))}"
-
-
 @dataclass
 class CountRecord:
     """Skip-drafted steps at one count: tokens produced and seconds spent, decayed so the figures
@@ -231,7 +227,7 @@ class OnTheFlyDrafter(WrappingDrafter):
         chain = self.skip.draft_chain(request)
         self._drafted = bool(chain.tokens)
         if chain.tokens:
-            label = skip_set_label(self.skip.attention, self.skip.mlp)
+            label = f"a{','.join(map(str, self.skip.attention))}|m{','.join(map(str, self.skip.mlp))}"
             self.steps_per_set[label] = self.steps_per_set.get(label, 0) + 1
         return chain
 

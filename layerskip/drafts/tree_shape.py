@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from layerskip.drafts.token_tree import TokenTree, TreeBuilder
-from layerskip.sampling import DETERMINISTIC, ROOT, Draw
+from layerskip.sampling import ROOT
 
 # Candidate continuations of the pending token (lookup matches, greedy chains), each with the
 # chance that each of its tokens is accepted, its earlier ones included.
@@ -27,7 +27,6 @@ class Candidate:
     parent: int  # index of the parent candidate in the list; ROOT for a child of the pending token
     token: int
     chance: float  # probability the full model accepts it, its ancestors included
-    proposal: Draw = DETERMINISTIC
 
 
 @dataclass(frozen=True)
@@ -39,28 +38,6 @@ class Shape:
     @property
     def rate(self) -> float:
         return self.expected_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def choose_nodes(
-    candidates: Sequence[Candidate],
-    verify_price: Callable[[int], float],
-    spent: float,
-    budget: int,
-    required: int = 0,
-) -> tuple[list[int], float, float]:
-    """The candidates to verify (indices, in the order given), their expected tokens and cost.
-    The first ``required`` candidates are always taken (a draft chain whose length was already
-    decided token by token); the others only where they raise the ratio."""
-    taken = list(range(min(required, len(candidates), budget)))
-    tokens = 1.0 + sum(candidates[i].chance for i in taken)
-    best = (list(taken), tokens, spent + verify_price(len(taken) + 1))
-    for ready in likeliest_order(candidates, taken, budget):
-        taken.append(ready)
-        tokens += candidates[ready].chance
-        seconds = spent + verify_price(len(taken) + 1)
-        if tokens / seconds > best[1] / best[2]:
-            best = (list(taken), tokens, seconds)
-    return sorted(best[0]), best[1], best[2]
 
 
 def likeliest_order(candidates: Sequence[Candidate], taken: Sequence[int], budget: int) -> Iterator[int]:
@@ -79,37 +56,39 @@ def likeliest_order(candidates: Sequence[Candidate], taken: Sequence[int], budge
         yield ready
 
 
+def shape_tree(
+    candidates: Sequence[Candidate], verify_price: Callable[[int], float], spent: float, budget: int, required: int = 0
+) -> Shape:
+    """The tree of the candidates that raise the ratio, built in the given order (the first
+    candidate's branch is the block's first positions, as a chain's would be). The first
+    ``required`` candidates are always taken (a draft chain whose length was already decided
+    token by token)."""
+    taken = list(range(min(required, len(candidates), budget)))
+    tokens = 1.0 + sum(candidates[i].chance for i in taken)
+    best = (list(taken), tokens, spent + verify_price(len(taken) + 1))
+    for ready in likeliest_order(candidates, taken, budget):
+        taken.append(ready)
+        tokens += candidates[ready].chance
+        seconds = spent + verify_price(len(taken) + 1)
+        if tokens / seconds > best[1] / best[2]:
+            best = (list(taken), tokens, seconds)
+    return Shape(_build(candidates, sorted(best[0])), best[1], best[2])
+
+
 def likeliest_tree(candidates: Sequence[Candidate], budget: int) -> TokenTree:
     """The ``budget`` likeliest candidates as a tree: its shape where no costs price the nodes
     (every node taken is then worth its place)."""
-    return _build(candidates, sorted(likeliest_order(candidates, (), budget)), None)
+    return _build(candidates, sorted(likeliest_order(candidates, (), budget)))
 
 
-def shape_tree(
-    candidates: Sequence[Candidate],
-    verify_price: Callable[[int], float],
-    spent: float,
-    budget: int,
-    q_rows: object = None,
-    required: int = 0,
-) -> Shape:
-    """The tree of the chosen candidates, built in the given order (the first candidate's branch is
-    the block's first positions, as a chain's would be). ``q_rows`` (``[m, V]``) are the proposal
-    rows that sampled candidates' ``Draw.q_row`` index; ``required``: see ``choose_nodes``."""
-    keep, tokens, seconds = choose_nodes(candidates, verify_price, spent, budget, required)
-    return Shape(_build(candidates, keep, q_rows), tokens, seconds)
-
-
-def _build(candidates: Sequence[Candidate], keep: Sequence[int], q_rows: object) -> TokenTree:
+def _build(candidates: Sequence[Candidate], keep: Sequence[int]) -> TokenTree:
     """The tree of candidates ``keep`` (ascending), built in that order."""
     builder = TreeBuilder(len(keep))
-    if q_rows is not None:
-        builder.add_q(q_rows)
     node_of: dict[int, int] = {}
     for index in keep:
         candidate = candidates[index]
         parent = ROOT if candidate.parent == ROOT else node_of[candidate.parent]
-        node = builder.add_child(parent, candidate.token, candidate.proposal)
+        node = builder.add_child(parent, candidate.token)
         if node is not None:
             node_of[index] = node
     return builder.build()
