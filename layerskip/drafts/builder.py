@@ -16,7 +16,6 @@ drafter of one generation (``start``), the padding of a verify block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -91,7 +90,6 @@ class DraftModelKey:
     precision: str
     exit: tuple[str, str] = ("", "")  # (resolved adapter path, sha256); ("", "") without an exit
     compile: bool | str = False
-    lean: bool = True
 
 
 def kept_sublayers(policy: SkipPolicy, model: nn.Module) -> frozenset[tuple[int, str]] | None:
@@ -230,7 +228,7 @@ class DraftModels:
     """Draft forwards of ``model`` by (precision, exit adapter, compile), each built on first use.
 
     A draft model built for every sublayer serves any skip set; one built for a fixed policy's kept
-    sublayers (``keep``) serves only that policy's and is rebuilt for a wider request.
+    sublayers (``for_policy``) serves only that policy's and is rebuilt for a wider request.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -238,18 +236,10 @@ class DraftModels:
         self._built: dict[DraftModelKey, tuple[frozenset[tuple[int, str]] | None, DraftModel]] = {}
         self._exits: dict[tuple[str, str], ExitAdapter] = {}
 
-    def get(
-        self,
-        precision: str = "model",
-        keep: Iterable[tuple[int, str]] | None = None,
-        exit: ExitAdapter | None = None,
-        compile: bool | str = False,
-        lean: bool = True,
-    ) -> DraftModel:
-        """The draft forward in ``precision`` with copies of at least ``keep`` (None: every sublayer)."""
-        wanted = None if keep is None else frozenset(keep)
+    def get(self, precision: str = "model", exit: ExitAdapter | None = None, compile: bool | str = False) -> DraftModel:
+        """The draft forward in ``precision`` with copies of every sublayer."""
         exit_key = ("", "") if exit is None else (f"adapter object {id(exit)}", "")
-        return self._get(DraftModelKey(precision, exit_key, compile, lean), wanted, exit)
+        return self._get(DraftModelKey(precision, exit_key, compile), None, exit)
 
     def for_policy(self, policy: SkipPolicy, all_sublayers: bool = False) -> DraftModel:
         """The draft forward ``policy`` drafts with: its precision and exit adapter, copies of the
@@ -293,7 +283,7 @@ class DraftModels:
             if covered is None or (wanted is not None and wanted <= covered):
                 return draft_model
             wanted = None if wanted is None else wanted | covered
-        draft_model = DraftModel(self.model, key.precision, wanted, exit=exit, lean=key.lean, compile=key.compile)
+        draft_model = DraftModel(self.model, key.precision, wanted, exit=exit, compile=key.compile)
         self._built[key] = (wanted, draft_model)
         return draft_model
 
