@@ -33,11 +33,7 @@ def continuation(history: list[int], begin: int, max_tokens: int) -> list[int]:
 
 
 def match_lookup(history: list[int], min_ngram: int, max_ngram: int, max_tokens: int) -> LookupMatch:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the history's last n-gram
-    (``continuation``: repeated past the present where that occurrence reaches it).
-
-    Tries the longest n first, then the most recent occurrence: the first of ``match_lookups``.
-    """
+    """The first of ``match_lookups`` (the longest n, then the most recent occurrence), or no match."""
     matches = match_lookups(history, min_ngram, max_ngram, max_tokens, max_matches=1)
     return matches[0] if matches and matches[0].tokens else LookupMatch([])
 
@@ -173,9 +169,11 @@ class LookupDrafter(Drafter):
         its tokens (its earlier ones included), scored against the text as it grows."""
         s = self.settings
         matches = match_lookups(request.history, s.lookup_min_ngram, s.lookup_max_ngram, cap, s.tree_matches)
-        self.ranks.observe(request.history)
-        self.ranks.track(matches, len(request.history))
-        return [(m.tokens, self.ranks.by_rank[rank].chances(m)) for rank, m in enumerate(matches)]
+        for rule in self.ranks.by_rank:
+            rule.observe(request.history)
+        for rule, match in zip(self.ranks.by_rank, matches):
+            rule.track(match, len(request.history))
+        return [(match.tokens, rule.chances(match)) for rule, match in zip(self.ranks.by_rank, matches)]
 
 
 # One rank's counts: how often run position (n, i) was reached, and right.
@@ -204,14 +202,6 @@ class RankedRunLengths:
             ({k: float(v) for k, v in rule.reached.items()}, {k: float(v) for k, v in rule.right.items()})
             for rule in self.by_rank
         ]
-
-    def observe(self, history: list[int]) -> None:
-        for rule in self.by_rank:
-            rule.observe(history)
-
-    def track(self, matches: list[LookupMatch], start: int) -> None:
-        for rule, match in zip(self.by_rank, matches):
-            rule.track(match, start)
 
 
 class HybridDrafter(WrappingDrafter):
