@@ -7,6 +7,7 @@ forward per block length, a draft step per head size. ``auto`` prices its choice
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Sequence
@@ -25,13 +26,8 @@ def block_cost(seconds: dict[int, float], block: int) -> float:
     sizes = sorted(seconds)
     if len(sizes) == 1:
         return seconds[sizes[0]] * block / sizes[0]
-    if block < sizes[0]:
-        lower, upper = sizes[0], sizes[1]
-    elif block > sizes[-1]:
-        lower, upper = sizes[-2], sizes[-1]
-    else:
-        lower = max(s for s in sizes if s < block)
-        upper = min(s for s in sizes if s > block)
+    above = min(max(bisect.bisect(sizes, block), 1), len(sizes) - 1)  # the segment around block, or the nearest end's
+    lower, upper = sizes[above - 1], sizes[above]
     weight = (block - lower) / (upper - lower)
     return seconds[lower] + weight * (seconds[upper] - seconds[lower])
 

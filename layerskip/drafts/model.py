@@ -89,8 +89,7 @@ class DraftModel:
                     for module in exit.module.modules()
                     if adapters.projection_weight(module) is not None
                 ]
-        head = adapters.lm_head(model)
-        self._head_bias = head.bias
+        self._head_bias = adapters.lm_head(model).bias
         self._full_head_copy: torch.Tensor | None = None  # the whole head in the draft dtype, made on first use
         self._replacements_key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._replacements: list[tuple[nn.Module, object]] = []

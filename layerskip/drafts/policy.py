@@ -507,9 +507,7 @@ class SkipPolicy:
             model = _dataclass_from(ModelIdentity, data.get("model", {}))
             given = {name: data.get(name) for name in OPTIONAL_SECTIONS}  # absent or null: not used
             sections = {name: _dataclass_from(OPTIONAL_SECTIONS[name], v) for name, v in given.items() if v is not None}
-            attention = data.get("skip_attention", [])
-            mlp = data.get("skip_mlp", [])
-            vocabulary = data.get("draft_vocabulary", [])
+            attention, mlp, vocabulary = (data.get(k, []) for k in ("skip_attention", "skip_mlp", "draft_vocabulary"))
             if not all(isinstance(i, int) and not isinstance(i, bool) for i in [*attention, *mlp, *vocabulary]):
                 raise TypeError("skip lists and draft_vocabulary must hold integers")
             negative = [i for i in vocabulary if i < 0]
