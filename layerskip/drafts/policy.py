@@ -311,8 +311,7 @@ class SkipPolicy:
     @classmethod
     def early_exit(cls, num_layers: int, depth: int, **kwargs: Any) -> SkipPolicy:
         """Draft with the first ``depth`` layers only."""
-        deep = tuple(range(depth, num_layers))
-        return cls(skip_attention=deep, skip_mlp=deep, **kwargs)
+        return cls.skip_layers(list(range(depth, num_layers)), **kwargs)
 
     @classmethod
     def skip_layers(cls, layers: list[int], **kwargs: Any) -> SkipPolicy:
