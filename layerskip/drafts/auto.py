@@ -218,8 +218,7 @@ class AutoState:
         and the prior decides only the first steps of the first generation)."""
         blocks = range(2, self.settings.node_budget + 2)
         verify = {b: self.verify_seconds(b, dense) for b in blocks}
-        assumed = LengthPrior.assumed(SKIP_PRIOR, SKIP_PRIOR_WEIGHT)
-        cap = self.settings.max_draft_tokens
+        cap, assumed = self.settings.max_draft_tokens, (SKIP_PRIOR, SKIP_PRIOR_WEIGHT)
         return DraftLengthByCost.from_prior(cap, draft_seconds, verify, self.length_prior, CARRY_OVER, assumed)
 
     def run_lengths(self) -> RankedRunLengths:

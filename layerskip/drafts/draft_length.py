@@ -47,12 +47,6 @@ class LengthPrior:
     step_tokens: float = 0.0
     step_cost: float = 0.0
 
-    @classmethod
-    def assumed(cls, acceptance: float, weight: int) -> LengthPrior:
-        """Before any draft: ``acceptance`` as ``weight`` drafts of the most confident bin."""
-        others = (0.0,) * (CONFIDENCE_BINS - 1)
-        return cls((*others, weight), (*others, round(acceptance * weight)))
-
 
 @dataclass
 class DraftLengthByCost:
@@ -80,15 +74,17 @@ class DraftLengthByCost:
         verify_cost: dict[int, float],
         prior: LengthPrior,
         weight: float,
-        assumed: LengthPrior,
+        assumed: tuple[float, int],
     ) -> DraftLengthByCost:
         """A rule priced by ``draft_cost`` and ``verify_cost`` that starts from ``prior``'s counts
         weighed by ``weight`` (a short memory of earlier generations); where they round to
-        nothing, from ``assumed``'s. A prior with a rate skips the warm-up at the cap."""
+        nothing, from ``assumed = (acceptance, drafts)``: that acceptance as that many drafts of
+        the most confident bin. A prior with a rate skips the warm-up at the cap."""
         reached = [round(weight * n) for n in prior.reached]
         right = [min(round(weight * r), n) for r, n in zip(prior.right, reached, strict=True)]
         if not any(reached):
-            reached, right = [round(n) for n in assumed.reached], [round(r) for r in assumed.right]
+            acceptance, drafts = assumed
+            reached[-1], right[-1] = drafts, round(acceptance * drafts)
         rule = cls(cap, 0, reached, right, draft_cost=draft_cost, verify_cost=dict(verify_cost))
         if prior.step_cost > 0:
             rule.steps = max(WARM_UP_STEPS, round(weight * prior.steps))
