@@ -124,8 +124,10 @@ def code_version(root: Path = SOURCE_ROOT) -> dict[str, Any]:
 
     ``commit`` is ``git rev-parse --short HEAD`` of ``root`` when ``root`` is the top of a git
     checkout (the package run from its repository); ``dirty`` says whether tracked files had
-    uncommitted changes then. Both are None where git is missing, slow, or ``root`` is no checkout
-    of its own (an installed package, or one inside another project's repository): never raises.
+    uncommitted changes then, result files under ``docs/results`` aside (a sitting of several runs
+    rewrites its own committed results as it goes; they are data, not the code that ran). Both are
+    None where git is missing, slow, or ``root`` is no checkout of its own (an installed package,
+    or one inside another project's repository): never raises.
     """
     unknown: dict[str, Any] = {"commit": None, "dirty": None}
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}  # a status refreshes no index lock
@@ -143,5 +145,5 @@ def code_version(root: Path = SOURCE_ROOT) -> dict[str, Any]:
     lines = (found or "").splitlines()  # the top folder, then the hash
     if len(lines) != 2 or Path(lines[0]).resolve() != root.resolve():
         return unknown
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/results")
     return {"commit": lines[1], "dirty": None if status is None else bool(status.strip())}

@@ -20,7 +20,7 @@ from layerskip.hf import adapters
 from layerskip.hf.models import LoadedModel, looks_instruct
 from layerskip.search.checks import DTYPES
 from layerskip.search.export import summary, verdict
-from layerskip.search.phases import run
+from layerskip.search.phases import check_inputs, run
 from layerskip.search.settings import resolve_settings
 from layerskip.search.study import counted_trials
 
@@ -81,9 +81,8 @@ def run_study(
     target = _model(model, tokenizer, given)
     calibration = _prompts(prompts, given)
     resolved, record = resolve_settings(preset, given)
-    study, policy, finalists = run(
-        target, calibration, resolved, record, command or _call(target, calibration, preset, given)
-    )
+    inputs = check_inputs(target, calibration, resolved, record, command or _call(target, calibration, preset, given))
+    study, policy, finalists = run(inputs)
     return StudyResult(study, policy, finalists, None if resolved.out is None else Path(resolved.out))
 
 

@@ -126,16 +126,9 @@ class Target:
     here: Machine
 
 
-def run(
-    model: str | LoadedModel,
-    prompts: str | tuple[Prompt, ...],
-    settings: SearchSettings,
-    preset: dict[str, Any] | None,
-    command: str,
-) -> tuple[optuna.Study, SkipPolicy, list[FrozenTrial]]:
-    """The whole search, every phase in order: the study, the policy exported (written where the
-    settings' ``out`` says) and the finalists. ``prompts``: a prompts source, or the prompts."""
-    inputs = check_inputs(model, prompts, settings, preset, command)
+def run(inputs: Inputs) -> tuple[optuna.Study, SkipPolicy, list[FrozenTrial]]:
+    """The whole search on checked inputs (``check_inputs``), every phase in order: the study, the
+    policy exported (written where the settings' ``out`` says) and the finalists."""
     storage = check_storage(inputs)
     target = check_model(inputs, storage)
     existing = open_study_storage(storage, target)

@@ -67,6 +67,13 @@ def test_the_commit_and_whether_tracked_files_changed(tmp_path: Path) -> None:
     assert code_version(repo) == {"commit": head, "dirty": False}
     (repo / "notes.txt").write_text("untracked\n")  # an untracked file is no change to the code
     assert code_version(repo) == {"commit": head, "dirty": False}
+    (repo / "docs" / "results").mkdir(parents=True)
+    (repo / "docs" / "results" / "r.json").write_text("{}\n")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "a result")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    (repo / "docs" / "results" / "r.json").write_text('{"rerun": 1}\n')  # a sitting rewriting its results
+    assert code_version(repo) == {"commit": head, "dirty": False}
     (repo / "layerskip" / "x.py").write_text("a = 2\n")
     assert code_version(repo) == {"commit": head, "dirty": True}
 
