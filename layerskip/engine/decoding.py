@@ -276,9 +276,20 @@ class Decoder:
                 return self._step_kinds(size, settings, has_draft, lookup is not None, batch_draft is not None, dense)
 
             cache = model_cache(self.model, self.cache_windows(), rows=len(rows))
-            stepper = Stepper(self.model, cache, rows, menu_for, lookup, self.threads, clock, self.device)
-            stepper.batch_draft, stepper.prepared, stepper.started = batch_draft, self.draft, start
-            stepper.observer = step_observer
+            stepper = Stepper(
+                self.model,
+                cache,
+                rows,
+                menu_for,
+                lookup,
+                self.threads,
+                clock,
+                self.device,
+                batch_draft=batch_draft,
+                prepared=self.draft,
+                started=start,
+                observer=step_observer,
+            )
             results = []
             for row in stepper.run():
                 row.drafter.report(row.stats)
