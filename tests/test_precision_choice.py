@@ -16,7 +16,7 @@ from layerskip.drafts.costs import DraftCosts, block_cost
 from layerskip.drafts.policy import AutoSettings, SkipPolicy
 from layerskip.engine import calibration
 from layerskip.engine import latency as engine_latency
-from layerskip.engine.precision_choice import SWITCH_MARGIN, PrecisionPrice, agreement, candidates, chosen, own_texts
+from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, chosen, own_texts, priced_heads
 from layerskip.hf import adapters
 
 VERIFY = {1: 1.0, 2: 1.05, 4: 1.12, 8: 1.4, 17: 2.0}
@@ -41,15 +41,36 @@ def test_the_rate_rises_with_agreement_and_falls_with_the_draft_cost() -> None:
 
     assert rate(0.95, 0.1, VERIFY, 10) > rate(0.6, 0.1, VERIFY, 10)
     assert rate(0.9, 0.05, VERIFY, 10) > rate(0.9, 0.2, VERIFY, 10)
+
     # A copy that agrees far more often wins though its step costs more; one that agrees alike does not.
-    often = PrecisionPrice("int8", 0.95, 0.13, rate(0.95, 0.13, VERIFY, 10))
-    rarely = PrecisionPrice("int4", 0.6, 0.1, rate(0.6, 0.1, VERIFY, 10))
-    alike = PrecisionPrice("int4", 0.95, 0.1, rate(0.95, 0.1, VERIFY, 10))
-    assert chosen([rarely, often]).precision == "int8" and chosen([alike, often]).precision == "int4"
-    # The policy's own precision (listed first) stays unless another is priced clearly faster.
-    own = PrecisionPrice("int4", 0.8, 0.1, 40.0)
-    assert chosen([own, PrecisionPrice("int8", 0.9, 0.1, 0.99 * SWITCH_MARGIN * 40.0)]).precision == "int4"
-    assert chosen([own, PrecisionPrice("int8", 0.9, 0.1, 1.01 * SWITCH_MARGIN * 40.0)]).precision == "int8"
+    def price(precision: str, agreement: float, steps: dict[int, float]) -> PrecisionPrice:
+        return PrecisionPrice.priced(precision, agreement, steps, lambda block: block_cost(VERIFY, block), 10)
+
+    often = price("int8", 0.95, {0: 0.13})
+    rarely = price("int4", 0.6, {0: 0.1})
+    alike = price("int4", 0.95, {0: 0.1})
+    assert chosen([rarely, often])[0].precision == "int8" and chosen([alike, often])[0].precision == "int4"
+    # No margin for the policy's own precision: the faster price wins, a tie keeps the first.
+    own = PrecisionPrice("int4", 0.8, {0: 0.1}, 0, 40.0)
+    assert chosen([own, PrecisionPrice("int8", 0.9, {0: 0.1}, 0, 40.4)])[0].precision == "int8"
+    assert chosen([own, PrecisionPrice("int8", 0.9, {0: 0.1}, 0, 40.0)])[0].precision == "int4"
+    assert "int8 priced 1.01x int4" in chosen([own, PrecisionPrice("int8", 0.9, {0: 0.1}, 0, 40.4)])[1]
+
+
+def test_a_copy_is_priced_at_the_head_it_would_draft_with() -> None:
+    # The layers are most of a truncated head's draft token: int8 twice int4's there, alike with the
+    # full head. Priced at the full head alone, int8's agreement would win.
+    int4 = {2048: 0.2, 0: 0.9}
+    int8 = {2048: 0.4, 0: 0.95}
+    assert priced_heads((2048, 4096, 0)) == (2048, 0) and priced_heads((0,)) == (0,)
+
+    def price(precision: str, agreement: float, steps: dict[int, float]) -> PrecisionPrice:
+        return PrecisionPrice.priced(precision, agreement, steps, lambda block: block_cost(VERIFY, block), 10)
+
+    truncated = chosen([price("int4", 0.85, int4), price("int8", 0.95, int8)])[0]
+    assert truncated.precision == "int4" and truncated.head_rows == 2048
+    full_only = chosen([price("int4", 0.85, {0: int4[0]}), price("int8", 0.95, {0: int8[0]})])[0]
+    assert full_only.precision == "int8" and full_only.head_rows == 0
 
 
 @torch.inference_mode()
@@ -83,6 +104,7 @@ def test_the_calibration_chooses_caches_and_drafts_with_the_faster_copy(
     models = DraftModels(model)
     costs = calibration.prepare_calibration(model, policy, models)
     assert costs is not None and costs.precision == "int8" and costs.info["precisions"]["chosen"] == "int8"
+    assert costs.info["precisions"]["why"].startswith("int8 priced")
     assert not models.holds("int4") and models.holds("int8")  # the copy built only to be priced is dropped
     assert prepare_draft(model, policy, models=models, costs=costs).draft_model.precision == "int8"
     again = calibration.calibrate(model, policy, DraftModels(model), root=None)

@@ -31,7 +31,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from layerskip.drafts.base import (
@@ -58,8 +58,9 @@ from layerskip.stats import DeviceClock, GenerationStats
 # What ``auto`` chooses changes from version to version; a result file records the revision that
 # ran (``measure.bench.environment``) and README's first table quotes only runs of this one.
 # Bump it with every change to what ``auto`` or a batch's step chooser decides. 1: a batch's kinds
-# known only by their price are tried early, and measured ones again after ten times their trial.
-AUTO_REVISION = 1
+# known only by their price are tried early, and measured ones again after ten times their trial;
+# 2: the draft's precision priced at the head size it would draft with, no margin for the policy's.
+AUTO_REVISION = 2
 
 VERIFY_SMOOTHING = 0.2  # weight of the newest verify timing in the running curve
 PAD_MARGIN = 0.97  # a longer block is padded to only when it is at least this much cheaper
@@ -244,6 +245,19 @@ class AutoState:
 def best_skip_rate(acceptance: float, draft_seconds: float, verify: Callable[[int], float], cap: int) -> float:
     """Expected tokens per second of the best skip-draft length up to ``cap`` (``verify``: seconds per block)."""
     return max(expected_tokens(acceptance, g) / (g * draft_seconds + verify(g + 1)) for g in range(1, cap + 1))
+
+
+def prior_skip_rate(
+    acceptance: float, draft_steps: Mapping[int, float], verify: Callable[[int], float], cap: int
+) -> tuple[float, int]:
+    """The skip draft's expected tokens per second before any text, and the head size that gives it
+    (``draft_steps``: seconds of one draft token by head size, 0 the full head): ``choose_head``
+    with nothing observed yet, a truncated head holding its prior share of the next tokens."""
+    coverage = HeadCoverage(tuple(draft_steps))
+    base = min(MAX_ACCEPTANCE, acceptance)
+    rates = {size: best_skip_rate(base * coverage.share(size), step, verify, cap) for size, step in draft_steps.items()}
+    size = max(rates, key=rates.__getitem__)
+    return rates[size], size
 
 
 # Builds the skip drafter once the head size (rows; 0 = the full head) is chosen, its length

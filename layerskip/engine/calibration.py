@@ -18,6 +18,7 @@ machine) is used by this process only, never cached.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.drafts.builder import DraftCosts, DraftModels, SkipPolicy, best_skip_rate, block_cost
+from layerskip.drafts.builder import DraftCosts, DraftModels, SkipPolicy, block_cost
 from layerskip.engine.latency import (
     BatchStepTimings,
     Latency,
@@ -36,7 +37,7 @@ from layerskip.engine.latency import (
     head_size_timings,
     measure_latency,
 )
-from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, chosen, own_texts
+from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, chosen, own_texts, priced_heads
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import full_logits
@@ -47,14 +48,18 @@ from layerskip.result_cache import ResultCache, cache_env, model_key
 # 2: with the draft's precision chosen; 3: with a batch's steps by row count; 4: the plain and
 # verify curve an entry of its own, shared with the search (older entries are measured again);
 # 5: the int4 copy rounded by a least-squares fit per group (its agreement and price changed);
-# 6: a batch's wide verify timed per row count, and the full head's cost beyond the greedy one.
-FORMAT = 6
+# 6: a batch's wide verify timed per row count, and the full head's cost beyond the greedy one;
+# 7: the precision priced at the head it drafts with, on texts from the model's own start tokens.
+FORMAT = 7
 # The search's default draft lengths + 1 (2 to 9) each timed, none interpolated (on CPU a 2-3-row
 # matmul can cost more than a 4-row one); past them auto interpolates up to 17, a lookup run of 16
 # and the pending token. A longer search extends the curve once (machine_latency).
 VERIFY_BLOCKS = (*range(2, 10), 12, 17)
 BATCH_ROWS = (2, 4, 8, 16)  # row counts a batch's plain and draft steps are timed at (one row goes alone)
 DRAFT_REPEATS = 7
+# The full head's extra cost is a large product whose timings spread little, and it prices only the
+# rarer dense verifies (a user's own processor, sampling): three rounds keep a cold calibration short.
+DENSE_REPEATS = 3
 BATCH_REPEATS = 2
 CONTEXT_TOKENS = 96  # attention over a realistic context, as after a short prompt
 
@@ -175,13 +180,18 @@ def _measure(
     context = latency.context  # drafts timed after the tokens the verify curve was
     info: dict[str, Any] = {"machine": key["machine"], "measured_at": latency.measured_at}
     precision = policy.draft.precision
+    timed: dict[int, float] = {}  # the chosen copy's draft step by head size, timed while pricing it
     if len(key["precisions"]) > 1:
         max_draft = policy.draft.max_draft_tokens
-        precision, info["precisions"] = _choose_precision(
-            model, key["precisions"], max_draft, models, context, latency.verify_seconds
+        heads = priced_heads(key["head_sizes"])
+        price, info["precisions"] = _choose_precision(
+            model, key["precisions"], heads, max_draft, models, context, latency.verify_seconds
         )
+        precision, timed = price.precision, dict(price.draft_step)
     draft_model = models.get(precision)  # the copy auto drafts from: every sublayer
-    draft = head_size_timings(draft_model, context, key["head_sizes"], DRAFT_REPEATS)
+    rest = [size for size in key["head_sizes"] if size not in timed]
+    timed.update(head_size_timings(draft_model, context, rest, DRAFT_REPEATS) if rest else {})
+    draft = {size: timed[size] for size in key["head_sizes"]}
     batch = BatchStepTimings({}, {})
     if draft_model.lean is not None:  # a batch drafts its rows together only through the lean step
         # The smallest head a batch may draft with: the draft curve's shape over rows, which
@@ -189,7 +199,7 @@ def _measure(
         head = min((size for size in key["head_sizes"] if size), default=0)
         batch = batch_step_timings(model, draft_model, context, key["batch_rows"], head, BATCH_REPEATS)
         info["batch_draft_head"] = head
-    dense = dense_head_timings(model, context, DRAFT_REPEATS)
+    dense = dense_head_timings(model, context, DENSE_REPEATS)
     if latency.warning is not None:
         info["warning"] = latency.warning
     choice = precision if len(key["precisions"]) > 1 else ""
@@ -200,30 +210,31 @@ def _measure(
 def _choose_precision(
     model: nn.Module,
     precisions: Sequence[str],
+    heads: Sequence[int],
     max_draft: int,
     models: DraftModels,
     context: Sequence[int],
     verify: dict[int, float],
-) -> tuple[str, dict[str, Any]]:
-    """The copy of ``precisions`` to draft from (``engine.precision_choice``: the first, the
-    policy's, unless another is priced clearly faster), and each one's price; copies built only to
-    be priced are dropped again."""
+) -> tuple[PrecisionPrice, dict[str, Any]]:
+    """The price of the copy of ``precisions`` to draft from (``engine.precision_choice``: the
+    fastest priced, its draft token timed with each of ``heads``) and the record of every price and
+    the reason; copies built only to be priced are dropped again."""
     texts = own_texts(model)
+    curve = functools.partial(block_cost, verify)
     prices = []
     built_here = []
     for precision in precisions:
         if not models.holds(precision):
             built_here.append(precision)
         draft_model = models.get(precision)
-        step = head_size_timings(draft_model, context, [0], DRAFT_REPEATS)[0]
+        steps = head_size_timings(draft_model, context, heads, DRAFT_REPEATS)
         accepted = agreement(draft_model, texts)
-        rate = best_skip_rate(accepted, step, lambda block: block_cost(verify, block), max_draft)
-        prices.append(PrecisionPrice(precision, accepted, step, rate))
-    choice = chosen(prices).precision
+        prices.append(PrecisionPrice.priced(precision, accepted, steps, curve, max_draft))
+    best, why = chosen(prices)
     for precision in built_here:
-        if precision != choice:
+        if precision != best.precision:
             models.discard(precision)
-    return choice, {"chosen": choice, **{price.precision: price.to_dict() for price in prices}}
+    return best, {"chosen": best.precision, "why": why, **{p.precision: p.to_dict() for p in prices}}
 
 
 @torch.inference_mode()

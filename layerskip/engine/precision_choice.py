@@ -4,28 +4,38 @@ Weights dequantised from a 4-bit GGUF file already sit on int4's grid (groups of
 a minimum), so the draft's int4 copy of them is nearly exact and agrees with the model almost
 always. A full-precision model's weights move by up to half a 4-bit step when rounded to int4,
 and that draft then disagrees more often; an int8 copy (one scale per output row, 256 levels)
-barely moves them but streams about twice the bytes per draft token. Neither wins everywhere, so
-the calibration measures both and keeps the one expected to give more tokens per second:
+barely moves them but streams more bytes per draft token. Neither wins everywhere, so the
+calibration prices both and keeps the one expected to give more tokens per second:
 
-* ``agreement``: the share of positions of the model's own greedy text (a few short texts from
-  seeded starts, generated in one batch) where the copy's top token, nothing bypassed and the
-  full head, is the model's: a per-token acceptance;
-* ``draft_step``: seconds of one draft token from the copy with the full head;
-* ``rate``: the best over draft lengths ``g`` of ``expected_tokens(a, g) / (g * c + v(g + 1))``
-  (``drafts.auto.best_skip_rate``), with the verify curve ``v`` of the same calibration.
+* ``agreement``: the share of positions of the model's own greedy text (short texts from the
+  model's first token and a second one drawn from its own distribution, generated in one batch)
+  where the copy's top token, nothing bypassed and the full head, is the model's: a per-token
+  acceptance;
+* ``draft_step``: seconds of one draft token from the copy, with the smallest truncated head and
+  with the full one;
+* ``rate``: the best over those heads and draft lengths ``g`` of ``expected_tokens(a, g) /
+  (g * c + v(g + 1))`` (``drafts.auto.prior_skip_rate``: a truncated head at its prior share of the
+  next tokens), with the verify curve ``v`` of the same calibration.
 
-The policy's own precision is kept unless another is priced ``SWITCH_MARGIN`` times faster.
+The price is taken at the head the draft would run with: ``auto`` drafts through a truncated head
+wherever the vocabulary is large, and there the layers, which int4 halves, are most of a draft
+token's cost. Priced at the full head instead (Gemma-3's is 262,144 rows), int8 looked 1.11-1.13x
+faster than int4 on an Intel Xeon where decoding measured 0.97-1.00x, which an earlier rule covered
+with a margin of 1.2 for the policy's own precision; that margin kept int4 on a full-precision
+0.5B model where int8 was priced 1.11x faster, and decoding lost a quarter of its speed. The
+fastest copy is chosen; a tie keeps the policy's own. The record keeps each copy's price and the
+reason (``chosen``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from layerskip.drafts.builder import DraftModel
+from layerskip.drafts.builder import DraftModel, prior_skip_rate
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import block_hidden
@@ -35,29 +45,32 @@ from layerskip.hf.prompting import first_token_id
 CHOICES = {"int4": ("int4", "int8")}
 TEXT_ROWS = 8  # texts generated together: one batched forward per token
 TEXT_TOKENS = 16  # each text's greedy tokens after its two-token start
-SKIPPED_POSITIONS = 2  # the first predictions follow a random start token: not text the model writes
-# Another copy replaces the policy's only where it is priced at least this much faster. Agreement
-# on short texts from odd starts overstates what a finer copy buys: on Gemma-3 (Intel Xeon, 2
-# cores) it priced int8 1.11-1.13x above int4 where decoding measured 0.97-1.00x; on an off-grid
-# SmolLM2 it priced int8 1.30x above int4 and decoding measured 1.18x. (Both with the int4 copy
-# rounded by each group's min and max; the fitted rounding since raised int4's agreement on that
-# twin from 0.60 to 0.62, docs/results/int4_rounding.csv.)
-SWITCH_MARGIN = 1.2
+SKIPPED_POSITIONS = 2  # the first predictions follow a drawn start token: not text the model writes
 
 
 @dataclass(frozen=True)
 class PrecisionPrice:
-    """One candidate copy: its agreement with the model, its draft token's seconds, its rate."""
+    """One candidate copy: its agreement with the model, its draft token's seconds by head size
+    (0: the full head), the head it is priced best at and its rate there."""
 
     precision: str
     agreement: float
-    draft_step: float
+    draft_step: Mapping[int, float]
+    head_rows: int
     tokens_per_second: float
 
-    def to_dict(self) -> dict[str, float]:
+    @classmethod
+    def priced(
+        cls, precision: str, agreement: float, draft_step: Mapping[int, float], verify: Callable[[int], float], cap: int
+    ) -> PrecisionPrice:
+        rate, head_rows = prior_skip_rate(agreement, draft_step, verify, cap)
+        return cls(precision, agreement, dict(draft_step), head_rows, rate)
+
+    def to_dict(self) -> dict[str, object]:
         return {
             "agreement": round(self.agreement, 4),
-            "draft_step": self.draft_step,
+            "draft_step": {str(rows): seconds for rows, seconds in self.draft_step.items()},
+            "head_rows": self.head_rows,
             "tokens_per_second": round(self.tokens_per_second, 2),
         }
 
@@ -67,14 +80,25 @@ def candidates(precision: str, choose: bool) -> tuple[str, ...]:
     return CHOICES.get(precision, (precision,)) if choose else (precision,)
 
 
+def priced_heads(head_sizes: Sequence[int]) -> tuple[int, ...]:
+    """The head sizes a candidate copy is timed with: the smallest truncated one and the full one
+    (a truncated head's draft token costs about the same at every size the calibration offers)."""
+    truncated = [size for size in head_sizes if size]
+    return (min(truncated), 0) if truncated else (0,)
+
+
 @torch.inference_mode()
 def own_texts(model: nn.Module, rows: int = TEXT_ROWS, tokens: int = TEXT_TOKENS, seed: int = 0) -> torch.Tensor:
     """``[rows, 2 + tokens]``: the model's greedy continuations of its first token followed by a
-    seeded random token per row (so the texts differ), generated as one batch."""
+    second one per row, drawn (seeded, without repeats) from the model's own distribution after
+    the first, so the texts differ and start as the model's text does; generated as one batch."""
     device = next(model.parameters()).device
-    vocab = adapters.lm_head(model).weight.shape[0]
-    starts = torch.randint(vocab, (rows,), generator=torch.Generator().manual_seed(seed))
-    ids = torch.stack([torch.full((rows,), first_token_id(model)), starts], dim=1).to(device)  # [R, 2]
+    first = torch.full((1, 1), first_token_id(model), device=device)
+    logits = adapters.logits_from_hidden(model, block_hidden(model, first, model_cache(model))[:, -1])  # [1, V]
+    generator = torch.Generator().manual_seed(seed)
+    probs = logits[0].float().softmax(-1).clamp_min(1e-12).cpu()
+    starts = torch.multinomial(probs, rows, replacement=False, generator=generator)
+    ids = torch.cat([first.expand(rows, 1), starts[:, None].to(device)], dim=1)  # [R, 2]
     cache = model_cache(model, rows=rows)
     block = ids
     for _ in range(tokens):
@@ -94,9 +118,18 @@ def agreement(draft_model: DraftModel, texts: torch.Tensor) -> float:
     return float((predicted == texts[:, SKIPPED_POSITIONS:]).float().mean())
 
 
-def chosen(prices: Sequence[PrecisionPrice]) -> PrecisionPrice:
-    """The first candidate (the policy's own precision) unless the fastest other one is priced at
-    least ``SWITCH_MARGIN`` times faster."""
-    own = prices[0]
+def chosen(prices: Sequence[PrecisionPrice]) -> tuple[PrecisionPrice, str]:
+    """The fastest-priced candidate (a tie keeps the first, the policy's own) and why, in words."""
     best = max(prices, key=lambda price: price.tokens_per_second)
-    return best if best.tokens_per_second >= SWITCH_MARGIN * own.tokens_per_second else own
+    others = [price for price in prices if price is not best]
+    if not others:
+        return best, f"{best.precision}: the only candidate"
+    runner = max(others, key=lambda price: price.tokens_per_second)
+    ratio = best.tokens_per_second / max(runner.tokens_per_second, 1e-9)
+    head = f"head of {best.head_rows} rows" if best.head_rows else "full head"
+    why = (
+        f"{best.precision} priced {ratio:.2f}x {runner.precision} ({best.tokens_per_second:.1f} against "
+        f"{runner.tokens_per_second:.1f} tokens/s, agreement {best.agreement:.2f} against "
+        f"{runner.agreement:.2f}, {head})"
+    )
+    return best, why
