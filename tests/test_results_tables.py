@@ -473,6 +473,11 @@ def test_the_first_screen_quotes_only_runs_of_todays_auto() -> None:
         older["environment"]["auto_revision"] = revision
         table = published.first_screen_table([ResultFile("older", older)], "docs/results.md")
         assert table.count("\n") == 1  # the header only
+    # A twin's run shows beside its model's, named as the model's twin; without its model's run, not at all.
+    twin = ResultFile("current-offgrid", copy.deepcopy(data))
+    rows = published.first_screen_table([twin, current], "docs/results.md").splitlines()[2:]
+    assert len(rows) == 2 and "#current)" in rows[0] and "full-precision twin" in rows[1]
+    assert published.first_screen_table([twin], "docs/results.md").count("\n") == 1
     readme = (REPO / "README.md").read_text()
     shown = readme[readme.index(FIRST_SCREEN_START) : readme.index(FIRST_SCREEN_END)]
     names = re.findall(r"\(docs/results\.md#([^)]+)\)", shown)

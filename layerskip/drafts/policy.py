@@ -207,7 +207,7 @@ class AutoSettings:
     The calibration times a truncated draft head of ``min_head_rows``, twice that, and so on up
     to ``max_head_rows`` (each below the model's vocabulary), and the full head. With
     ``choose_precision``, an int4 draft is priced against an int8 one on the model at hand, and
-    int8 replaces it where priced clearly faster (engine/precision_choice.py).
+    int8 replaces it where priced faster (engine/precision_choice.py).
     """
 
     min_head_rows: int = 2048
@@ -359,7 +359,7 @@ class SkipPolicy:
         nothing bypassed), whichever is expected to give more tokens per second at each step,
         with the verify padding and the draft head's size priced by a calibration of this
         machine. On a CPU the draft runs from an int4 copy, or an int8 one where the calibration
-        prices it clearly faster on this model (weights int4 rounds badly); elsewhere from the
+        prices it faster on this model (weights int4 rounds badly); elsewhere from the
         model's own weights. Every draft is a chain: token trees cost more verify and drafting time than they
         returned on the CPUs measured (``auto_trees`` turns them on, shaped by the same costs)."""
         precision = "int4" if torch.device(device).type == "cpu" else "model"

@@ -38,9 +38,10 @@ from layerskip.engine.latency import (
     measure_latency,
 )
 from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, chosen, own_texts, priced_heads
+from layerskip.engine.verify_head import engine_verify_head
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
-from layerskip.hf.forward import full_logits
+from layerskip.hf.forward import block_hidden
 from layerskip.hf.prompting import first_token_id
 from layerskip.machine import this_machine
 from layerskip.result_cache import ResultCache, cache_env, model_key
@@ -244,11 +245,11 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
     costs on real text, unlike on random ids)."""
     device = next(model.parameters()).device
     cache = model_cache(model)
+    greedy = engine_verify_head(model)  # the argmax without the full head where it is certified
     ids = [first_token_id(model)]
     for position in range(tokens):
         block = torch.tensor([ids[-1:]] if position else [ids], device=device)
-        logits = full_logits(model, block, cache, keep=1)
-        ids.append(int(logits[-1].argmax()))
+        ids.extend(greedy.argmax(block_hidden(model, block, cache)[0, -1:]))
     return (ids * (CONTEXT_TOKENS // len(ids) + 1))[:CONTEXT_TOKENS]
 
 

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from layerskip.drafts.builder import DraftModel, prior_skip_rate
+from layerskip.engine.verify_head import engine_verify_head
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
 from layerskip.hf.forward import block_hidden
@@ -100,10 +101,11 @@ def own_texts(model: nn.Module, rows: int = TEXT_ROWS, tokens: int = TEXT_TOKENS
     starts = torch.multinomial(probs, rows, replacement=False, generator=generator)
     ids = torch.cat([first.expand(rows, 1), starts[:, None].to(device)], dim=1)  # [R, 2]
     cache = model_cache(model, rows=rows)
+    greedy = engine_verify_head(model)  # the argmax without the full head where it is certified
     block = ids
     for _ in range(tokens):
         hidden = block_hidden(model, block, cache)[:, -1]  # [R, H]
-        block = adapters.logits_from_hidden(model, hidden).argmax(-1, keepdim=True)  # [R, 1]
+        block = torch.tensor(greedy.argmax(hidden), device=device)[:, None]  # [R, 1]
         ids = torch.cat([ids, block], dim=1)
     return ids
 

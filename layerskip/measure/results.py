@@ -590,11 +590,17 @@ def first_screen_table(files: list[ResultFile], page: str) -> str:
     on Spec-Bench prompts (the default, no search), with plain HF ``generate``'s tokens per second,
     layerskip's own decoding without a draft (``ar``, where the run has it: the engine's share of
     the speedup apart from drafting's) and ``auto``'s, the speedup and how many outputs were HF's
-    token for token."""
+    token for token; beside a model's run, its off-grid twin's from the same sitting (what a
+    full-precision model of that shape gets)."""
     header = ["model", "CPU", "tokens/s: HF `generate` → layerskip, no draft → `auto`", "speedup", "identical to HF"]
     rows = []
-    for f in sorted(files, key=lambda f: (f.data["model"], f.cpu())):
-        shown = f.data["dtype"] == "float32" and f.prompt_source() == "Spec-Bench" and not f.name.endswith(TWIN_SUFFIX)
+    by_name = {f.name: f for f in files}
+    for f in sorted(files, key=lambda f: f.name):  # a model's runs together, its twin's after its own
+        # A twin's run shows beside its model's, as what a full-precision model of that shape gets.
+        original = by_name.get(f.name.removesuffix(TWIN_SUFFIX)) if f.name.endswith(TWIN_SUFFIX) else f
+        if original is None:
+            continue
+        shown = f.data["dtype"] == "float32" and f.prompt_source() == "Spec-Bench"
         shown &= not f.sampled  # the table's claim is identical greedy output
         shown &= f.data["max_new_tokens"] == FIRST_SCREEN_TOKENS and f.n_prompts >= FIRST_SCREEN_PROMPTS
         shown &= f.auto_revision == AUTO_REVISION  # today's auto, not an older one's figures
@@ -604,7 +610,8 @@ def first_screen_table(files: list[ResultFile], page: str) -> str:
         engine = f.overall(ENGINE_ONLY)["tokens_per_second"] if ENGINE_ONLY in f.data["methods"] else None
         rates = [f.overall(BASELINE)["tokens_per_second"], engine, f.overall(method)["tokens_per_second"]]
         rate = " → ".join("—" if r is None else f"{r:.1f}" for r in rates)
-        row = [f.data["model"], f.cpu(), rate, _linked(_speedup(speedup), page, f.name)]
+        model = original.data["model"] + (", full-precision twin" if original is not f else "")
+        row = [model, f.cpu(), rate, _linked(_speedup(speedup), page, f.name)]
         rows.append([*row, f"{f.identical(method)}/{f.n_prompts}"])
     return table(header, rows)
 
@@ -764,7 +771,16 @@ def _calibration(info: dict[str, Any]) -> str:
         text += " (not cached: " + ("the machine looked busy" if info.get("warning") else "cache not writable") + ")"
     if info.get("draft_build_seconds") is not None:
         text += f", plus {float(info['draft_build_seconds']):.2f} s building the draft's weights"
+    precisions = info.get("precisions")
+    if isinstance(precisions, dict) and precisions.get("chosen"):
+        text += f"; draft copy {precisions['chosen']}" + (f": {precisions['why']}" if precisions.get("why") else "")
     return text
+
+
+def _draft_copy(f: ResultFile, method: str) -> str:
+    """The draft copy ``auto``'s calibration chose in ``method`` of ``f`` ("?" where not recorded)."""
+    calibration = (f.overall(method).get("auto") or {}).get("calibration") or {}
+    return ((calibration.get("precisions") or {}).get("chosen")) or "?"
 
 
 def file_section(f: ResultFile) -> str:
@@ -832,13 +848,14 @@ def twin_section(files: list[ResultFile]) -> str:
                 f"{_share((shipped.get('auto') or {}).get('lookup_share'))} → "
                 f"{_share((noisy.get('auto') or {}).get('lookup_share'))}",
                 f"{shipped.get('new_tokens', '-')} → {noisy.get('new_tokens', '-')}",
+                f"{_draft_copy(original, theirs[1])} → {_draft_copy(twin, mine[1])}",
                 "" if pld is None else _speedup(pld[0]),
                 "" if pld is None else f"{mine[0] / pld[0]:.2f}",
                 f"{twin.identical(mine[1])}/{twin.n_prompts}",
             ]
         )
     header = ["model", "CPU", "`auto`, model as shipped", "`auto`, off-grid twin", "twin ÷ shipped"]
-    header += ["`auto` tok/s, shipped → twin", "`auto`'s lookup steps", "tokens written"]
+    header += ["`auto` tok/s, shipped → twin", "`auto`'s lookup steps", "tokens written", "draft copy"]
     header += ["HF prompt lookup, twin", "`auto` ÷ prompt lookup, twin", "identical, twin"]
     intro = (
         '<a id="full-precision-weights"></a>\n## Full-precision weights\n\n'
@@ -848,9 +865,9 @@ def twin_section(files: list[ResultFile]) -> str:
         "Q4_K_M file (6-bit sub-block scales, some tensors in 6 bits) is not on that grid: its int4 copy's "
         "error (median 0.081) is already a full-precision model's (its twin's: 0.081; `scripts/make_twin.py` "
         "prints both), yet its int4 draft keeps up with an int8 one. On a CPU the calibration prices an int4 "
-        "draft copy against an int8 one and switches to int8 where it is priced clearly faster "
-        "([how](concepts.md#the-calibration-and-its-cache)); the runs below chose int4 on both Gemma-3 "
-        "models and on SmolLM2, int8 on SmolLM2's twin (`calibration.precisions` in each JSON). An off-grid "
+        "draft copy against an int8 one and drafts from the one priced faster "
+        "([how](concepts.md#the-calibration-and-its-cache)); the draft copy column says which each run chose "
+        "(`calibration.precisions` in each JSON, with the prices and the reason). An off-grid "
         "twin adds seeded uniform noise of half a 4-bit step per block of 32 to every decoder projection, "
         "what one int4 rounding of a full-precision model changes; each twin was measured in the same "
         "sitting as its model, on the same prompts. Plain decoding of a twin, loaded from a saved directory "
