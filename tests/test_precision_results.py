@@ -37,7 +37,7 @@ def table_row(check: str) -> str:
     cells += [f"{runs[c]['tokens_per_second']:.1f} ({runs[c]['speedup']:.2f}x)" for c in ("int4", "int8")]
     cells += [f"{ratio:.2f}", faster]
     identical = sum(runs[c]["n_identical"] for c in runs)
-    cells.append(f"{identical}/{sum(decoded['prompts']['n'] for _ in runs)}")
+    cells.append(f"{identical}/{len(runs) * decoded['prompts']['n']}")
     return "| " + " | ".join(cells) + " |"
 
 

@@ -192,14 +192,11 @@ class AutoState:
         """The head size expected to give the most tokens per second: each size's calibrated draft
         step against the acceptance its coverage allows."""
         self.coverage.seed(prompt)
-        base, cap = self.full_head_acceptance(), self.settings.max_draft_tokens
         verify = functools.partial(self.verify_seconds, dense=dense)
-        rates = {
-            size: best_skip_rate(base * self.coverage.share(size), self.costs.draft_step[size], verify, cap)
-            for size in self.coverage.sizes
-        }
-        finite = [size for size, rate in rates.items() if math.isfinite(rate)]
-        self.head_rows = max(finite, key=rates.__getitem__, default=self.coverage.sizes[0])  # always a calibrated size
+        steps = {size: self.costs.draft_step[size] for size in self.coverage.sizes}
+        _, self.head_rows = best_head_rate(
+            self.full_head_acceptance(), steps, verify, self.settings.max_draft_tokens, self.coverage
+        )
         return self.head_rows
 
     def full_head_acceptance(self) -> float:
@@ -247,16 +244,22 @@ def best_skip_rate(acceptance: float, draft_seconds: float, verify: Callable[[in
     return max(expected_tokens(acceptance, g) / (g * draft_seconds + verify(g + 1)) for g in range(1, cap + 1))
 
 
-def prior_skip_rate(
-    acceptance: float, draft_steps: Mapping[int, float], verify: Callable[[int], float], cap: int
+def best_head_rate(
+    acceptance: float,
+    draft_steps: Mapping[int, float],
+    verify: Callable[[int], float],
+    cap: int,
+    coverage: HeadCoverage | None = None,
 ) -> tuple[float, int]:
-    """The skip draft's expected tokens per second before any text, and the head size that gives it
-    (``draft_steps``: seconds of one draft token by head size, 0 the full head): ``choose_head``
-    with nothing observed yet, a truncated head holding its prior share of the next tokens."""
-    coverage = HeadCoverage(tuple(draft_steps))
+    """The skip draft's best expected tokens per second over head sizes, and the size that gives it
+    (``draft_steps``: seconds of one draft token by head size, 0 the full head; always one of them):
+    each size's acceptance is the full head's ``acceptance`` times the share of next tokens
+    ``coverage`` says that size holds (without one, before any text: each size's prior share)."""
+    coverage = coverage if coverage is not None else HeadCoverage(tuple(draft_steps))
     base = min(MAX_ACCEPTANCE, acceptance)
     rates = {size: best_skip_rate(base * coverage.share(size), step, verify, cap) for size, step in draft_steps.items()}
-    size = max(rates, key=rates.__getitem__)
+    finite = [size for size, rate in rates.items() if math.isfinite(rate)]
+    size = max(finite, key=rates.__getitem__, default=next(iter(draft_steps)))
     return rates[size], size
 
 

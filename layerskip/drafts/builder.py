@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layerskip.drafts.auto import MAX_ACCEPTANCE, AutoDrafter, AutoState, best_skip_rate, prior_skip_rate
+from layerskip.drafts.auto import MAX_ACCEPTANCE, AutoDrafter, AutoState, best_head_rate, best_skip_rate
 from layerskip.drafts.base import Drafter
 from layerskip.drafts.branching import BranchingDrafter
 from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
@@ -67,7 +67,7 @@ __all__ = [
     # pricing and timing a draft
     "MAX_ACCEPTANCE",
     "best_skip_rate",
-    "prior_skip_rate",
+    "best_head_rate",
     "block_cost",
     "capturing_layer_output",
     "expected_tokens",

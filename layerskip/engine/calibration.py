@@ -37,11 +37,16 @@ from layerskip.engine.latency import (
     head_size_timings,
     measure_latency,
 )
-from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, chosen, own_texts, priced_heads
-from layerskip.engine.verify_head import engine_verify_head
+from layerskip.engine.precision_choice import (
+    PrecisionPrice,
+    agreement,
+    candidates,
+    chosen,
+    greedy_continuation,
+    own_texts,
+    priced_heads,
+)
 from layerskip.hf import adapters
-from layerskip.hf.cache import model_cache
-from layerskip.hf.forward import block_hidden
 from layerskip.hf.prompting import first_token_id
 from layerskip.machine import this_machine
 from layerskip.result_cache import ResultCache, cache_env, model_key
@@ -243,13 +248,8 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
     """A context of ``CONTEXT_TOKENS`` tokens when no prompt is given: the model's own greedy
     continuation of its first token, repeated (its head's certified argmax then costs what it
     costs on real text, unlike on random ids)."""
-    device = next(model.parameters()).device
-    cache = model_cache(model)
-    greedy = engine_verify_head(model)  # the argmax without the full head where it is certified
-    ids = [first_token_id(model)]
-    for position in range(tokens):
-        block = torch.tensor([ids[-1:]] if position else [ids], device=device)
-        ids.extend(greedy.argmax(block_hidden(model, block, cache)[0, -1:]))
+    start = torch.full((1, 1), first_token_id(model), device=next(model.parameters()).device)
+    ids = greedy_continuation(model, start, tokens)[0].tolist()
     return (ids * (CONTEXT_TOKENS // len(ids) + 1))[:CONTEXT_TOKENS]
 
 

@@ -14,7 +14,7 @@ calibration prices both and keeps the one expected to give more tokens per secon
 * ``draft_step``: seconds of one draft token from the copy, with the smallest truncated head and
   with the full one;
 * ``rate``: the best over those heads and draft lengths ``g`` of ``expected_tokens(a, g) /
-  (g * c + v(g + 1))`` (``drafts.auto.prior_skip_rate``: a truncated head at its prior share of the
+  (g * c + v(g + 1))`` (``drafts.auto.best_head_rate``: a truncated head at its prior share of the
   next tokens), with the verify curve ``v`` of the same calibration.
 
 The price is taken at the head the draft would run with: ``auto`` drafts through a truncated head
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from layerskip.drafts.builder import DraftModel, prior_skip_rate
+from layerskip.drafts.builder import DraftModel, best_head_rate
 from layerskip.engine.verify_head import engine_verify_head
 from layerskip.hf import adapters
 from layerskip.hf.cache import model_cache
@@ -64,7 +64,7 @@ class PrecisionPrice:
     def priced(
         cls, precision: str, agreement: float, draft_step: Mapping[int, float], verify: Callable[[int], float], cap: int
     ) -> PrecisionPrice:
-        rate, head_rows = prior_skip_rate(agreement, draft_step, verify, cap)
+        rate, head_rows = best_head_rate(agreement, draft_step, verify, cap)
         return cls(precision, agreement, dict(draft_step), head_rows, rate)
 
     def to_dict(self) -> dict[str, object]:
@@ -99,13 +99,19 @@ def own_texts(model: nn.Module, rows: int = TEXT_ROWS, tokens: int = TEXT_TOKENS
     generator = torch.Generator().manual_seed(seed)
     probs = logits[0].float().softmax(-1).clamp_min(1e-12).cpu()
     starts = torch.multinomial(probs, rows, replacement=False, generator=generator)
-    ids = torch.cat([first.expand(rows, 1), starts[:, None].to(device)], dim=1)  # [R, 2]
-    cache = model_cache(model, rows=rows)
-    greedy = engine_verify_head(model)  # the argmax without the full head where it is certified
+    return greedy_continuation(model, torch.cat([first.expand(rows, 1), starts[:, None].to(device)], dim=1), tokens)
+
+
+@torch.inference_mode()
+def greedy_continuation(model: nn.Module, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``ids [R, s]`` followed by each row's ``tokens`` greedy tokens, ``[R, s + tokens]``, the rows
+    decoded as one batch (the argmax by the engine's greedy head: certified, without the full head)."""
+    cache = model_cache(model, rows=ids.shape[0])
+    greedy = engine_verify_head(model)
     block = ids
     for _ in range(tokens):
         hidden = block_hidden(model, block, cache)[:, -1]  # [R, H]
-        block = torch.tensor(greedy.argmax(hidden), device=device)[:, None]  # [R, 1]
+        block = torch.tensor(greedy.argmax(hidden), device=ids.device)[:, None]  # [R, 1]
         ids = torch.cat([ids, block], dim=1)
     return ids
 

@@ -597,7 +597,7 @@ def first_screen_table(files: list[ResultFile], page: str) -> str:
     by_name = {f.name: f for f in files}
     for f in sorted(files, key=lambda f: f.name):  # a model's runs together, its twin's after its own
         # A twin's run shows beside its model's, as what a full-precision model of that shape gets.
-        original = by_name.get(f.name.removesuffix(TWIN_SUFFIX)) if f.name.endswith(TWIN_SUFFIX) else f
+        original = _twin_of(f, by_name) if f.name.endswith(TWIN_SUFFIX) else f
         if original is None:
             continue
         shown = f.data["dtype"] == "float32" and f.prompt_source() == "Spec-Bench"
@@ -823,13 +823,19 @@ def file_section(f: ResultFile) -> str:
 TWIN_SUFFIX = "-offgrid"  # a twin's run is NAME-offgrid.json beside its model's run NAME.json, same sitting
 
 
+def _twin_of(f: ResultFile, by_name: dict[str, ResultFile]) -> ResultFile | None:
+    """The run of the model ``f`` is the off-grid twin of (None: ``f`` is no twin's run, or its
+    model's run is not among ``by_name``)."""
+    return by_name.get(f.name.removesuffix(TWIN_SUFFIX)) if f.name.endswith(TWIN_SUFFIX) else None
+
+
 def twin_section(files: list[ResultFile]) -> str:
     """The results page's full-precision section: each off-grid twin's run (``scripts/make_twin.py``)
     beside its model's run from the same sitting (empty without one)."""
     by_name = {f.name: f for f in files}
     rows = []
     for twin in files:
-        original = by_name.get(twin.name.removesuffix(TWIN_SUFFIX)) if twin.name.endswith(TWIN_SUFFIX) else None
+        original = _twin_of(twin, by_name)
         if original is None or twin.sampled or original.sampled:
             continue
         mine, theirs = twin.best_by_kind().get("auto"), original.best_by_kind().get("auto")
