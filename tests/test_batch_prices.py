@@ -7,15 +7,16 @@ from dataclasses import replace
 
 import pytest
 
+from layerskip.drafts.auto import StepPrices
 from layerskip.drafts.costs import expected_tokens
-from layerskip.engine.step_kinds import EXPLORE_AFTER, EXPLORE_FIRST, BatchPrices, StepKinds
+from layerskip.engine.step_kinds import EXPLORE_AFTER, EXPLORE_FIRST, StepKinds, price, priced
 
 
-def _prices(acceptance: float = 0.8) -> BatchPrices:
+def _prices(acceptance: float = 0.8) -> StepPrices:
     # One row's verify costs 10 ms plus 1 ms a position; a plain batched step 20 ms at 1 row and
     # 40 ms at 4; a batched draft step 5 ms at 1 row and 10 ms at 4 (the calibration's head), and
     # 4 ms at 1 row with the batch's head.
-    return BatchPrices(
+    return StepPrices(
         plain={1: 0.020, 4: 0.040},
         draft_rows={1: 0.005, 4: 0.010},
         verify=lambda n: 0.010 + 0.001 * n,
@@ -27,21 +28,21 @@ def _prices(acceptance: float = 0.8) -> BatchPrices:
 
 def test_a_batch_step_is_priced_from_the_calibrated_curves() -> None:
     prices = _prices()
-    assert prices.price("plain", 4) == pytest.approx((4.0, 0.040))
-    assert prices.price("lookup", 4) == prices.price("plain", 4)  # a row without a match verifies one token
+    assert price(prices, "plain", 4) == pytest.approx((4.0, 0.040))
+    assert price(prices, "lookup", 4) == price(prices, "plain", 4)  # a row without a match verifies one token
     # 4 rows of 4 positions: the plain step of 4 rows grown as one row's verify grows from 4 to 16 positions.
     assert prices.verify_rows(4, 4) == pytest.approx(0.040 * 0.026 / 0.014)
     assert prices.draft_rows_step(4) == pytest.approx(0.004 * 2)  # the rows curve doubles from 1 to 4 rows
     assert prices.verify_rows(2, 1) == pytest.approx(0.020 + (0.040 - 0.020) / 3)  # interpolated rows
-    tokens, seconds = prices.price("skip:3", 4)
+    tokens, seconds = price(prices, "skip:3", 4)
     assert tokens == pytest.approx(4 * expected_tokens(0.8, 3))
     assert seconds == pytest.approx(3 * 0.008 + prices.verify_rows(4, 4))
     # Rows' own drafters, one after another, at their best length.
-    tokens, seconds = prices.price("draft", 2)
+    tokens, seconds = price(prices, "draft", 2)
     best = max((2 * expected_tokens(0.8, g)) / (2 * g * 0.004 + prices.verify_rows(2, g + 1)) for g in range(1, 7))
     assert tokens / seconds == pytest.approx(best)
-    assert prices.price("something else", 4) is None
-    assert set(prices.priced(("plain", "skip:3", "unknown"), 4)) == {"plain", "skip:3"}
+    assert price(prices, "something else", 4) is None
+    assert set(priced(prices, ("plain", "skip:3", "unknown"), 4)) == {"plain", "skip:3"}
 
 
 def test_a_timed_wide_verify_prices_every_width_on_one_line() -> None:
@@ -59,9 +60,9 @@ def test_a_timed_wide_verify_prices_every_width_on_one_line() -> None:
 
 
 def test_a_draft_that_is_rarely_right_is_priced_below_a_plain_step() -> None:
-    rate = {kind: tokens / seconds for kind, (tokens, seconds) in _prices(0.05).priced(("plain", "skip:6"), 4).items()}
+    rate = {kind: tokens / seconds for kind, (tokens, seconds) in priced(_prices(0.05), ("plain", "skip:6"), 4).items()}
     assert rate["plain"] > rate["skip:6"]
-    rate = {kind: tokens / seconds for kind, (tokens, seconds) in _prices(0.9).priced(("plain", "skip:6"), 4).items()}
+    rate = {kind: tokens / seconds for kind, (tokens, seconds) in priced(_prices(0.9), ("plain", "skip:6"), 4).items()}
     assert rate["skip:6"] > rate["plain"]
 
 
@@ -100,7 +101,7 @@ def test_under_a_pricer_steps_cost_their_shape_and_a_hopeless_draft_is_never_exp
     # A verify whose cost follows its positions only (many rows on a CPU): 4 rows of 7 positions
     # cost 7 plain steps, more than six drafted tokens could repay even if all were accepted.
     prices = replace(_prices(), verify=lambda n: 0.001 * n)
-    kinds = StepKinds(("plain", "skip:3", "skip:6"), prices=prices.priced(("plain", "skip:3", "skip:6"), 4))
+    kinds = StepKinds(("plain", "skip:3", "skip:6"), prices=priced(prices, ("plain", "skip:3", "skip:6"), 4))
     kinds.pricer, kinds.rows = prices, 4
     assert kinds.step_seconds(9.9, 7, 6, 0) == pytest.approx(prices.step_seconds(4, 7, 6, 0))  # not the clock's
     assert kinds.step_seconds(9.9, 1, 0, 0) == pytest.approx(0.040)
@@ -109,7 +110,7 @@ def test_under_a_pricer_steps_cost_their_shape_and_a_hopeless_draft_is_never_exp
         kinds.observe(kinds.choose(), 4, 0.040)
     assert set(kinds.steps) == {"plain"}
     # Without the pricer the same kinds are tried now and then.
-    timed = StepKinds(("plain", "skip:6"), prices=prices.priced(("plain", "skip:6"), 4))
+    timed = StepKinds(("plain", "skip:6"), prices=priced(prices, ("plain", "skip:6"), 4))
     for _ in range(1000):  # once 25 times its priced 0.328 s, times how far it is behind, have passed
         timed.observe(timed.choose(), 4, 0.040)
     assert "skip:6" in timed.steps
@@ -117,7 +118,7 @@ def test_under_a_pricer_steps_cost_their_shape_and_a_hopeless_draft_is_never_exp
 
 def test_a_kind_that_runs_dearer_than_priced_next_to_the_plain_step_is_rated_so() -> None:
     prices = _prices()
-    kinds = StepKinds(("plain", "skip:3"), prices=prices.priced(("plain", "skip:3"), 4), pricer=prices, rows=4)
+    kinds = StepKinds(("plain", "skip:3"), prices=priced(prices, ("plain", "skip:3"), 4), pricer=prices, rows=4)
     kinds.observe("plain", 4, 0.04, wall=0.08)  # a busy spell: twice the price
     kinds.observe("skip:3", 10, 0.05, wall=0.20)  # four times its price: twice as dear as the plain step
     assert kinds.misprice("plain") == 1.0

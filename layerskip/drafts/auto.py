@@ -46,7 +46,7 @@ from layerskip.drafts.base import (
     chain_run,
 )
 from layerskip.drafts.branching import sibling_paths
-from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
+from layerskip.drafts.costs import WIDE_BLOCK, DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost, LengthPrior
 from layerskip.drafts.lookup import LookupDrafter, RankedRunLengths, RunCounts
 from layerskip.drafts.policy import DraftSettings
@@ -186,6 +186,26 @@ class AutoState:
         seconds = self.verify[padded] if padded in self.verify else block_cost(self.verify, padded)
         return seconds + (self.costs.dense_extra(padded) if dense else 0.0)
 
+    def step_prices(self, dense: bool = False) -> StepPrices | None:
+        """A batch's step prices from the calibration and the running estimates, at the head size
+        chosen last (None where the calibration holds no batch steps); ``dense``: some row reads
+        every logit."""
+        costs = self.costs
+        if not costs.batch_plain or not costs.batch_draft:
+            return None
+        rows = max(self.head_rows, 0)
+        acceptance = min(MAX_ACCEPTANCE, self.full_head_acceptance() * self.coverage.share(rows))
+        return StepPrices(
+            costs.batch_plain,
+            costs.batch_draft,
+            self.verify_seconds,
+            costs.draft_step[rows],
+            acceptance,
+            self.settings.max_draft_tokens,
+            costs.batch_wide,
+            costs.dense_extra if dense else None,
+        )
+
     # --- choices ---------------------------------------------------------------------------
 
     def choose_head(self, prompt: Sequence[int], dense: bool = False) -> int:
@@ -239,9 +259,84 @@ class AutoState:
         self.sibling_right *= CARRY_OVER
 
 
+Price = tuple[float, float]  # (expected tokens, seconds) of one step
+
+
+def best_skip_offer(acceptance: float, draft_seconds: float, verify: Callable[[int], float], cap: int) -> Price:
+    """Expected tokens and seconds of a step with the skip draft's best length up to ``cap``: the
+    most tokens per second (``verify``: seconds per block)."""
+    offers = [(expected_tokens(acceptance, g), g * draft_seconds + verify(g + 1)) for g in range(1, cap + 1)]
+    return max(offers, key=lambda offer: offer[0] / offer[1])
+
+
 def best_skip_rate(acceptance: float, draft_seconds: float, verify: Callable[[int], float], cap: int) -> float:
     """Expected tokens per second of the best skip-draft length up to ``cap`` (``verify``: seconds per block)."""
-    return max(expected_tokens(acceptance, g) / (g * draft_seconds + verify(g + 1)) for g in range(1, cap + 1))
+    tokens, seconds = best_skip_offer(acceptance, draft_seconds, verify, cap)
+    return tokens / seconds
+
+
+@dataclass
+class StepPrices:
+    """What one step of a batch of rows yields and costs, priced from ``auto``'s calibration
+    (``AutoState.step_prices``); engine/step_kinds.py gives the formulas and how the batch's choice
+    of step uses them. One row's own skip draft is priced by the rule its own choice uses
+    (``best_skip_offer``), at the batch's verify and one draft forward per row."""
+
+    plain: dict[int, float]  # seconds of a plain batched step by row count
+    draft_rows: dict[int, float]  # seconds of a batched draft step by row count (the calibration's head)
+    verify: Callable[[int], float]  # seconds of one row's verify of n positions
+    draft_step: float  # seconds of one row's draft step with the batch's head
+    acceptance: float  # per-token acceptance of the skip draft
+    max_draft: int  # the longest draft a row's own drafter makes
+    wide: dict[int, float] = field(default_factory=dict)  # a batched verify of WIDE_BLOCK positions by row count
+    # Seconds the full head adds to a verify of n positions, where some row reads every logit.
+    dense: Callable[[int], float] | None = None
+
+    def verify_rows(self, rows: int, width: int) -> float:
+        """Seconds of one verify forward over ``rows`` rows of ``width`` positions: linear in the
+        width through the timed plain and wide steps of that many rows (a calibration without wide
+        steps scales the plain step as one row's verify curve grows from ``rows`` positions to
+        ``rows * width``)."""
+        plain = block_cost(self.plain, rows)
+        extra = self.dense(rows * width) if self.dense is not None else 0.0
+        if not self.wide:
+            return plain * self.verify(rows * width) / self.verify(rows) + extra
+        wide = max(block_cost(self.wide, rows), plain)
+        return plain + (width - 1) * (wide - plain) / (WIDE_BLOCK - 1) + extra
+
+    def draft_rows_step(self, rows: int) -> float:
+        """Seconds of one batched draft step of ``rows`` rows with the batch's head."""
+        # One row's batched draft step, extrapolated where the calibration starts at 2 rows (never
+        # below half the cheapest timed: a steep curve must not send it to 0).
+        one = max(block_cost(self.draft_rows, 1), 0.5 * min(self.draft_rows.values()))
+        return self.draft_step * block_cost(self.draft_rows, rows) / one
+
+    def step_seconds(self, rows: int, width: int, batched_forwards: int, own_forwards: int) -> float:
+        """Seconds of a step of this shape: ``batched_forwards`` draft forwards of all rows at once,
+        ``own_forwards`` one-row draft forwards (the rows' own drafters, one after another), and a
+        verify of ``rows`` rows of ``width`` positions."""
+        return (
+            batched_forwards * self.draft_rows_step(rows)
+            + own_forwards * self.draft_step
+            + self.verify_rows(rows, width)
+        )
+
+    def plain_step(self, rows: int) -> Price:
+        """Every row verifies its pending token (and a lookup step's rows without a match)."""
+        return float(rows), self.verify_rows(rows, 1)
+
+    def batched_skip(self, rows: int, steps: int, acceptance: float | None = None) -> Price:
+        """All rows draft ``steps`` tokens in one product per token, then verify together."""
+        a = self.acceptance if acceptance is None else acceptance
+        return rows * expected_tokens(a, steps), self.step_seconds(rows, steps + 1, steps, 0)
+
+    def own_drafts(self, rows: int, acceptance: float | None = None) -> Price:
+        """Each row's own skip draft, one row after another, at the length that pays best."""
+        a = self.acceptance if acceptance is None else acceptance
+        tokens, seconds = best_skip_offer(
+            a, rows * self.draft_step, lambda width: self.verify_rows(rows, width), self.max_draft
+        )
+        return rows * tokens, seconds
 
 
 def best_head_rate(

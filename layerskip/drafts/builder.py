@@ -22,10 +22,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layerskip.drafts.auto import MAX_ACCEPTANCE, AutoDrafter, AutoState, best_head_rate, best_skip_rate
+from layerskip.drafts.auto import (
+    MAX_ACCEPTANCE,
+    AutoDrafter,
+    AutoState,
+    Price,
+    StepPrices,
+    best_head_rate,
+    best_skip_rate,
+)
 from layerskip.drafts.base import Drafter
 from layerskip.drafts.branching import BranchingDrafter
-from layerskip.drafts.costs import DraftCosts, block_cost, expected_tokens
+from layerskip.drafts.costs import WIDE_BLOCK, DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
@@ -66,6 +74,9 @@ __all__ = [
     "load_policy",
     # pricing and timing a draft
     "MAX_ACCEPTANCE",
+    "Price",
+    "StepPrices",
+    "WIDE_BLOCK",
     "best_skip_rate",
     "best_head_rate",
     "block_cost",

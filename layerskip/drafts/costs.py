@@ -40,6 +40,12 @@ def expected_tokens(acceptance: float, drafted: int) -> float:
     return (1.0 - acceptance ** (drafted + 1)) / (1.0 - acceptance)
 
 
+# The verify width a batch's wide step is timed at (``DraftCosts.batch_wide``): a skip draft of 3
+# and its pending token. How a batched verify grows with its width depends on the row count (a few
+# rows' wide block can cost no more than their plain step; sixteen rows' can cost several), so it
+# is timed, not scaled.
+WIDE_BLOCK = 4
+
 # A batch's curves, then the dense head's: each absent from the file where empty.
 BATCH_CURVES = ("batch_plain", "batch_draft", "batch_wide")
 OPTIONAL_CURVES = (*BATCH_CURVES, "dense_head")

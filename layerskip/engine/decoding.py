@@ -31,7 +31,7 @@ from layerskip.drafts.builder import (
 from layerskip.engine.calibration import prepare_calibration
 from layerskip.engine.output import CacheObserver, DecodeSettings, StopCheck, TokenCallback, TokenOutput, prompt_ids
 from layerskip.engine.step import Row, StepObserver, Stepper
-from layerskip.engine.step_kinds import BatchPrices, StepKinds, step_kinds
+from layerskip.engine.step_kinds import StepKinds, priced, step_kinds
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import LogitsHook, verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
@@ -309,10 +309,10 @@ class Decoder:
         (``dense``: some row's verify reads every logit, which prices every verify dearer)."""
         menu = step_kinds(rows, has_draft, has_lookup, batch_draft)
         key = (rows, settings.sampling is None, dense, menu.kinds)
-        if key not in self.batch_rates and self.draft is not None and self.draft.auto is not None and rows > 1:
-            prices = BatchPrices.from_auto(self.draft.auto, dense)  # at the head size batch_draft chose
+        if key not in self.batch_rates and self.draft is not None and self.draft.auto is not None:
+            prices = self.draft.auto.step_prices(dense)  # at the head size batch_draft chose
             if prices is not None:
-                menu.prices, menu.pricer, menu.rows = prices.priced(menu.kinds, rows), prices, rows
+                menu.prices, menu.pricer, menu.rows = priced(prices, menu.kinds, rows), prices, rows
         return self.batch_rates.setdefault(key, menu)  # the rates the last such batch measured
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip.drafts.builder import (
+    WIDE_BLOCK,
     DraftCosts,
     DraftHead,
     DraftModel,
@@ -169,12 +170,6 @@ class BatchStepTimings:
     plain: dict[int, float]
     draft: dict[int, float]
     wide: dict[int, float] = field(default_factory=dict)
-
-
-# The verify width a batch's wide step is timed at: a skip draft of 3 and its pending token. How a
-# batched verify grows with its width depends on the row count (a few rows' wide block can cost no
-# more than their plain step; sixteen rows' can cost several), so it is timed, not scaled.
-WIDE_BLOCK = 4
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ the row itself).
 
 A kind's rate is the tokens its recent steps kept over their seconds. Under ``auto`` those seconds
 are priced, not read off the clock: each step's shape (rows, verify width, draft forwards) costs
-what ``auto``'s calibration says (``BatchPrices``), so two kinds are compared at one context length
+what ``auto``'s calibration says (``StepPrices``), so two kinds are compared at one context length
 and in one sitting, however busy the machine was while each ran; wall-clock rates on a shared CPU
 swing by a fifth between identical runs, and a kind measured early in a batch (short contexts)
 looked faster than one measured late. Only the tokens are measured. Without a calibration (a
@@ -53,11 +53,10 @@ interpolated, beyond them extrapolated (``drafts.costs.block_cost``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from layerskip.drafts.builder import MAX_ACCEPTANCE, AutoState, block_cost, expected_tokens
-from layerskip.engine.latency import WIDE_BLOCK
+from layerskip.drafts.builder import MAX_ACCEPTANCE, Price, StepPrices
 
 PLAIN, LOOKUP, DRAFT = "plain", "lookup", "draft"
 
@@ -81,93 +80,22 @@ EXPLORE_FIRST = 4.0
 DRAFT_MARGIN = 1.05
 
 
-Price = tuple[float, float]  # (expected tokens, seconds) of one step of the whole batch
+def price(prices: StepPrices, kind: str, rows: int, acceptance: float | None = None) -> Price | None:
+    """Expected tokens and seconds of one step of ``kind`` for ``rows`` rows (None: a kind not priced),
+    at the running acceptance or at ``acceptance``."""
+    if kind in (PLAIN, LOOKUP):
+        return prices.plain_step(rows)
+    if kind.startswith("skip:"):
+        return prices.batched_skip(rows, int(kind.split(":")[1]), acceptance)
+    if kind == DRAFT:
+        return prices.own_drafts(rows, acceptance)
+    return None
 
 
-@dataclass
-class BatchPrices:
-    """A batch's step prices from calibrated costs (see the module's formulas)."""
-
-    plain: dict[int, float]  # seconds of a plain batched step by row count
-    draft_rows: dict[int, float]  # seconds of a batched draft step by row count (the calibration's head)
-    verify: Callable[[int], float]  # seconds of one row's verify of n positions
-    draft_step: float  # seconds of one row's draft step with the batch's head
-    acceptance: float  # per-token acceptance of the skip draft
-    max_draft: int  # the longest draft a row's own drafter makes
-    wide: dict[int, float] = field(default_factory=dict)  # a batched verify of WIDE_BLOCK positions by row count
-    # Seconds the full head adds to a verify of n positions, where some row reads every logit.
-    dense: Callable[[int], float] | None = None
-
-    @classmethod
-    def from_auto(cls, state: AutoState, dense: bool = False) -> BatchPrices | None:
-        """Prices from ``auto``'s calibration and running estimates, at the head size it chose last
-        (None where the calibration holds no batch steps); ``dense``: some row reads every logit."""
-        costs = state.costs
-        if not costs.batch_plain or not costs.batch_draft:
-            return None
-        rows = max(state.head_rows, 0)
-        acceptance = min(MAX_ACCEPTANCE, state.full_head_acceptance() * state.coverage.share(rows))
-        return cls(
-            costs.batch_plain,
-            costs.batch_draft,
-            state.verify_seconds,
-            costs.draft_step[rows],
-            acceptance,
-            state.settings.max_draft_tokens,
-            costs.batch_wide,
-            costs.dense_extra if dense else None,
-        )
-
-    def verify_rows(self, rows: int, width: int) -> float:
-        """Seconds of one verify forward over ``rows`` rows of ``width`` positions: linear in the
-        width through the timed plain and wide steps of that many rows (a calibration without wide
-        steps scales the plain step as one row's verify curve grows from ``rows`` positions to
-        ``rows * width``)."""
-        plain = block_cost(self.plain, rows)
-        extra = self.dense(rows * width) if self.dense is not None else 0.0
-        if not self.wide:
-            return plain * self.verify(rows * width) / self.verify(rows) + extra
-        wide = max(block_cost(self.wide, rows), plain)
-        return plain + (width - 1) * (wide - plain) / (WIDE_BLOCK - 1) + extra
-
-    def draft_rows_step(self, rows: int) -> float:
-        """Seconds of one batched draft step of ``rows`` rows with the batch's head."""
-        # One row's batched draft step, extrapolated where the calibration starts at 2 rows (never
-        # below half the cheapest timed: a steep curve must not send it to 0).
-        one = max(block_cost(self.draft_rows, 1), 0.5 * min(self.draft_rows.values()))
-        return self.draft_step * block_cost(self.draft_rows, rows) / one
-
-    def step_seconds(self, rows: int, width: int, batched_forwards: int, own_forwards: int) -> float:
-        """Seconds of a step of this shape: ``batched_forwards`` draft forwards of all rows at once,
-        ``own_forwards`` one-row draft forwards (the rows' own drafters, one after another), and a
-        verify of ``rows`` rows of ``width`` positions."""
-        return (
-            batched_forwards * self.draft_rows_step(rows)
-            + own_forwards * self.draft_step
-            + self.verify_rows(rows, width)
-        )
-
-    def price(self, kind: str, rows: int, acceptance: float | None = None) -> Price | None:
-        """Expected tokens and seconds of one step of ``kind`` (None: a kind not priced here), at the
-        running acceptance or at ``acceptance``."""
-        a = self.acceptance if acceptance is None else acceptance
-        if kind in (PLAIN, LOOKUP):
-            return float(rows), self.verify_rows(rows, 1)
-        if kind.startswith("skip:"):
-            steps = int(kind.split(":")[1])
-            return rows * expected_tokens(a, steps), self.step_seconds(rows, steps + 1, steps, 0)
-        if kind == DRAFT:
-            offers = [
-                (rows * expected_tokens(a, g), self.step_seconds(rows, g + 1, 0, rows * g))
-                for g in range(1, self.max_draft + 1)
-            ]
-            return max(offers, key=lambda offer: offer[0] / offer[1])
-        return None
-
-    def priced(self, kinds: Sequence[str], rows: int) -> dict[str, Price]:
-        """Each of ``kinds`` this prices, for a batch of ``rows`` rows."""
-        prices = {kind: self.price(kind, rows) for kind in kinds}
-        return {kind: price for kind, price in prices.items() if price is not None}
+def priced(prices: StepPrices, kinds: Sequence[str], rows: int) -> dict[str, Price]:
+    """Each of ``kinds`` that ``prices`` prices, for a batch of ``rows`` rows."""
+    found = {kind: price(prices, kind, rows) for kind in kinds}
+    return {kind: offer for kind, offer in found.items() if offer is not None}
 
 
 @dataclass
@@ -179,12 +107,12 @@ class StepKinds:
     last_seconds: dict[str, float] = field(default_factory=dict)
     since: dict[str, float] = field(default_factory=dict)  # seconds of other kinds since each was tried
     steps: dict[str, int] = field(default_factory=dict)
-    # (expected tokens, seconds) of a step of each kind priced before it ran (``BatchPrices``):
+    # (expected tokens, seconds) of a step of each kind priced before it ran (``StepPrices``):
     # a kind's rate until it has been measured.
     prices: dict[str, tuple[float, float]] = field(default_factory=dict)
     # Where set, every step's seconds are priced from its shape (``step_seconds``), not timed, and
     # a drafting kind that could not beat the best even with every token accepted is not explored.
-    pricer: BatchPrices | None = None
+    pricer: StepPrices | None = None
     rows: int = 0
     wall: dict[str, list[float]] = field(default_factory=dict)  # the clock's seconds of the recent steps
 
@@ -245,7 +173,7 @@ class StepKinds:
         wide verify dear)."""
         if self.pricer is None or kind in (PLAIN, LOOKUP):
             return False
-        best_case = self.pricer.price(kind, self.rows, acceptance=MAX_ACCEPTANCE)
+        best_case = price(self.pricer, kind, self.rows, acceptance=MAX_ACCEPTANCE)
         if best_case is None:
             return False
         others = [self.rate(other) for other in self.kinds if other != kind]
