@@ -252,7 +252,9 @@ def test_a_busy_calibration_warns_is_recorded_and_not_cached(
     monkeypatch.setattr(engine_latency, "BUSY_SPREAD", 0.25)
     fake = iter([0.001, 0.0021, 0.001, 0.0019, 0.0011, 0.0024, 0.001, 0.002] * 1000)
     monkeypatch.setattr(
-        engine_latency, "verify_timings", lambda model, ctx, block, n, greedy=None: [next(fake) for _ in range(n)]
+        engine_latency,
+        "verify_timings",
+        lambda model, ctx, block, n, greedy=None, warmup=2: [next(fake) for _ in range(n)],
     )
     result = search()
     warnings = [line for line in result.stderr.splitlines() if "machine looks busy" in line]
@@ -264,7 +266,9 @@ def test_a_busy_calibration_warns_is_recorded_and_not_cached(
     policy = SkipPolicy.load(tmp_path / "p0.json")
     assert "machine looks busy" in policy.provenance["latency_warning"]
 
-    monkeypatch.setattr(engine_latency, "verify_timings", lambda model, ctx, block, n, greedy=None: [0.001] * n)
+    monkeypatch.setattr(
+        engine_latency, "verify_timings", lambda model, ctx, block, n, greedy=None, warmup=2: [0.001] * n
+    )
     quiet = search()
     assert "machine looks busy" not in quiet.stderr and counted["latency"] == 2
     assert len(cache_files(tmp_path, "latency")) == 1

@@ -33,7 +33,7 @@ from layerskip.drafts.auto import (
 )
 from layerskip.drafts.base import Drafter
 from layerskip.drafts.branching import BranchingDrafter
-from layerskip.drafts.costs import WIDE_BLOCK, DraftCosts, block_cost, expected_tokens
+from layerskip.drafts.costs import WIDE_BLOCK, WIDE_ROWS_UP_TO, DraftCosts, block_cost, expected_tokens
 from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
@@ -77,6 +77,7 @@ __all__ = [
     "Price",
     "StepPrices",
     "WIDE_BLOCK",
+    "WIDE_ROWS_UP_TO",
     "best_skip_rate",
     "best_head_rate",
     "block_cost",

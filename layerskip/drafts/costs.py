@@ -45,6 +45,10 @@ def expected_tokens(acceptance: float, drafted: int) -> float:
 # rows' wide block can cost no more than their plain step; sixteen rows' can cost several), so it
 # is timed, not scaled.
 WIDE_BLOCK = 4
+# The most rows a wide verify is timed at: the dearest step of a calibration (sixteen rows' wide
+# verify alone took 1.8 s of a 20 s budget on 2 cores); more rows' lie on the line through the
+# last two timed (``block_cost``), within a tenth of a timed one on SmolLM2.
+WIDE_ROWS_UP_TO = 8
 
 # A batch's curves, then the dense head's: each absent from the file where empty.
 BATCH_CURVES = ("batch_plain", "batch_draft", "batch_wide")
@@ -118,8 +122,9 @@ class DraftCosts:
             raise ValueError(f"its verify blocks {few(sorted(costs.verify))} are not the calibrated {sorted(blocks)}")
         for name in BATCH_CURVES:
             curve = getattr(costs, name)
-            if batch_rows is not None and curve and set(curve) != set(batch_rows):
-                raise ValueError(f"its {name} rows {few(sorted(curve))} are not the calibrated {sorted(batch_rows)}")
+            rows = [r for r in batch_rows or () if name != "batch_wide" or r <= WIDE_ROWS_UP_TO]
+            if batch_rows is not None and curve and set(curve) != set(rows):
+                raise ValueError(f"its {name} rows {few(sorted(curve))} are not the calibrated {sorted(rows)}")
         if head_sizes is not None and set(costs.draft_step) != set(head_sizes):
             measured = few(sorted(costs.draft_step))
             raise ValueError(f"its head sizes {measured} are not the calibrated {sorted(head_sizes)}")

@@ -55,18 +55,21 @@ from layerskip.result_cache import ResultCache, cache_env, model_key
 # verify curve an entry of its own, shared with the search (older entries are measured again);
 # 5: the int4 copy rounded by a least-squares fit per group (its agreement and price changed);
 # 6: a batch's wide verify timed per row count, and the full head's cost beyond the greedy one;
-# 7: the precision priced at the head it drafts with, on texts from the model's own start tokens.
-FORMAT = 7
+# 7: the precision priced at the head it drafts with, on texts from the model's own start tokens;
+# 8: fewer rounds, no warm-up rounds, a wide batched verify timed up to 8 rows: a cold calibration
+# of the embedded models in 13-17 s on 2 cores (was 19-28 s).
+FORMAT = 8
 # The search's default draft lengths + 1 (2 to 9) each timed, none interpolated (on CPU a 2-3-row
 # matmul can cost more than a 4-row one); past them auto interpolates up to 17, a lookup run of 16
 # and the pending token. A longer search extends the curve once (machine_latency).
-VERIFY_BLOCKS = (*range(2, 10), 12, 17)
+VERIFY_BLOCKS = (*range(2, 10), 17)
 BATCH_ROWS = (2, 4, 8, 16)  # row counts a batch's plain and draft steps are timed at (one row goes alone)
-DRAFT_REPEATS = 7
+DRAFT_REPEATS = 5
+REST_HEAD_REPEATS = 3
 # The full head's extra cost is a large product whose timings spread little, and it prices only the
 # rarer dense verifies (a user's own processor, sampling): three rounds keep a cold calibration short.
 DENSE_REPEATS = 3
-BATCH_REPEATS = 2
+BATCH_REPEATS = 3
 CONTEXT_TOKENS = 96  # attention over a realistic context, as after a short prompt
 
 Log = Callable[[str], None]
@@ -108,11 +111,13 @@ def machine_latency(
     read: bool = True,
     progress: bool = False,
     warn: Log | None = None,
+    context: Callable[[], list[int]] | None = None,
 ) -> Latency:
     """The plain step and verify curve of ``model`` on this machine, timed after its own text
     (``own_text``): from the cache when ``read`` and its entry holds ``VERIFY_BLOCKS`` and
     ``blocks``, else measured over those (and what the entry held) and cached unless the machine
-    looked busy. ``warn`` hears of an entry passed by as damaged or not written."""
+    looked busy. ``warn`` hears of an entry passed by as damaged or not written; ``context`` makes
+    the tokens the curve is timed after where it is measured (default ``own_text``)."""
     cache = ResultCache(CACHE, root, "calibration cache", warn)
     key = latency_key(model)
     vocab = adapters.lm_head(model).weight.shape[0]
@@ -123,7 +128,8 @@ def machine_latency(
         return cached
     if cached is not None:  # too short for this caller: the new curve keeps what the entry held
         wanted |= set(cached.verify_seconds) - {1}
-    latency = measure_latency(model, own_text(model), sorted(wanted), progress)
+    tokens = context() if context is not None else own_text(model)
+    latency = measure_latency(model, tokens, sorted(wanted), progress)
     if latency.warning is None:  # measured on a busy machine: used by this process only
         problem = cache.store("latency", key, latency.to_dict())
         if problem is not None and warn is not None:
@@ -161,7 +167,11 @@ def calibrate(
     (building the draft's low-precision copy, which every policy's draft needs, is not counted:
     ``models`` may hold it already)."""
     start = time.perf_counter()
-    latency = machine_latency(model, root=root, read=read, progress=progress)
+    # The model's own texts, generated once where something is measured: the precision choice's
+    # agreement reads them, and the first is the context a curve measured now is timed after.
+    texts = functools.cache(lambda: own_texts(model))
+    context = functools.partial(repeated, texts)
+    latency = machine_latency(model, root=root, read=read, progress=progress, context=context)
     key = calibration_key(model, policy)
     cache = ResultCache(CACHE, root, "calibration cache")
     # Draft costs are read only beside the curve they were priced with (a curve measured now
@@ -170,7 +180,7 @@ def calibrate(
     if cached is not None:
         cached.info.update(cached=True, seconds=round(time.perf_counter() - start, 3))
         return cached
-    costs = _measure(model, policy, models, latency, key)
+    costs = _measure(model, policy, models, latency, key, texts)
     costs.info.update(cached=False, seconds=round(time.perf_counter() - start, 3))
     if "warning" not in costs.info:  # measured on a busy machine: used by this process only
         curve = ("plain_step", "verify")  # stored once, in the latency entry
@@ -181,7 +191,12 @@ def calibrate(
 
 
 def _measure(
-    model: nn.Module, policy: SkipPolicy, models: DraftModels, latency: Latency, key: dict[str, Any]
+    model: nn.Module,
+    policy: SkipPolicy,
+    models: DraftModels,
+    latency: Latency,
+    key: dict[str, Any],
+    texts: Callable[[], torch.Tensor],
 ) -> DraftCosts:
     context = latency.context  # drafts timed after the tokens the verify curve was
     info: dict[str, Any] = {"machine": key["machine"], "measured_at": latency.measured_at}
@@ -191,12 +206,14 @@ def _measure(
         max_draft = policy.draft.max_draft_tokens
         heads = priced_heads(key["head_sizes"])
         price, info["precisions"] = _choose_precision(
-            model, key["precisions"], heads, max_draft, models, context, latency.verify_seconds
+            texts(), key["precisions"], heads, max_draft, models, context, latency.verify_seconds
         )
         precision, timed = price.precision, dict(price.draft_step)
     draft_model = models.get(precision)  # the copy auto drafts from: every sublayer
+    # The other head sizes cost about what the priced ones do (their rows are a small part of a
+    # draft token): fewer rounds place them between.
     rest = [size for size in key["head_sizes"] if size not in timed]
-    timed.update(head_size_timings(draft_model, context, rest, DRAFT_REPEATS) if rest else {})
+    timed.update(head_size_timings(draft_model, context, rest, REST_HEAD_REPEATS) if rest else {})
     draft = {size: timed[size] for size in key["head_sizes"]}
     batch = BatchStepTimings({}, {})
     if draft_model.lean is not None:  # a batch drafts its rows together only through the lean step
@@ -214,7 +231,7 @@ def _measure(
 
 
 def _choose_precision(
-    model: nn.Module,
+    texts: torch.Tensor,
     precisions: Sequence[str],
     heads: Sequence[int],
     max_draft: int,
@@ -224,8 +241,8 @@ def _choose_precision(
 ) -> tuple[PrecisionPrice, dict[str, Any]]:
     """The price of the copy of ``precisions`` to draft from (``engine.precision_choice``: the
     fastest priced, its draft token timed with each of ``heads``) and the record of every price and
-    the reason; copies built only to be priced are dropped again."""
-    texts = own_texts(model)
+    the reason (``texts``: the model's own, ``own_texts``); copies built only to be priced are
+    dropped again."""
     curve = functools.partial(block_cost, verify)
     prices = []
     built_here = []
@@ -249,7 +266,12 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
     continuation of its first token, repeated (its head's certified argmax then costs what it
     costs on real text, unlike on random ids)."""
     start = torch.full((1, 1), first_token_id(model), device=next(model.parameters()).device)
-    ids = greedy_continuation(model, start, tokens)[0].tolist()
+    return repeated(lambda: greedy_continuation(model, start, tokens))
+
+
+def repeated(texts: Callable[[], torch.Tensor]) -> list[int]:
+    """The first of ``texts`` (``[R, T]``) repeated to ``CONTEXT_TOKENS`` tokens."""
+    ids = texts()[0].tolist()
     return (ids * (CONTEXT_TOKENS // len(ids) + 1))[:CONTEXT_TOKENS]
 
 

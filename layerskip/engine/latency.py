@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from layerskip.drafts.builder import (
     WIDE_BLOCK,
+    WIDE_ROWS_UP_TO,
     DraftCosts,
     DraftHead,
     DraftModel,
@@ -36,11 +37,12 @@ from layerskip.hf.forward import block_hidden, full_hidden, full_logits
 
 K = TypeVar("K")
 # One set of repeats for the one curve auto and the search share (engine.calibration). A cold
-# `auto` run pays for it at load, where a whole calibration must stay under 20 s (5-12 s on the
-# embedded models on CPU with these): 9 plain steps still give the quartiles whose spread tells a
-# busy machine, 5 interleaved rounds a median per block; 15 and 7 would time about half again as long.
-PLAIN_REPEATS = 9
-VERIFY_REPEATS = 5
+# `auto` run pays for it at load, where a whole calibration must stay under 20 s (4.5-7.5 s of it
+# on the embedded models on 2 CPU cores with these): 7 plain steps after one warm-up still give the
+# quartiles whose spread tells a busy machine, 3 interleaved rounds a median per block (robust to
+# one slow first call); 15 and 7 would time about twice as long.
+PLAIN_REPEATS = 7
+VERIFY_REPEATS = 3
 BUSY_SPREAD = 0.25  # interquartile range / median of the plain-step timings above this: busy
 
 
@@ -210,15 +212,17 @@ def batch_step_timings(
             cache.set_lengths(lengths)
 
         wide = token.expand(count, WIDE_BLOCK)  # [R, WIDE_BLOCK]
-        steps = {"plain": partial(verify_step, token), "draft": draft_step, "wide": partial(verify_step, wide)}
+        steps = {"plain": partial(verify_step, token), "draft": draft_step}
+        if count <= WIDE_ROWS_UP_TO:
+            steps["wide"] = partial(verify_step, wide)
         for name, seconds in interleaved_timings(steps, device, repeats).items():
             getattr(timed, name)[count] = statistics.median(seconds)
     return timed
 
 
-# Positions the full head's extra cost is timed at: one row's plain step, a row's long draft, and
-# a batch's wide verify (its product grows from reading the head to computing with it).
-DENSE_POSITIONS = (1, 8, 32)
+# Positions the full head's extra cost is timed at: one row's plain step and a batch's wide verify
+# (its product grows from reading the head to computing with it); a row's long draft lies between.
+DENSE_POSITIONS = (1, 32)
 
 
 @torch.inference_mode()
@@ -263,11 +267,16 @@ def _verify_steps(
 
 @torch.inference_mode()
 def verify_timings(
-    model: nn.Module, context: Sequence[int], block: int, repeats: int = 7, greedy: VerifyHead | None = None
+    model: nn.Module,
+    context: Sequence[int],
+    block: int,
+    repeats: int = 7,
+    greedy: VerifyHead | None = None,
+    warmup: int = 2,
 ) -> list[float]:
     """Seconds of each of ``repeats`` full forwards over ``block`` tokens after ``context`` (``_verify_steps``)."""
     steps, device = _verify_steps(model, context, [block], greedy)
-    return timings(steps[block], device, repeats)
+    return timings(steps[block], device, repeats, warmup)
 
 
 @torch.inference_mode()
@@ -284,10 +293,9 @@ def curve_timings(
 def interleaved_timings(
     steps: dict[K, Callable[[], object]], device: torch.device, repeats: int
 ) -> dict[K, list[float]]:
-    """Seconds of ``repeats`` calls of each step (after one warm-up call each), the steps taking turns
-    in every round: a load that comes and goes touches them all alike."""
-    for step in steps.values():
-        _time_once(step, device)
+    """Seconds of ``repeats`` calls of each step, the steps taking turns in every round: a load that
+    comes and goes touches them all alike. No warm-up call: the callers take a median of at least 3
+    rounds, which a slow first call (a new shape) does not move, and a cold calibration must stay short."""
     seconds: dict[K, list[float]] = {key: [] for key in steps}
     for _ in range(repeats):
         for key, step in steps.items():
@@ -386,7 +394,7 @@ def measure_latency(
     and the median of every verify block length as the engine's greedy verify runs it (1 included:
     with the certified head a one-token verify can cost less than a plain step)."""
     bar = tqdm(total=2 + len(blocks), desc="latency calibration", disable=not progress)
-    plain = verify_timings(model, context, 1, plain_repeats)
+    plain = verify_timings(model, context, 1, plain_repeats, warmup=1)
     bar.update()
     greedy = engine_verify_head(model)
     curve = curve_timings(model, context, [1, *blocks], verify_repeats, greedy)
