@@ -11,10 +11,11 @@ import pytest
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 PAGE = RESULTS / "precision" / "README.md"
-# (the check run in docs/results/precision, the auto run whose calibration priced both copies)
+# (the check run in docs/results/precision, the auto run of the same sitting whose calibration
+# priced both copies, kept beside it)
 CHECKS = {
-    "smollm2-135m": "smollm2-135m-float32-avx512bf16-auto-ar.json",
-    "gemma3-270m-offgrid": "gemma3-270m-float32-avx512bf16-auto-ar-offgrid.json",
+    "smollm2-135m": "precision/smollm2-135m-auto.json",
+    "gemma3-270m-offgrid": "precision/gemma3-270m-offgrid-auto.json",
 }
 
 
