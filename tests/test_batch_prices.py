@@ -132,3 +132,18 @@ def test_a_near_tie_goes_to_the_plain_step() -> None:
     assert kinds.choose() == "plain"  # 103 tokens/s against 100: within DRAFT_MARGIN
     kinds = StepKinds(("plain", "skip:3"), prices={"plain": (4.0, 0.040), "skip:3": (11.0, 0.100)})
     assert kinds.choose() == "skip:3"
+
+
+def test_a_lookup_step_keeps_only_the_positions_that_pay_for_every_rows_verify() -> None:
+    from layerskip.engine.step import paying_width
+
+    # 4 rows: a plain step 40 ms, each position more 10 ms for all rows; a token is worth 10 ms.
+    prices = replace(_prices(), wide={1: 0.025, 4: 0.070})
+    halves = [0.5**k for k in range(1, 7)]
+    one_long = [(list(range(6)), halves), ([], []), ([], []), ([], [])]
+    assert paying_width(one_long, 4, prices) == 1  # one row's unlikely run: a plain step
+    sure = [0.95**k for k in range(1, 7)]
+    everyone = [(list(range(6)), sure)] * 4
+    assert paying_width(everyone, 4, prices) == 7  # every row's likely run: the whole run
+    assert paying_width(one_long, 4, None) == 7  # without prices: the longest match whole
+    assert paying_width([([], [])] * 4, 4, prices) == 1

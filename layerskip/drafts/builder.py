@@ -38,7 +38,7 @@ from layerskip.drafts.draft_length import DraftLengthByCost
 from layerskip.drafts.exit_adapter import ExitAdapter
 from layerskip.drafts.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
 from layerskip.drafts.head import DraftHead
-from layerskip.drafts.lookup import HybridDrafter, LookupDrafter
+from layerskip.drafts.lookup import HybridDrafter, LookupDrafter, LookupRunLength
 from layerskip.drafts.model import DraftModel
 from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
 from layerskip.drafts.policy import SkipPolicy, check_vocabulary_ids
@@ -66,6 +66,7 @@ __all__ = [
     "ExitAdapter",
     "SelectionState",
     "LookupDrafter",
+    "LookupRunLength",
     "SkipDrafter",
     "SkipPolicy",
     # the policy argument

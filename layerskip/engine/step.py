@@ -40,7 +40,7 @@ from layerskip.drafts.base import (
     Verdict,
     off_first_branch,
 )
-from layerskip.drafts.builder import LookupDrafter, PreparedDraft, SkipDrafter
+from layerskip.drafts.builder import LookupDrafter, LookupRunLength, PreparedDraft, SkipDrafter, StepPrices
 from layerskip.engine.output import TokenOutput
 from layerskip.engine.step_kinds import DRAFT, LOOKUP, StepKinds
 from layerskip.engine.threads import ThreadTuner
@@ -68,6 +68,9 @@ class Row:
     generator: torch.Generator | None = None  # the row's draws, shared by its verifier
     stats: GenerationStats = field(default_factory=GenerationStats)
     view: RollbackCache | None = None  # the row's view of the cache, for its own drafter
+    # How often each position of this row's lookup matches (by n-gram length) held, for the batch's
+    # lookup steps: learnt from the row's own text as it grows.
+    lookup_runs: LookupRunLength = field(default_factory=lambda: LookupRunLength(0.0, score_every_run=True))
 
 
 @dataclass
@@ -226,7 +229,29 @@ class Stepper:
                     drafts = self.batch_draft.propose_rows(self.cache, histories, budgets, steps, generators, edits)
                 rows = zip(self.rows, drafts.rows, strict=True)
                 return Proposals(tuple(self._longer_lookup(row, draft, steps) for row, draft in rows))
+        if kind == LOOKUP:
+            return self._lookup_proposals()
         return Proposals(tuple(self._propose(b, row, kind) for b, row in enumerate(self.rows)))
+
+    def _lookup_proposals(self) -> Proposals:
+        """Each row's lookup match, cut to the verify width that pays best for the whole batch (under
+        a pricer; else whole): a position more widens every row's verify, and is worth the chance that
+        the rows whose match reaches it keep its token (each row's own chances, learnt from its text).
+        One row's long match in a batch of eight made a verify cost three plain steps for nothing."""
+        assert self.lookup is not None
+        runs: list[tuple[list[int], list[float]]] = []
+        for row in self.rows:
+            history = row.output.history
+            cap = min(row.output.remaining - 1, self.lookup.settings.max_draft_tokens)
+            row.lookup_runs.observe(history)
+            if cap <= 0:
+                runs.append(([], []))
+                continue
+            match = self.lookup.match(history, cap)
+            row.lookup_runs.track(match, len(history))
+            runs.append((match.tokens, row.lookup_runs.chances(match)))
+        width = paying_width(runs, len(self.rows), self.kinds.pricer)
+        return Proposals(tuple(Proposal.chain(tokens[: width - 1], base.LOOKUP) for tokens, _ in runs))
 
     def _longer_lookup(self, row: Row, draft: Proposal, steps: int) -> Proposal:
         """A row whose text repeats its last n-gram (the longest the policy matches) proposes the
@@ -240,12 +265,8 @@ class Stepper:
 
     def _propose(self, b: int, row: Row, kind: str) -> Proposal:
         budget = row.output.remaining - 1
-        if kind not in (LOOKUP, DRAFT) or budget <= 0:
+        if kind != DRAFT or budget <= 0:
             return Proposal.nothing()
-        if kind == LOOKUP:
-            assert self.lookup is not None
-            cap = min(budget, self.lookup.settings.max_draft_tokens)
-            return Proposal.chain(self.lookup.match(row.output.history, cap).tokens, base.LOOKUP)
         # The row's own drafter, through its view of the cache (room for its draft reserved first).
         self.cache.reserve(self.cache.longest + budget + 2)
         row.view = self.cache.row_view(b, row.view)
@@ -286,6 +307,21 @@ class Stepper:
             # the rates the last batch of that size measured.
             self.kinds = self.menu_for(len(staying))
         self.rows = [self.rows[b] for b in staying]
+
+
+def paying_width(runs: list[tuple[list[int], list[float]]], rows: int, prices: StepPrices | None) -> int:
+    """The verify width (1: each row's pending token alone) with the most expected tokens per
+    priced second for ``rows`` rows whose lookup ``runs`` are (tokens, each token's chance of being
+    kept, its earlier ones included); the narrowest of equals; the longest run's without prices."""
+    longest = max((len(tokens) for tokens, _ in runs), default=0)
+    if prices is None:
+        return longest + 1
+
+    def rate(width: int) -> float:
+        tokens = rows + sum(sum(chances[: width - 1]) for _, chances in runs)
+        return tokens / prices.verify_rows(rows, width)
+
+    return max(range(1, longest + 2), key=rate)
 
 
 def record_outcome(

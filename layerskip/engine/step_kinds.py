@@ -1,7 +1,8 @@
 """Which kind of step a batch takes next, and what each kind is priced at.
 
 The kinds: a plain step (every row verifies just its pending token: what a batched ``generate``
-does), prompt lookup only (free to draft, so it always fits in the verify), the batched skip draft
+does), prompt lookup only (free to draft; the rows' matches cut to the verify width that pays for
+the whole batch, ``step.paying_width``, so at worst a plain step), the batched skip draft
 of a fixed length (``skip:N``: one lean product for all rows per drafted token), or each row's own
 drafter (the policy's: for ``auto``, lookup, the int4 skip draft or nothing, each step priced by
 the row itself).
@@ -38,7 +39,7 @@ batch's choice is what decides.
 Prices, with ``R`` rows, per-token acceptance ``a`` of the skip draft and ``E(a, g)`` the tokens a
 draft of ``g`` yields (``drafts.costs.expected_tokens``):
 
-    plain, lookup  R tokens in V(R, 1) (a row without a lookup match verifies its pending token alone)
+    plain, lookup  R tokens in V(R, 1) (lookup at its narrowest: no match kept)
     skip:N         R * E(a, N) tokens in N * D(R) + V(R, N + 1)
     draft          rows' own drafters, one row after another, at their best length g:
                    R * E(a, g) tokens in R * g * c + V(R, g + 1)
