@@ -11,10 +11,13 @@ import pytest
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "processors"
 MODELS = ("smollm2-135m", "gemma3-270m")
 SETTINGS = ("none", "min_new_tokens", "repetition_penalty", "no_repeat_ngram", "suppress_tokens")
+# The control sitting: a penalty that leaves the text nearly as it is, beside its own "none".
+CONTROL = RESULTS / "control"
+CONTROL_SETTINGS = ("none", "repetition_penalty_1.001")
 
 
-def _runs(model: str, setting: str) -> dict[tuple[int, str], dict]:
-    data = json.loads((RESULTS / f"{model}-{setting}" / "batches.json").read_text())
+def _runs(model: str, setting: str, root: Path = RESULTS) -> dict[tuple[int, str], dict]:
+    data = json.loads((root / f"{model}-{setting}" / "batches.json").read_text())
     return {(run["size"], run["method"]): run for run in data["runs"]}
 
 
@@ -33,11 +36,11 @@ def _cell(rate: float, share: str) -> str:
 OURS = ("self-spec-batched", "plain-batched", "self-spec-one-at-a-time")
 
 
-def table_row(model: str, setting: str) -> str:
+def table_row(model: str, setting: str, root: Path = RESULTS) -> str:
     """One row of the page's table, at batch 1 and 8: HF batched → ours (speedup; its share of the
     same model's "none" speedup), our plain step's rate (its share of "none"); then ours on the 8
     prompts one at a time (share of "none"); rows identical to HF's, over all of ours."""
-    runs, bare = _runs(model, setting), _runs(model, "none")
+    runs, bare = _runs(model, setting, root), _runs(model, "none", root)
     cells = [model, setting]
     for size in (1, 8):
         hf, ours = _rate(runs, size, "hf-batched"), _rate(runs, size, "self-spec-batched")
@@ -61,11 +64,20 @@ def test_the_page_quotes_each_committed_run(model: str, setting: str) -> None:
     assert table_row(model, setting) in page, f"README.md lacks {table_row(model, setting)!r}"
 
 
-def test_one_sitting_one_commit() -> None:
+@pytest.mark.parametrize("setting", CONTROL_SETTINGS)
+@pytest.mark.parametrize("model", MODELS)
+def test_the_page_quotes_each_control_run(model: str, setting: str) -> None:
+    page = (RESULTS / "README.md").read_text()
+    row = table_row(model, setting, CONTROL)
+    assert row in page, f"README.md lacks {row!r}"
+
+
+@pytest.mark.parametrize(("root", "settings"), [(RESULTS, SETTINGS), (CONTROL, CONTROL_SETTINGS)])
+def test_one_sitting_one_commit(root: Path, settings: tuple[str, ...]) -> None:
     commits = {
-        json.loads((RESULTS / f"{m}-{s}" / "batches.json").read_text())["environment"]["commit"]
+        json.loads((root / f"{m}-{s}" / "batches.json").read_text())["environment"]["commit"]
         for m in MODELS
-        for s in SETTINGS
+        for s in settings
     }
     assert len(commits) == 1, commits
     assert next(iter(commits)) in (RESULTS / "README.md").read_text()
