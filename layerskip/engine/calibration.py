@@ -170,8 +170,7 @@ def calibrate(
     # The model's own texts, generated once where something is measured: the precision choice's
     # agreement reads them, and the first is the context a curve measured now is timed after.
     texts = functools.cache(lambda: own_texts(model))
-    context = functools.partial(repeated, texts)
-    latency = machine_latency(model, root=root, read=read, progress=progress, context=context)
+    latency = machine_latency(model, root=root, read=read, progress=progress, context=lambda: repeated(texts()))
     key = calibration_key(model, policy)
     cache = ResultCache(CACHE, root, "calibration cache")
     # Draft costs are read only beside the curve they were priced with (a curve measured now
@@ -266,12 +265,12 @@ def own_text(model: nn.Module, tokens: int = 16) -> list[int]:
     continuation of its first token, repeated (its head's certified argmax then costs what it
     costs on real text, unlike on random ids)."""
     start = torch.full((1, 1), first_token_id(model), device=next(model.parameters()).device)
-    return repeated(lambda: greedy_continuation(model, start, tokens))
+    return repeated(greedy_continuation(model, start, tokens))
 
 
-def repeated(texts: Callable[[], torch.Tensor]) -> list[int]:
+def repeated(texts: torch.Tensor) -> list[int]:
     """The first of ``texts`` (``[R, T]``) repeated to ``CONTEXT_TOKENS`` tokens."""
-    ids = texts()[0].tolist()
+    ids = texts[0].tolist()
     return (ids * (CONTEXT_TOKENS // len(ids) + 1))[:CONTEXT_TOKENS]
 
 
