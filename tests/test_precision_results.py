@@ -11,11 +11,15 @@ import pytest
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 PAGE = RESULTS / "precision" / "README.md"
-# (the check run in docs/results/precision, the auto run of the same sitting whose calibration
-# priced both copies, kept beside it)
+# The check run in docs/results/precision (decoding with the copy fixed to int4 and to int8), and
+# the run of the same sitting whose calibration priced both copies with its method: the model's own
+# auto run kept beside it, or the check run itself where it ran auto too.
 CHECKS = {
-    "smollm2-135m": "precision/smollm2-135m-auto.json",
-    "gemma3-270m-offgrid": "precision/gemma3-270m-offgrid-auto.json",
+    "smollm2-135m": ("smollm2-135m.json", "smollm2-135m-auto.json", "self-spec"),
+    "gemma3-270m-offgrid": ("gemma3-270m-offgrid.json", "gemma3-270m-offgrid-auto.json", "self-spec"),
+    # after the int4 fit weighs each input by what the model feeds it
+    "smollm2-135m-offgrid (weighed int4)": ("smollm2-135m-offgrid-weighed.json",) * 2 + ("self-spec:auto",),
+    "gemma3-270m-offgrid (weighed int4)": ("gemma3-270m-offgrid-weighed.json",) * 2 + ("self-spec:auto",),
 }
 
 
@@ -26,9 +30,10 @@ def _overall(data: dict, method: str) -> dict:
 def table_row(check: str) -> str:
     """The calibration's price of each copy and which it chose; each copy's decoding (tokens per
     second and speedup over HF ``generate``) and which was faster; outputs identical to HF's."""
-    priced = json.loads((RESULTS / CHECKS[check]).read_text())
-    prices = _overall(priced, "self-spec")["auto"]["calibration"]["precisions"]
-    decoded = json.loads((RESULTS / "precision" / f"{check}.json").read_text())
+    decoded_file, priced_file, priced_method = CHECKS[check]
+    priced = json.loads((RESULTS / "precision" / priced_file).read_text())
+    prices = _overall(priced, priced_method)["auto"]["calibration"]["precisions"]
+    decoded = json.loads((RESULTS / "precision" / decoded_file).read_text())
     runs = {copy: _overall(decoded, f"self-spec:auto-{copy}") for copy in ("int4", "int8")}
     faster = max(runs, key=lambda copy: runs[copy]["tokens_per_second"])
     ratio = runs["int8"]["tokens_per_second"] / runs["int4"]["tokens_per_second"]
