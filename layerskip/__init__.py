@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on first use
-    from layerskip.drafts.policy import DraftSettings, SkipPolicy
+    from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
     from layerskip.engine.decoding import Decoder, DecodeSettings, generate
     from layerskip.errors import LayerskipError
     from layerskip.hf.models import load_model
@@ -25,13 +25,13 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
 _HOMES = {
     "DecodeSettings": "layerskip.engine.decoding",
     "Decoder": "layerskip.engine.decoding",
-    "DraftSettings": "layerskip.drafts.policy",
+    "DraftSettings": "layerskip.drafts.policy.skip_policy",
     "GenerationResult": "layerskip.stats",
     "GenerationStats": "layerskip.stats",
     "LayerskipError": "layerskip.errors",
     "Sampling": "layerskip.sampling",
     "SelfSpeculativeOutput": "layerskip.integration.plugin",
-    "SkipPolicy": "layerskip.drafts.policy",
+    "SkipPolicy": "layerskip.drafts.policy.skip_policy",
     "custom_generate_path": "layerskip.integration.plugin",
     "generate": "layerskip.engine.decoding",
     "load_model": "layerskip.hf.models",

@@ -33,7 +33,7 @@ import torch
 from layerskip.cli.common import check_policies, load_policies, model_parser, run_cli, table_lines
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import DraftModels, head_rows
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.latency import DraftStep, draft_step_seconds, median_seconds, verify_seconds
 from layerskip.engine.verify_head import engine_verify_head
 from layerskip.errors import LayerskipError

@@ -21,7 +21,7 @@ from pathlib import Path
 from layerskip.cli.common import csv_text, float_list, int_list, model_parser, run_cli, table_lines
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftModels
-from layerskip.drafts.precision import PRECISIONS
+from layerskip.drafts.model.precision import PRECISIONS
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from layerskip.cli.common import check_policies, load_policies, model_parser, run_cli
 from layerskip.data import load_prompts
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model, resolve_device

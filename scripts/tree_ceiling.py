@@ -27,8 +27,8 @@ from tqdm import tqdm
 from layerskip.cli.common import int_list, model_parser, run_cli, table_lines
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftRun
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.latency import curve_timings, median_seconds, prefilled_cache
 from layerskip.engine.verify_head import engine_verify_head

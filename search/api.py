@@ -14,7 +14,7 @@ from optuna.trial import FrozenTrial
 from torch import nn
 
 from layerskip.data import Prompt
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf.models import LoadedModel, looks_instruct

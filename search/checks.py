@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from layerskip.data import Prompt
-from layerskip.drafts.policy import MAX_DRAFT_TOKENS
-from layerskip.drafts.precision import PRECISIONS
+from layerskip.drafts.model.precision import PRECISIONS
+from layerskip.drafts.policy.skip_policy import MAX_DRAFT_TOKENS
 from layerskip.errors import LayerskipError, few
 from layerskip.fileio import Items, Obj, load_json
 from layerskip.search.confirmation import MIN_ROUNDS
@@ -102,7 +102,8 @@ def check_arguments(args: SearchSettings) -> None:
     unknown = [p for p in args.draft_precision if p not in PRECISIONS]
     if unknown:
         raise LayerskipError(f"--draft-precision {unknown} unknown; choose from {', '.join(PRECISIONS)}")
-    # A policy drafts at most MAX_DRAFT_TOKENS tokens (drafts/policy.py): a larger choice would fail every trial.
+    # A policy drafts at most MAX_DRAFT_TOKENS tokens (drafts/policy/skip_policy.py): a larger choice
+    # would fail every trial.
     _within("--draft-tokens", args.draft_tokens, 1, MAX_DRAFT_TOKENS)
     _within("--draft-vocab", args.draft_vocab, 0, note="0 = the full head")
     _within("--lookup", args.lookup, 0, note="0 = off")

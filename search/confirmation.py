@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.integration.baselines import hf_generate
 from layerskip.measure.timing import Runner, aggregate_throughput, run_rounds, speedup

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 
 TIMING_PREFIX = "draft_timing:"  # study user attribute: TIMING_PREFIX + digest of the key
 

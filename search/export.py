@@ -19,7 +19,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from layerskip.drafts.policy import ModelIdentity, SkipPolicy
+from layerskip.drafts.policy.skip_policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.search.draft_timing import shared_timing_counts
 from layerskip.search.space import exportable, trial_policy

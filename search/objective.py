@@ -19,8 +19,8 @@ import optuna
 from torch import nn
 
 from layerskip.drafts.builder import DraftModels, head_rows
-from layerskip.drafts.costs import block_cost
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
+from layerskip.drafts.rules.costs import block_cost
 from layerskip.engine.calibration import own_text
 from layerskip.engine.latency import draft_step_seconds, measure_latency
 from layerskip.hf import adapters

@@ -30,10 +30,10 @@ from torch import nn
 from layerskip.cli.common import check_fits, check_policies
 from layerskip.data import Prompt, prompts_selected_by
 from layerskip.drafts.builder import check_policy_fits
-from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.policy import SkipPolicy, is_policy_file
-from layerskip.drafts.policy_spec import AUTO
-from layerskip.drafts.vocab import DraftVocabulary
+from layerskip.drafts.model.exit_adapter import ExitAdapter
+from layerskip.drafts.model.vocab import DraftVocabulary
+from layerskip.drafts.policy.skip_policy import SkipPolicy, is_policy_file
+from layerskip.drafts.policy.spec import AUTO
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
 from layerskip.hf import adapters

@@ -17,7 +17,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial
 
-from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 
 
@@ -48,7 +48,7 @@ class SearchSpace:
     lookup_confidence_choices: tuple[float, ...] = (0.0,)  # cut runs below this chance (0 = never)
     lookup_min_ngram_choices: tuple[int, ...] = (2,)  # shortest n-gram a lookup may match
     verify_pad_choices: tuple[int, ...] = (0,)  # pad short verify blocks to this length (0 = never)
-    precision_choices: tuple[str, ...] = ("model",)  # the draft's weight precision (drafts/precision.py)
+    precision_choices: tuple[str, ...] = ("model",)  # the draft's weight precision (drafts/model/precision.py)
     # Token trees: lookup continuations per verify (1 = a chain) and the draft's siblings (0 = none).
     # The cheap score replays chains; trees are told apart by the confirmation's real generation.
     tree_match_choices: tuple[int, ...] = (1,)

@@ -27,7 +27,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.machine import Machine, code_version
 from layerskip.search.confirmation import Confirmation, decide

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from layerskip.drafts.branching import Sibling, uncertain_positions
+from layerskip.drafts.drafters.branching import Sibling, uncertain_positions
 
 
 def sampled_siblings(

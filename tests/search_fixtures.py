@@ -275,6 +275,6 @@ def kill_9_then_resume(run: Any, model: Path | str, url: str, name: str, out: Pa
     assert len(counted(resumed)) == before + 2, states
     assert trial_numbers(resumed) == list(range(len(states)))
     assert TrialState.FAIL in states and "marked FAIL" in result.stderr, result.stderr
-    from layerskip.drafts.policy import SkipPolicy
+    from layerskip.drafts.policy.skip_policy import SkipPolicy
 
     SkipPolicy.load(out)

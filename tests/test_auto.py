@@ -17,12 +17,12 @@ from compare import assert_same_tokens, hf_greedy
 from search_fixtures import generate_in_process
 from tiny_models import ARCHS, random_prompt, save_checkpoint, tiny_model
 
-from layerskip.drafts import auto as auto_module
-from layerskip.drafts.auto import AutoDrafter, AutoState, HeadCoverage, best_skip_rate
 from layerskip.drafts.builder import DraftModels, check_policy_fits, prepare_draft
-from layerskip.drafts.costs import DraftCosts, expected_tokens
-from layerskip.drafts.policy import AutoSettings, SkipPolicy
-from layerskip.drafts.policy_spec import load_policy
+from layerskip.drafts.drafters import auto as auto_module
+from layerskip.drafts.drafters.auto import AutoDrafter, AutoState, HeadCoverage, best_skip_rate
+from layerskip.drafts.policy.skip_policy import AutoSettings, SkipPolicy
+from layerskip.drafts.policy.spec import load_policy
+from layerskip.drafts.rules.costs import DraftCosts, expected_tokens
 from layerskip.engine import calibration
 from layerskip.engine import latency as engine_latency
 from layerskip.engine.decoding import Decoder, DecodeSettings

@@ -19,8 +19,8 @@ from oracles import is_bypassed
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, always_accept, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine import step_kinds as kinds_module
 from layerskip.engine import verifiers
 from layerskip.engine.decoding import Decoder, DecodeSettings

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from layerskip.drafts.auto import StepPrices
-from layerskip.drafts.costs import expected_tokens
+from layerskip.drafts.drafters.auto import StepPrices
+from layerskip.drafts.rules.costs import expected_tokens
 from layerskip.engine.step_kinds import EXPLORE_AFTER, EXPLORE_FIRST, StepKinds, price, priced
 
 

@@ -14,7 +14,7 @@ from test_exit_draft import exit_policy
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, always_accept, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine import verifiers
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.sampling import Sampling

@@ -21,7 +21,7 @@ from cli_helpers import assert_bad_input, run_in_process, run_script
 from tiny_models import LAYERS, VOCAB, random_prompt, save_checkpoint, tiny_model
 
 from layerskip.data import Prompt
-from layerskip.drafts.policy import DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import bench
 from layerskip.measure import report as report_module

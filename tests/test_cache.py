@@ -8,7 +8,7 @@ import torch
 from oracles import row_lengths
 from tiny_models import LAYERS, random_prompt, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf import adapters
 from layerskip.hf import cache as cache_module

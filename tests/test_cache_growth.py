@@ -18,8 +18,8 @@ from compare import assert_same_tokens, hf_greedy
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.drafts.precision import PRECISIONS
+from layerskip.drafts.model.precision import PRECISIONS
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf import cache as cache_module
 from layerskip.hf.cache import RollbackCache

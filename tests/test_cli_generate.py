@@ -26,7 +26,7 @@ from cli_helpers import assert_bad_input, run_script, script_env
 from search_fixtures import generate_in_process
 from tiny_models import LAYERS, save_checkpoint, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.hf.models import DEFAULT_MODEL as SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from tiny_models import ARCHS, random_prompt, tiny_model, tiny_tokenizer
 from transformers import RepetitionPenaltyLogitsProcessor
 
 import layerskip
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine import step_kinds as kinds_module
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters

@@ -15,8 +15,8 @@ from layerskip.distill import train as train_module
 from layerskip.distill.corpus import Document, split_documents
 from layerskip.distill.teacher import TeacherData, chunk_documents, collect
 from layerskip.distill.train import Student, TrainSettings, evaluate, rank_rows, train_adapter
-from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.model.exit_adapter import ExitAdapter, ExitSpec
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 

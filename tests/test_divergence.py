@@ -18,8 +18,8 @@ import torch
 from oracles import one_past_the_mismatch
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine import verifiers
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf.cache import RollbackCache

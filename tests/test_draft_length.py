@@ -15,10 +15,10 @@ from test_replay import list_predictor
 from test_sampling import E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import random_prompt, save_checkpoint, tiny_model
 
-from layerskip.drafts import draft_length
-from layerskip.drafts.draft_length import WARM_UP_STEPS, DraftLengthByCost
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
+from layerskip.drafts.rules import draft_length
+from layerskip.drafts.rules.draft_length import WARM_UP_STEPS, DraftLengthByCost
 from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters

@@ -9,7 +9,7 @@ from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.base import DraftRequest
 from layerskip.drafts.builder import DraftRun
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.verify_head import TokenEdits
 from layerskip.hf.cache import model_cache

@@ -16,7 +16,7 @@ from cli_helpers import assert_bad_input, run_in_process
 from tiny_models import save_checkpoint, tiny_model, tiny_tokenizer
 
 import layerskip
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.sampling import Sampling

@@ -18,8 +18,8 @@ from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
 from layerskip.drafts.builder import check_policy_fits
-from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
-from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+from layerskip.drafts.model.exit_adapter import ExitAdapter, ExitSpec
+from layerskip.drafts.policy.skip_policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings, decode
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
@@ -166,7 +166,7 @@ def test_adapter_metadata_that_is_no_spec_is_one_line(spec: str, tmp_path: Path)
     RecursionError before) or a list are one line naming the file."""
     from safetensors.torch import load, save
 
-    from layerskip.drafts.exit_adapter import _metadata
+    from layerskip.drafts.model.exit_adapter import _metadata
 
     model = _model("llama")
     payload = _perturbed(model, ExitSpec(layer=1, kind="linear")).to_bytes()

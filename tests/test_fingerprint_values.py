@@ -19,8 +19,8 @@ from tiny_models import random_prompt, tiny_model
 
 import layerskip
 from layerskip.drafts.builder import check_policy_fits
-from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.model.exit_adapter import ExitAdapter, ExitSpec
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 
@@ -116,7 +116,7 @@ def test_an_exit_adapter_for_other_weights_is_refused(
 ) -> None:
     from safetensors.torch import load, save
 
-    from layerskip.drafts.exit_adapter import _metadata
+    from layerskip.drafts.model.exit_adapter import _metadata
 
     path = tmp_path / "exit.safetensors"
     payload = ExitAdapter.fresh(base, ExitSpec(layer=1, kind="linear", rank=4)).to_bytes()

@@ -15,15 +15,15 @@ import torch
 from compare import assert_same_tokens, hf_greedy
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.model import DraftModel, input_moments
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.drafts.precision import (
+from layerskip.drafts.model.draft_model import DraftModel, input_moments
+from layerskip.drafts.model.precision import (
     INT4_GROUP,
     LowPrecisionProjection,
     importance,
     int4_grid,
     int4_rounding_error,
 )
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf.lean import projection_groups
 

@@ -139,13 +139,14 @@ def _engine_drafts_imports(source: str) -> list[str]:
 def test_the_engine_uses_drafts_only_through_base_and_the_builder() -> None:
     """``layerskip/engine/`` imports ``drafts.base`` and ``drafts.builder`` and nothing else of
     drafts/: the builder's ``__all__`` is what the engine needs of the rest."""
-    assert _engine_drafts_imports("def f():\n    from layerskip.drafts.model import DraftModel\n") == [
-        "2: layerskip.drafts.model"
+    assert _engine_drafts_imports("def f():\n    from layerskip.drafts.model.draft_model import DraftModel\n") == [
+        "2: layerskip.drafts.model.draft_model"
     ]
-    assert _engine_drafts_imports("from layerskip.drafts import base, lookup\nimport layerskip.drafts.auto\n") == [
+    source = "from layerskip.drafts import base, drafters\nimport layerskip.drafts.drafters.auto\n"
+    assert _engine_drafts_imports(source) == [
         "1: layerskip.drafts.base",
-        "1: layerskip.drafts.lookup",
-        "2: layerskip.drafts.auto",
+        "1: layerskip.drafts.drafters",
+        "2: layerskip.drafts.drafters.auto",
     ]
     sources = sorted((ROOT / "layerskip" / "engine").rglob("*.py"))
     assert len(sources) > 5
@@ -156,6 +157,29 @@ def test_the_engine_uses_drafts_only_through_base_and_the_builder() -> None:
         if found.split(": ")[1] not in ENGINE_FACE
     ]
     assert not wrong, f"the engine reaches past drafts.base and drafts.builder: {wrong}"
+
+
+# drafts/ from the ground up (drafts/__init__.py): a module imports only its own group and those before it.
+DRAFTS_ORDER = ("model", "rules", "base", "policy", "drafters", "builder")
+
+
+def _drafts_group(module: str) -> str:
+    """``layerskip.drafts.model.head`` -> ``model``; ``layerskip.drafts.base`` -> ``base``."""
+    return module.split(".")[2]
+
+
+def test_drafts_shows_its_groups_and_imports_run_down_them() -> None:
+    drafts = {m: p for m, p in _sources().items() if m.startswith("layerskip.drafts.")}
+    assert len(drafts) > 15
+    assert sorted({_drafts_group(m) for m in drafts}) == sorted(DRAFTS_ORDER), "a module of drafts/ outside its groups"
+    rank = {group: i for i, group in enumerate(DRAFTS_ORDER)}
+    wrong = [
+        f"{module} -> {target}"
+        for module, path in drafts.items()
+        for target in _imports(path)
+        if target.startswith("layerskip.drafts.") and rank[_drafts_group(target)] > rank[_drafts_group(module)]
+    ]
+    assert not wrong, "imports that run up drafts/' groups: " + ", ".join(sorted(wrong))
 
 
 def _draft_model_calls(source: str) -> list[int]:
@@ -176,8 +200,8 @@ def _draft_model_calls(source: str) -> list[int]:
 def test_only_the_builder_constructs_a_draft_model() -> None:
     """One owner of draft forwards: the library, the search and the scripts get theirs from
     ``layerskip.drafts.builder`` (``DraftModels``, ``PreparedDraft``), never by constructing one."""
-    assert _draft_model_calls("from layerskip.drafts.model import DraftModel as D\nD(m)\n") == [2]
-    assert _draft_model_calls("from layerskip.drafts import model\nmodel.DraftModel(m)\n") == [2]
+    assert _draft_model_calls("from layerskip.drafts.model.draft_model import DraftModel as D\nD(m)\n") == [2]
+    assert _draft_model_calls("from layerskip.drafts.model import draft_model\ndraft_model.DraftModel(m)\n") == [2]
     sources = [path for root in (*INSTALLED_AS, "scripts") for path in sorted((ROOT / root).rglob("*.py"))]
     assert any(path.parent.name == "scripts" for path in sources)
     builders = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import ARCHS, random_prompt, tiny_model
 
-from layerskip.drafts.model import DraftModel
+from layerskip.drafts.model.draft_model import DraftModel
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import full_logits
@@ -72,7 +72,7 @@ def test_uncovered_architectures_say_why_and_use_the_hf_forward(arch: str) -> No
 
 
 def test_an_exit_draft_keeps_the_hf_forward() -> None:
-    from layerskip.drafts.exit_adapter import ExitAdapter, ExitSpec
+    from layerskip.drafts.model.exit_adapter import ExitAdapter, ExitSpec
 
     model = tiny_model("llama")
     adapter = ExitAdapter.fresh(model, ExitSpec(layer=1, kind="linear"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.lookup import LookupMatch, LookupRunLength, continuation, match_lookup
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.drafters.lookup import LookupMatch, LookupRunLength, continuation, match_lookup
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.measure.agreement import Reference, simulate_greedy
 

@@ -17,8 +17,8 @@ from compare import assert_same_tokens, hf_greedy, mismatch_message
 from oracles import is_bypassed
 from tiny_models import ARCHS, LAYERS, random_prompt, tiny_model, tiny_tokenizer
 
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings, decode, generate
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters

@@ -15,7 +15,7 @@ from search_fixtures import generate_in_process
 from tiny_models import save_checkpoint, tiny_model
 
 from layerskip.cli.common import quick_search_command, tuning_advice
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.machine import Machine, cpu_model_and_flags, this_machine
 from layerskip.measure.bench import environment
 

@@ -17,8 +17,8 @@ from oracles import is_bypassed, row_lengths
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
-from layerskip.drafts.onthefly import SelectionState, converged_policy
-from layerskip.drafts.policy import DraftSettings, OnTheFlySettings, SkipPolicy
+from layerskip.drafts.drafters.onthefly import SelectionState, converged_policy
+from layerskip.drafts.policy.skip_policy import DraftSettings, OnTheFlySettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters

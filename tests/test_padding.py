@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf import adapters
 from layerskip.measure.agreement import Reference, simulate_greedy

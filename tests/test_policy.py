@@ -13,7 +13,7 @@ from tiny_models import LAYERS, tiny_model
 
 from layerskip import fileio
 from layerskip.drafts.builder import check_policy_fits
-from layerskip.drafts.policy import FORMAT, VERSION, DraftSettings, ModelIdentity, SkipPolicy
+from layerskip.drafts.policy.skip_policy import FORMAT, VERSION, DraftSettings, ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, OnTheFlySettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, OnTheFlySettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.measure.timing import TimedRun
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from layerskip.drafts.auto import best_skip_rate
 from layerskip.drafts.builder import DraftModels, prepare_draft
-from layerskip.drafts.costs import DraftCosts, block_cost
-from layerskip.drafts.policy import AutoSettings, SkipPolicy
+from layerskip.drafts.drafters.auto import best_skip_rate
+from layerskip.drafts.policy.skip_policy import AutoSettings, SkipPolicy
+from layerskip.drafts.rules.costs import DraftCosts, block_cost
 from layerskip.engine import calibration
 from layerskip.engine import latency as engine_latency
 from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, chosen, own_texts, priced_heads

@@ -18,7 +18,7 @@ from tiny_models import ARCHS, tiny_model, tiny_tokenizer
 from transformers import RepetitionPenaltyLogitsProcessor, SynthIDTextWatermarkingConfig, WatermarkingConfig
 
 import layerskip
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine import verify_head
 from layerskip.engine.verify_head import engine_verify_head
 from layerskip.errors import LayerskipError

@@ -26,9 +26,9 @@ from transformers import (
 )
 
 import layerskip
-from layerskip.drafts.auto import AutoState
-from layerskip.drafts.costs import DraftCosts
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.drafters.auto import AutoState
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
+from layerskip.drafts.rules.costs import DraftCosts
 from layerskip.engine import verify_head
 from layerskip.engine.verifiers import verifier_for
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head

@@ -11,7 +11,7 @@ import torch
 from cli_helpers import REPO, assert_bad_input, run_in_process, run_script
 from tiny_models import ARCHS, random_prompt, save_checkpoint, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.hf import adapters
 from layerskip.measure.profiling import ForwardCosts, forward_costs, markdown, profile_configs, profile_report
 

@@ -17,7 +17,7 @@ from oracles import is_bypassed
 
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import check_policy_fits
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf import adapters
 from layerskip.hf.prompting import encode_prompt, eos_token_ids

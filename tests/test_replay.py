@@ -9,9 +9,9 @@ import pytest
 import torch
 from tiny_models import VOCAB, random_prompt, tiny_model
 
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.drafts.skip import top2_confidence
+from layerskip.drafts.drafters.skip import top2_confidence
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.measure.agreement import Predictor, Reference, TeacherForcedDraft, simulate_greedy
 

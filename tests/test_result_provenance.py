@@ -112,7 +112,7 @@ def test_every_script_result_records_the_code() -> None:
 def test_a_search_trial_records_the_code_and_its_exported_policy_names_it(tmp_path: Path) -> None:
     import optuna
 
-    from layerskip.drafts.policy import SkipPolicy
+    from layerskip.drafts.policy.skip_policy import SkipPolicy
     from layerskip.machine import this_machine
     from layerskip.search.export import export_policy
     from layerskip.search.space import POLICY_ATTR, policy_attr

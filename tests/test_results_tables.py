@@ -19,8 +19,8 @@ import pytest
 from cli_helpers import REPO, assert_bad_input, run_in_process, run_script
 
 from layerskip.cli.results_tables import main
-from layerskip.drafts.auto import AUTO_REVISION
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.drafters.auto import AUTO_REVISION
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.measure import results as published
 from layerskip.measure.report import batch_markdown, batch_table

@@ -16,8 +16,8 @@ from compare import chain_rule_as_tree
 from oracles import engine_chain_verify, is_bypassed
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.auto import AutoDrafter
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.drafters.auto import AutoDrafter
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine import verifiers
 from layerskip.engine.decoding import Decoder, DecodeSettings, decode
 from layerskip.errors import LayerskipError

@@ -21,7 +21,7 @@ import layerskip.engine.latency as engine_latency
 import layerskip.search.calibration_cache as calibration_cache
 import layerskip.search.objective as objective
 from layerskip.drafts.builder import DraftModels
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from search_fixtures import (
     wait_all,
 )
 
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.search.space import trial_policy
 
 FINISHED = {TrialState.COMPLETE, TrialState.PRUNED}

@@ -7,7 +7,7 @@ import optuna
 import pytest
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.measure.agreement import build_references
 from layerskip.search import objective as objective_module
 from layerskip.search.draft_timing import TIMING_PREFIX

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from search_fixtures import search_in_process
 
 from layerskip.data import load_prompts
-from layerskip.drafts.policy import ModelIdentity, SkipPolicy
+from layerskip.drafts.policy.skip_policy import ModelIdentity, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.search import journal as journal_module
 from layerskip.search.study import open_storage, open_study

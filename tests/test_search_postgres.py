@@ -28,7 +28,7 @@ from search_fixtures import (
     wait_all,
 )
 
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 
 URL_ENV = "LAYERSKIP_TEST_POSTGRES_URL"
 

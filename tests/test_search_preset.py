@@ -10,7 +10,7 @@ import torch
 from optuna.trial import TrialState
 from search_fixtures import generate_in_process, load_study, ok, search_in_process
 
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.machine import this_machine
 from layerskip.search.cli import given_arguments, preset_values
 from layerskip.search.phases import default_study_name

@@ -7,7 +7,7 @@ from dataclasses import replace
 import optuna
 import pytest
 
-from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.search.checks import check_arguments
 from layerskip.search.settings import SearchSettings

@@ -209,7 +209,7 @@ def _trial_with(study: optuna.Study, policy, predicted: float) -> int:
 
 
 def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
-    from layerskip.drafts.policy import DraftSettings, SkipPolicy
+    from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
     from layerskip.search.export import choose_trial, export_policy, verdict
     from layerskip.search.study import finalists
 
@@ -228,7 +228,7 @@ def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
 def test_finalists_add_the_best_of_every_other_kind_of_draft():
     """The cheap score may rank a whole kind of draft just below another on noise: the best of each kind
     is confirmed beside the top predictions (with per_kind)."""
-    from layerskip.drafts.policy import DraftSettings, ExitSettings, SkipPolicy
+    from layerskip.drafts.policy.skip_policy import DraftSettings, ExitSettings, SkipPolicy
     from layerskip.search.space import trial_policy
     from layerskip.search.study import draft_kind, finalists
 
@@ -246,7 +246,7 @@ def test_finalists_add_the_best_of_every_other_kind_of_draft():
 
 
 def test_export_refuses_a_study_without_an_exportable_trial():
-    from layerskip.drafts.policy import SkipPolicy
+    from layerskip.drafts.policy.skip_policy import SkipPolicy
     from layerskip.search.export import choose_trial
 
     study = optuna.create_study(direction="maximize")
@@ -259,7 +259,7 @@ def test_export_refusal_states_the_rule_it_applies_to_lookup_trials():
     """A trial that drafts by lookup beside a skip draft bypassing nothing (what ``--warm-start auto``
     gives where nothing pays to bypass) is not exportable; the refusal says so, not that no trial
     drafts by lookup."""
-    from layerskip.drafts.policy import DraftSettings, SkipPolicy
+    from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
     from layerskip.search.export import choose_trial
 
     study = optuna.create_study(direction="maximize")
@@ -292,7 +292,7 @@ def test_confirm_window_pairs_each_finalist_with_the_baseline_round_by_round(mon
     per-round speedups (same round, same prompts as the baseline), its noise their interquartile range."""
     from tiny_models import random_prompt, tiny_model
 
-    from layerskip.drafts.policy import SkipPolicy
+    from layerskip.drafts.policy.skip_policy import SkipPolicy
     from layerskip.measure.timing import TimedRun
     from layerskip.search import confirmation
     from layerskip.search.objective import Calibration
@@ -373,7 +373,7 @@ def _confirmation(speedup: float, iqr: float, tau: float):
 def test_confirm_finalists_measures_once_keeps_its_winner_and_exports_the_decision(tmp_path):
     """One window per set of finalists; the same set again is not measured again; a new set is measured
     together with the last winner; the export follows the window's decision and carries its noise."""
-    from layerskip.drafts.policy import SkipPolicy
+    from layerskip.drafts.policy.skip_policy import SkipPolicy
     from layerskip.search.export import export_policy, verdict
     from layerskip.search.study import WINDOW_ATTR, confirm_finalists
 

@@ -8,7 +8,7 @@ import torch
 from compare import assert_same_tokens
 from tiny_models import random_prompt, tiny_model
 
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.threads import PhaseThreads, ThreadTuner, candidate_counts
 from layerskip.measure.bench import build_methods

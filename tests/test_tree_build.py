@@ -6,14 +6,14 @@ import pytest
 import torch
 from drawn_siblings import sampled_siblings
 
-from layerskip.drafts.branching import (
+from layerskip.drafts.drafters.branching import (
     Sibling,
     add_siblings,
     ranked_siblings,
     uncertain_positions,
 )
-from layerskip.drafts.lookup import LookupMatch, match_lookup, match_lookups
-from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder
+from layerskip.drafts.drafters.lookup import LookupMatch, match_lookup, match_lookups
+from layerskip.drafts.rules.token_tree import ChainNodes, TokenTree, TreeBuilder
 from layerskip.hf.tree import block_depths, block_visibility
 from layerskip.sampling import DETERMINISTIC, ROOT, Attempt, Draw, accept_tree_greedy
 

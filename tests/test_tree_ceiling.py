@@ -14,9 +14,9 @@ from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.base import Proposal
 from layerskip.drafts.builder import DraftRun
-from layerskip.drafts.lookup import LookupMatch
-from layerskip.drafts.policy import SkipPolicy
-from layerskip.drafts.token_tree import TreeBuilder
+from layerskip.drafts.drafters.lookup import LookupMatch
+from layerskip.drafts.policy.skip_policy import SkipPolicy
+from layerskip.drafts.rules.token_tree import TreeBuilder
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.measure.tree_ceiling import (
     RecordingDrafter,

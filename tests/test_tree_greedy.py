@@ -20,9 +20,9 @@ from compare import assert_same_tokens, hf_greedy
 from oracles import is_bypassed
 from tiny_models import ARCHS, VOCAB, random_prompt, tiny_model
 
-from layerskip.drafts.branching import add_siblings, ranked_siblings
-from layerskip.drafts.lookup import match_lookups
-from layerskip.drafts.token_tree import TokenTree, TreeBuilder
+from layerskip.drafts.drafters.branching import add_siblings, ranked_siblings
+from layerskip.drafts.drafters.lookup import match_lookups
+from layerskip.drafts.rules.token_tree import TokenTree, TreeBuilder
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import block_hidden, full_hidden

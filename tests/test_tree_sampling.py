@@ -22,8 +22,8 @@ from drawn_siblings import sampled_siblings
 from oracles import chain_rule
 
 from layerskip import sampling
-from layerskip.drafts.branching import add_siblings, ranked_siblings
-from layerskip.drafts.token_tree import ChainNodes, TokenTree, TreeBuilder
+from layerskip.drafts.drafters.branching import add_siblings, ranked_siblings
+from layerskip.drafts.rules.token_tree import ChainNodes, TokenTree, TreeBuilder
 from layerskip.hf.tree import block_depths
 from layerskip.sampling import Attempt, Draw, sample, verify_tree_sampled
 

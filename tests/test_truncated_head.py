@@ -19,11 +19,12 @@ from oracles import engine_chain_verify, is_bypassed
 from test_sampling import VerifyFn, always_accept, tv
 from tiny_models import VOCAB, random_prompt, tiny_model, tiny_tokenizer
 
-from layerskip.drafts import base, skip
+from layerskip.drafts import base
 from layerskip.drafts.builder import head_rows
-from layerskip.drafts.head import DraftHead
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.drafts.vocab import DraftVocabulary
+from layerskip.drafts.drafters import skip
+from layerskip.drafts.model.head import DraftHead
+from layerskip.drafts.model.vocab import DraftVocabulary
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine import verifiers
 from layerskip.engine.decoding import DecodeSettings, decode, generate
 from layerskip.sampling import Sampling, sample

@@ -12,7 +12,7 @@ from cli_helpers import assert_bad_input, run_in_process
 from tiny_models import random_prompt, tiny_model
 
 from layerskip.cli.twin import main as twin_main
-from layerskip.drafts.precision import int4_rounding_error
+from layerskip.drafts.model.precision import int4_rounding_error
 from layerskip.hf import adapters
 from layerskip.hf.twin import BLOCK, LEVELS, decoder_projection_weights, off_grid_
 

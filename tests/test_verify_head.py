@@ -8,7 +8,7 @@ from compare import assert_same_tokens, hf_greedy
 from tiny_models import random_prompt, tiny_model
 from torch import nn
 
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.verify_head import VerifyHead
 

@@ -12,7 +12,7 @@ from oracles import chain_rule
 from tiny_models import random_prompt, tiny_model
 
 from layerskip.drafts.base import Proposal, Verdict, chain_run
-from layerskip.drafts.token_tree import TreeBuilder
+from layerskip.drafts.rules.token_tree import TreeBuilder
 from layerskip.engine import verifiers
 from layerskip.engine.verifiers import GreedyVerifier, HookedVerifier, SampledVerifier
 from layerskip.hf.cache import model_cache

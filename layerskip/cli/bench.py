@@ -23,7 +23,7 @@ from layerskip.cli.common import (
     warn_if_tuned_elsewhere,
 )
 from layerskip.data import prompts_selected_by
-from layerskip.drafts.policy import ABLATIONS, SkipPolicy
+from layerskip.drafts.policy.skip_policy import ABLATIONS, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, load_json
 from layerskip.hf.models import load_model, resolve_device

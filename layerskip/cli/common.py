@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from layerskip.drafts.builder import check_policy_fits
-from layerskip.drafts.policy import SkipPolicy
-from layerskip.drafts.policy_spec import AUTO, ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
+from layerskip.drafts.policy.skip_policy import SkipPolicy
+from layerskip.drafts.policy.spec import AUTO, ON_THE_FLY, load_policies, load_policy  # noqa: F401  (the CLI's names)
 from layerskip.engine.decoding import check_fits  # the engine's check, made before HF's generate runs
 from layerskip.engine.threads import available_cpus
 from layerskip.errors import LayerskipError

@@ -20,8 +20,8 @@ from layerskip.cli.common import (
     warn_if_tuned_elsewhere,
 )
 from layerskip.data import load_prompts
-from layerskip.drafts.policy import SkipPolicy, is_policy_file
-from layerskip.drafts.policy_spec import AUTO, PLAIN
+from layerskip.drafts.policy.skip_policy import SkipPolicy, is_policy_file
+from layerskip.drafts.policy.spec import AUTO, PLAIN
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_file, check_replaceable

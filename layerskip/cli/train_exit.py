@@ -41,9 +41,9 @@ from layerskip.distill.train import (
     train_adapter,
     unreadable_reason,
 )
-from layerskip.drafts.exit_adapter import KINDS, ExitAdapter, ExitSpec
-from layerskip.drafts.policy import MAX_DRAFT_TOKENS, DraftSettings, ExitSettings, SkipPolicy
-from layerskip.drafts.precision import PRECISIONS
+from layerskip.drafts.model.exit_adapter import KINDS, ExitAdapter, ExitSpec
+from layerskip.drafts.model.precision import PRECISIONS
+from layerskip.drafts.policy.skip_policy import MAX_DRAFT_TOKENS, DraftSettings, ExitSettings, SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, replace_file, write_json_atomic, write_text_atomic
 from layerskip.hf import adapters

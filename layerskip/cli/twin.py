@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from layerskip.cli.common import check_seed, run_cli
-from layerskip.drafts.precision import int4_rounding_error
+from layerskip.drafts.model.precision import int4_rounding_error
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic
 from layerskip.hf.models import load_model, save_model_directory

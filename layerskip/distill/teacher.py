@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip.distill.corpus import CODE_DOMAIN, OWN_SUFFIX, Document
-from layerskip.drafts.exit_draft import capturing_layer_output
+from layerskip.drafts.drafters.exit_draft import capturing_layer_output
 from layerskip.hf import adapters
 
 

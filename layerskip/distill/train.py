@@ -32,7 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip.distill.teacher import TeacherData
-from layerskip.drafts.exit_adapter import ExitAdapter
+from layerskip.drafts.model.exit_adapter import ExitAdapter
 from layerskip.fileio import write_bytes_atomic
 from layerskip.hf import adapters
 

@@ -17,7 +17,8 @@ from typing import Protocol
 
 import torch
 
-from layerskip.drafts.token_tree import TokenTree
+from layerskip.drafts.model.head import LogitEdits
+from layerskip.drafts.rules.token_tree import TokenTree
 from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import DETERMINISTIC, Attempt, Draw
 from layerskip.stats import GenerationStats
@@ -111,16 +112,6 @@ def chain_run(proposal: Proposal, verdict: Verdict, chain: Sequence[int]) -> tup
 def off_first_branch(verdict: Verdict) -> bool:
     """Whether the accepted path left the tree's first branch (a sibling or another match held)."""
     return any(node != depth for depth, node in enumerate(verdict.path))
-
-
-class LogitEdits(Protocol):
-    """Few-token logits edits (``engine.verify_head.TokenEdits``): ``masked`` tokens get -inf;
-    ``tokens`` get ``apply(their logits [n]) -> [n]``."""
-
-    tokens: tuple[int, ...]
-    masked: tuple[int, ...]
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 # drafted tokens so far -> the processors' edits of the next token (None: none it can say cheaply)

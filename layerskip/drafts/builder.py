@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from layerskip.drafts.auto import (
+from layerskip.drafts.base import Drafter
+from layerskip.drafts.drafters.auto import (
     MAX_ACCEPTANCE,
     AutoDrafter,
     AutoState,
@@ -31,19 +32,18 @@ from layerskip.drafts.auto import (
     best_head_rate,
     best_skip_rate,
 )
-from layerskip.drafts.base import Drafter
-from layerskip.drafts.branching import BranchingDrafter
-from layerskip.drafts.costs import WIDE_BLOCK, WIDE_ROWS_UP_TO, DraftCosts, block_cost, expected_tokens
-from layerskip.drafts.draft_length import DraftLengthByCost
-from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
-from layerskip.drafts.head import DraftHead
-from layerskip.drafts.lookup import HybridDrafter, LookupDrafter, LookupRunLength
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
-from layerskip.drafts.policy import SkipPolicy, check_vocabulary_ids
-from layerskip.drafts.policy_spec import AUTO, PLAIN, load_policy
-from layerskip.drafts.skip import ChainDrafter, SkipDrafter
+from layerskip.drafts.drafters.branching import BranchingDrafter
+from layerskip.drafts.drafters.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
+from layerskip.drafts.drafters.lookup import HybridDrafter, LookupDrafter, LookupRunLength
+from layerskip.drafts.drafters.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
+from layerskip.drafts.drafters.skip import ChainDrafter, SkipDrafter
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.model.exit_adapter import ExitAdapter
+from layerskip.drafts.model.head import DraftHead
+from layerskip.drafts.policy.skip_policy import SkipPolicy, check_vocabulary_ids
+from layerskip.drafts.policy.spec import AUTO, PLAIN, load_policy
+from layerskip.drafts.rules.costs import WIDE_BLOCK, WIDE_ROWS_UP_TO, DraftCosts, block_cost, expected_tokens
+from layerskip.drafts.rules.draft_length import DraftLengthByCost
 from layerskip.errors import LayerskipError, few
 from layerskip.hf import adapters
 from layerskip.sampling import Sampling

@@ -241,7 +241,7 @@ def dense_head_timings(model: nn.Module, context: Sequence[int], repeats: int) -
         steps["full", count] = lambda rows=rows: greedy.logits(rows)
         steps["greedy", count] = lambda rows=rows: greedy.argmax(rows)
     seconds = {key: statistics.median(values) for key, values in interleaved_timings(steps, device, repeats).items()}
-    # Never 0: a cost of 0 is refused as no measurement (drafts.costs); a microsecond prices as none.
+    # Never 0: a cost of 0 is refused as no measurement (drafts.rules.costs); a microsecond prices as none.
     return {count: max(seconds["full", count] - seconds["greedy", count], 1e-6) for count in DENSE_POSITIONS}
 
 

@@ -14,7 +14,7 @@ calibration prices both and keeps the one expected to give more tokens per secon
 * ``draft_step``: seconds of one draft token from the copy, with the smallest truncated head and
   with the full one;
 * ``rate``: the best over those heads and draft lengths ``g`` of ``expected_tokens(a, g) /
-  (g * c + v(g + 1))`` (``drafts.auto.best_head_rate``: a truncated head at its prior share of the
+  (g * c + v(g + 1))`` (``drafts.drafters.auto.best_head_rate``: a truncated head at its prior share of the
   next tokens), with the verify curve ``v`` of the same calibration.
 
 The price is taken at the head the draft would run with: ``auto`` drafts through a truncated head

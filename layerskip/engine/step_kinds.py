@@ -37,7 +37,7 @@ measured over several steps, only approximate; with more rows, the rows share on
 batch's choice is what decides.
 
 Prices, with ``R`` rows, per-token acceptance ``a`` of the skip draft and ``E(a, g)`` the tokens a
-draft of ``g`` yields (``drafts.costs.expected_tokens``):
+draft of ``g`` yields (``drafts.rules.costs.expected_tokens``):
 
     plain, lookup  R tokens in V(R, 1) (lookup at its narrowest: no match kept)
     skip:N         R * E(a, N) tokens in N * D(R) + V(R, N + 1)
@@ -49,7 +49,7 @@ widths lie on the line through them (one row's verify curve, scaled from ``R`` p
 ``R * n``, underpriced eight rows' wide verify on SmolLM2 and sent the batch into skip steps that
 lost to plain ones). ``D(R)`` is the calibrated batched draft step of ``R`` rows scaled to the batch's head size
 by the one-row draft step ``c`` of that size. Row counts between the calibrated ones are
-interpolated, beyond them extrapolated (``drafts.costs.block_cost``).
+interpolated, beyond them extrapolated (``drafts.rules.costs.block_cost``).
 """
 
 from __future__ import annotations

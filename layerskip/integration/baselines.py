@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.integration.plugin import custom_generate_path
 from layerskip.sampling import Sampling
 from layerskip.stats import GenerationStats

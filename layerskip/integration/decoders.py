@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from layerskip.drafts.policy import SkipPolicy
-from layerskip.drafts.policy_spec import PLAIN, load_policy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
+from layerskip.drafts.policy.spec import PLAIN, load_policy
 from layerskip.engine.decoding import Decoder
 from layerskip.errors import LayerskipError
 

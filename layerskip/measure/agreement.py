@@ -19,11 +19,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip.drafts.builder import DraftModels
-from layerskip.drafts.draft_length import DraftLengthByCost
-from layerskip.drafts.lookup import LookupRunLength, match_lookup
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import DraftSettings
-from layerskip.drafts.skip import AdaptiveStop, top2_confidence
+from layerskip.drafts.drafters.lookup import LookupRunLength, match_lookup
+from layerskip.drafts.drafters.skip import AdaptiveStop, top2_confidence
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.policy.skip_policy import DraftSettings
+from layerskip.drafts.rules.draft_length import DraftLengthByCost
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf import adapters
 

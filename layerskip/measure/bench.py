@@ -32,9 +32,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from layerskip.data import Prompt
-from layerskip.drafts.auto import AUTO_REVISION
-from layerskip.drafts.policy import DraftSettings, SkipPolicy
-from layerskip.drafts.policy_spec import PLAIN
+from layerskip.drafts.drafters.auto import AUTO_REVISION
+from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
+from layerskip.drafts.policy.spec import PLAIN
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from layerskip.drafts.builder import head_rows
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.engine.verify_head import engine_verify_head
 

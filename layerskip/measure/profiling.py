@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from layerskip.drafts.costs import block_cost
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.policy.skip_policy import SkipPolicy
+from layerskip.drafts.rules.costs import block_cost
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.latency import verify_seconds
 from layerskip.hf import adapters

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from layerskip.drafts.auto import AUTO_REVISION
-from layerskip.drafts.policy import SkipPolicy
+from layerskip.drafts.drafters.auto import AUTO_REVISION
+from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import SCALAR, Items, Maybe, Number, Obj, Table, Where, load_json, write_json_atomic
 from layerskip.measure.bench import BASELINE

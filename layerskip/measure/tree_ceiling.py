@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from layerskip.drafts.base import Drafter, DraftRequest, Proposal, Verdict, WrappingDrafter
-from layerskip.drafts.lookup import LookupMatch, match_lookups
-from layerskip.drafts.skip import ChainDraft
-from layerskip.drafts.token_tree import TreeBuilder
+from layerskip.drafts.drafters.lookup import LookupMatch, match_lookups
+from layerskip.drafts.drafters.skip import ChainDraft
+from layerskip.drafts.rules.token_tree import TreeBuilder
 from layerskip.sampling import ROOT
 
 

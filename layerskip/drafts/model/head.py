@@ -11,11 +11,20 @@ whatever the subset.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from layerskip.drafts.base import LogitEdits
+
+class LogitEdits(Protocol):
+    """Few-token logits edits (``engine.verify_head.TokenEdits``), which the draft applies to its
+    own logits: ``masked`` tokens get -inf; ``tokens`` get ``apply(their logits [n]) -> [n]``."""
+
+    tokens: tuple[int, ...]
+    masked: tuple[int, ...]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 class DraftHead:

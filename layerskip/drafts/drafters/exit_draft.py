@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from layerskip.drafts.base import DraftRequest
-from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.skip import ChainDraft, SkipDrafter
+from layerskip.drafts.drafters.skip import ChainDraft, SkipDrafter
+from layerskip.drafts.model.exit_adapter import ExitAdapter
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import positions, stack_forward

@@ -10,10 +10,10 @@ from typing import Protocol
 import torch
 
 from layerskip.drafts.base import SKIP, Drafter, DraftRequest, EditsAfter, Proposal, Proposals, Verdict, chain_run
-from layerskip.drafts.draft_length import DraftLengthByCost
-from layerskip.drafts.head import DraftHead
-from layerskip.drafts.model import DraftModel
-from layerskip.drafts.policy import DraftSettings
+from layerskip.drafts.model.draft_model import DraftModel
+from layerskip.drafts.model.head import DraftHead
+from layerskip.drafts.policy.skip_policy import DraftSettings
+from layerskip.drafts.rules.draft_length import DraftLengthByCost
 from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import Sampling, sample
 from layerskip.stats import DeviceClock

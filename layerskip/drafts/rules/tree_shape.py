@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from layerskip.drafts.token_tree import TokenTree, TreeBuilder
+from layerskip.drafts.rules.token_tree import TokenTree, TreeBuilder
 from layerskip.sampling import ROOT
 
 # Candidate continuations of the pending token (lookup matches, greedy chains), each with the

@@ -45,13 +45,13 @@ from layerskip.drafts.base import (
     WrappingDrafter,
     chain_run,
 )
-from layerskip.drafts.branching import sibling_paths
-from layerskip.drafts.costs import WIDE_BLOCK, DraftCosts, block_cost, expected_tokens
-from layerskip.drafts.draft_length import DraftLengthByCost, LengthPrior
-from layerskip.drafts.lookup import LookupDrafter, RankedRunLengths, RunCounts
-from layerskip.drafts.policy import DraftSettings
-from layerskip.drafts.skip import ChainDraft, ChainDrafter
-from layerskip.drafts.tree_shape import Paths, Shape, merged_paths, shape_tree
+from layerskip.drafts.drafters.branching import sibling_paths
+from layerskip.drafts.drafters.lookup import LookupDrafter, RankedRunLengths, RunCounts
+from layerskip.drafts.drafters.skip import ChainDraft, ChainDrafter
+from layerskip.drafts.policy.skip_policy import DraftSettings
+from layerskip.drafts.rules.costs import WIDE_BLOCK, DraftCosts, block_cost, expected_tokens
+from layerskip.drafts.rules.draft_length import DraftLengthByCost, LengthPrior
+from layerskip.drafts.rules.tree_shape import Paths, Shape, merged_paths, shape_tree
 from layerskip.sampling import ROOT
 from layerskip.stats import DeviceClock, GenerationStats
 

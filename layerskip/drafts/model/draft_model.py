@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from layerskip.drafts.exit_adapter import ExitAdapter
-from layerskip.drafts.head import DraftHead
-from layerskip.drafts.precision import FusedProjections, check_precision, importance, trained_weights_precision
+from layerskip.drafts.model.exit_adapter import ExitAdapter
+from layerskip.drafts.model.head import DraftHead
+from layerskip.drafts.model.precision import FusedProjections, check_precision, importance, trained_weights_precision
 from layerskip.hf import adapters
 from layerskip.hf.cache import RollbackCache
 from layerskip.hf.forward import block_hidden, positions, stack_forward
@@ -38,7 +38,7 @@ from layerskip.hf.lean import (
 SUBLAYER_KINDS = ("attention", "mlp")
 # The text the projections' input moments are read on: seeded random token ids (rows, tokens). The
 # channels that carry most of a model's activation do so on any text; the model's own greedy text
-# moved int4 agreement by at most 0.02 more (drafts/precision.py) and costs its generation.
+# moved int4 agreement by at most 0.02 more (drafts/model/precision.py) and costs its generation.
 MOMENT_TEXT = (4, 64)
 MOMENT_SEED = 0
 # The lean step's product names, per sublayer kind, in the order of ``projection_groups``.

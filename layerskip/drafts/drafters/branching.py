@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from layerskip.drafts.base import SKIP, DraftRequest, Proposal, WrappingDrafter
-from layerskip.drafts.skip import ChainDraft, ChainDrafter
-from layerskip.drafts.token_tree import ChainNodes, TreeBuilder
-from layerskip.drafts.tree_shape import Paths
+from layerskip.drafts.drafters.skip import ChainDraft, ChainDrafter
+from layerskip.drafts.rules.token_tree import ChainNodes, TreeBuilder
+from layerskip.drafts.rules.tree_shape import Paths
 from layerskip.sampling import DETERMINISTIC, ROOT, Draw
 
 

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from layerskip.drafts.base import DraftRequest, Proposal, Verdict, WrappingDrafter
-from layerskip.drafts.policy import OnTheFlySettings, SkipPolicy
-from layerskip.drafts.skip import ChainDraft, SkipDrafter
+from layerskip.drafts.drafters.skip import ChainDraft, SkipDrafter
+from layerskip.drafts.policy.skip_policy import OnTheFlySettings, SkipPolicy
 from layerskip.hf import adapters
 from layerskip.stats import GenerationStats
 

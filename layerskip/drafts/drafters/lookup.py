@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from layerskip.drafts.base import LOOKUP, Drafter, DraftRequest, Proposal, WrappingDrafter
-from layerskip.drafts.policy import DraftSettings
-from layerskip.drafts.tree_shape import Paths, likeliest_tree, merged_paths
+from layerskip.drafts.policy.skip_policy import DraftSettings
+from layerskip.drafts.rules.tree_shape import Paths, likeliest_tree, merged_paths
 
 
 @dataclass

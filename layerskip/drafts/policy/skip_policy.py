@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerskip.drafts.exit_adapter import KINDS
-from layerskip.drafts.precision import PRECISIONS
+from layerskip.drafts.model.exit_adapter import KINDS
+from layerskip.drafts.model.precision import PRECISIONS
 from layerskip.errors import LayerskipError, few
 from layerskip.fileio import load_json, read_json_file, write_json_atomic
 from layerskip.hf import adapters
@@ -71,7 +71,7 @@ class DraftSettings:
     target_acceptance: float = 0.7
     # Draft length by cost: after each drafted token, draft another only if its expected
     # tokens beat what its draft and verify time earns at the rate so far (measured in this
-    # generation; drafts/draft_length.py). ``max_draft_tokens`` caps it. Excludes ``adaptive``.
+    # generation; drafts/rules/draft_length.py). ``max_draft_tokens`` caps it. Excludes ``adaptive``.
     length_by_cost: bool = False
     # Truncated draft head: the draft scores only this many most frequent tokens (0 = full).
     draft_vocab_size: int = 0
@@ -89,7 +89,7 @@ class DraftSettings:
     # 3-row block costs more than a 4-row one (docs/floor.md#the-verify-curve).
     min_verify_block: int = 0
     # The draft's kept projections (and its head) run from a copy in this precision: "model"
-    # (the model's own weights), "bfloat16", or on CPU "int8" / "int4" (drafts/precision.py).
+    # (the model's own weights), "bfloat16", or on CPU "int8" / "int4" (drafts/model/precision.py).
     # The verify always uses the model's own weights, so the output does not change.
     precision: str = "model"
     # Token trees (one verify over several candidate continuations; 1 and 0 = a chain): prompt
@@ -166,7 +166,7 @@ class DraftSettings:
 
 @dataclass(frozen=True)
 class OnTheFlySettings:
-    """On-the-fly selection: the bypassed sublayers are re-chosen while generating (drafts/onthefly.py).
+    """On-the-fly selection: the bypassed sublayers are re-chosen while generating (drafts/drafters/onthefly.py).
 
     Every ``refresh_every`` verify steps the full model's forward also measures how much each
     sublayer changes the residual stream at the accepted positions (``|delta h| / |h|``, averaged
@@ -201,7 +201,7 @@ class OnTheFlySettings:
 @dataclass(frozen=True)
 class AutoSettings:
     """``auto``: the draft's kind, length, verify padding and head size chosen while generating,
-    from costs measured on the machine at hand (drafts/auto.py; the calibration is
+    from costs measured on the machine at hand (drafts/drafters/auto.py; the calibration is
     engine/calibration.py, cached per model, dtype, device and machine).
 
     The calibration times a truncated draft head of ``min_head_rows``, twice that, and so on up
@@ -232,7 +232,7 @@ class AutoSettings:
 
 @dataclass(frozen=True)
 class ExitSettings:
-    """A trained exit adapter (drafts/exit_adapter.py) applied after layer ``layer`` in every draft.
+    """A trained exit adapter (drafts/model/exit_adapter.py) applied after layer ``layer`` in every draft.
 
     The policy's skip sets bypass every layer after ``layer``. ``adapter`` is the safetensors
     file, relative to the policy file, and ``sha256`` its hash (a changed file is refused).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from layerskip.drafts.policy import OnTheFlySettings, SkipPolicy
+from layerskip.drafts.policy.skip_policy import OnTheFlySettings, SkipPolicy
 from layerskip.errors import LayerskipError
 
 ON_THE_FLY = "on-the-fly"

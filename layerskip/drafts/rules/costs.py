@@ -2,7 +2,7 @@
 
 ``DraftCosts`` holds seconds measured at load (``engine.calibration``): a plain step, a verify
 forward per block length, a draft step per head size. ``auto`` prices its choices with them and
-``expected_tokens`` (drafts/auto.py).
+``expected_tokens`` (drafts/drafters/auto.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from layerskip.drafts.precision import PRECISIONS
+from layerskip.drafts.model.precision import PRECISIONS
 from layerskip.errors import few
 
 
