@@ -14,6 +14,7 @@ from test_exit_draft import exit_policy
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _e2e_model, _exact_laws, always_accept, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
+from layerskip.drafts.drafters import exit_draft
 from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
 from layerskip.engine import verifiers
 from layerskip.engine.decoding import Decoder, DecodeSettings
@@ -73,13 +74,36 @@ def test_exit_adapter_drafts_in_batches(arch: str, rows: int, tmp_path: Path) ->
     assert sum(stats.drafted for _, stats in results) > 0
 
 
-@pytest.mark.parametrize(("kind", "reuse"), [("linear", True), ("layer", False)])
-def test_exit_drafts_that_shape_the_verify_run_row_by_row(kind: str, reuse: bool, tmp_path: Path) -> None:
-    """Reused shallow K/V and a layer adapter's own K/V enter the verify per row: such a batch runs
-    one row at a time, exactly."""
-    decoder = Decoder.for_policy(_model("llama"), exit_policy(_model("llama"), tmp_path, kind, reuse))
-    assert not decoder.batches()
-    _check_rows("llama", exit_policy(_model("llama"), tmp_path, kind, reuse), 2, f"exit {kind}")
+SHAPING = [("linear", True), ("layer", False), ("layer", True)]
+
+
+@pytest.mark.parametrize("rows", [2, 4, 8])
+@pytest.mark.parametrize(("kind", "reuse"), SHAPING, ids=[f"{k}-{'reuse' if r else 'recompute'}" for k, r in SHAPING])
+def test_exit_drafts_that_shape_the_verify_run_in_batches(
+    kind: str, reuse: bool, rows: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reused shallow K/V and a layer adapter's own K/V enter the batch's one verify for every row."""
+    entered, filled = [], []
+    enter, fill = exit_draft.entering_after_exit, exit_draft.fill_adapter_cache
+
+    def entering(model: torch.nn.Module, layer: int, hidden: torch.Tensor) -> object:
+        entered.append(hidden.shape)  # [B, q, H]
+        return enter(model, layer, hidden)
+
+    def filling(*args: object) -> None:
+        filled.append(args[2].shape)  # the block, [B, q]
+        fill(*args)
+
+    monkeypatch.setattr(exit_draft, "entering_after_exit", entering)
+    monkeypatch.setattr(exit_draft, "fill_adapter_cache", filling)
+    results = _check_rows("llama", exit_policy(_model("llama"), tmp_path, kind, reuse), rows, f"exit {kind}")
+    assert sum(stats.drafted for _, stats in results) > 0
+    if reuse:  # the rows' own drafts ran (each kind is tried once): every row entered after the exit layer
+        assert any(shape[0] == rows for shape in entered), entered
+    if kind == "layer" and not reuse:  # every verify of the whole batch fills the adapter's K/V
+        assert filled and filled[0][0] == rows
+    else:
+        assert kind == "layer" or not filled
 
 
 def test_each_row_streams_its_own_tokens() -> None:

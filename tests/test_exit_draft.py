@@ -17,12 +17,14 @@ from oracles import is_bypassed, row_lengths
 from test_sampling import E2E_SEEDS, E2E_TV_BOUND, E2E_VOCAB, _exact_laws, tv
 from tiny_models import ARCHS, random_prompt, tiny_model
 
-from layerskip.drafts.builder import check_policy_fits
+from layerskip.drafts.builder import check_policy_fits, exit_verify
 from layerskip.drafts.model.exit_adapter import ExitAdapter, ExitSpec
 from layerskip.drafts.policy.skip_policy import DraftSettings, ExitSettings, SkipPolicy
 from layerskip.engine.decoding import Decoder, DecodeSettings, decode
 from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
+from layerskip.hf.cache import model_cache
+from layerskip.hf.forward import block_hidden
 from layerskip.sampling import Sampling
 
 NEW_TOKENS = 30
@@ -207,3 +209,33 @@ def test_exit_draft_in_int4_is_lossless(kind: str, tmp_path: Path) -> None:
     tokens, stats = decoder.decode(prompt, DecodeSettings(NEW_TOKENS))
     assert_same_tokens(tokens, reference, ref_logits=logits)
     assert stats.drafted > 0
+
+
+def _adapter_keys(model: torch.nn.Module, adapter: ExitAdapter, blocks: list[list[list[int]]], back: list[int]) -> list:
+    """The layer adapter's keys of each row after verifying ``blocks`` (per step, one block per row)
+    with ``exit_verify``, each row going ``back`` tokens before its second block (a rejection)."""
+    windows = adapters.sliding_windows(model)
+    cache = model_cache(model, [*windows, windows[adapter.spec.layer]], rows=len(blocks[0]))
+    for step, rows in enumerate(blocks):
+        if step:
+            cache.set_lengths([length - b for length, b in zip(cache.lengths, back, strict=True)])
+        committed, block = list(cache.lengths), torch.tensor(rows)
+        with exit_verify(model, adapter, False, cache, committed, block):
+            block_hidden(model, block, cache)
+        cache.set_lengths([c + block.shape[1] for c in committed])
+    buffer = cache.layers[-1].key_buffer
+    return [buffer[b, :, :length] for b, length in enumerate(cache.lengths)]
+
+
+def test_a_layer_adapter_keeps_its_own_kv_for_every_row_of_a_batch() -> None:
+    """A batch's verify fills the adapter's K/V of every row at its own positions, as each row alone would."""
+    model = _model("llama")
+    adapter = _perturbed(model, ExitSpec(layer=EXIT_LAYER, kind="layer"))
+    prompts = [random_prompt(length=9, seed=s) for s in (1, 2)]
+    blocks = [random_prompt(length=3, seed=s) for s in (3, 4)]
+    back = [2, 0]  # row 0 drops its last two tokens before the second block; row 1 keeps all
+    together = _adapter_keys(model, adapter, [prompts, blocks], back)
+    for b in range(2):
+        alone = _adapter_keys(model, adapter, [[prompts[b]], [blocks[b]]], [back[b]])[0]
+        assert together[b].shape == alone.shape
+        assert torch.allclose(together[b], alone, atol=1e-5), f"row {b}"

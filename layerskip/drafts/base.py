@@ -39,16 +39,22 @@ class Proposal:
 
     tree: TokenTree
     source: str = NONE
+    # A chain's hidden states after the exit layer, ``[1, len + 1, H]`` for [pending, its tokens],
+    # computed by an exit draft with the model's own shallow layers: the verify may enter the stack
+    # after that layer (``drafters.exit_draft``). None: the verify runs every layer.
+    entry: torch.Tensor | None = None
 
     @classmethod
-    def chain(cls, tokens: Sequence[int], source: str, q: torch.Tensor | None = None) -> Proposal:
+    def chain(
+        cls, tokens: Sequence[int], source: str, q: torch.Tensor | None = None, entry: torch.Tensor | None = None
+    ) -> Proposal:
         """A chain: token t follows token t-1; drawn from ``q[t]`` (``[k, V]``, a sampled draft), or
         chosen deterministically (an argmax, a lookup match) when ``q`` is None."""
         tokens = list(tokens)
         parents = list(range(-1, len(tokens) - 1))
         draws = [Draw(t) for t in range(len(tokens))] if q is not None else [DETERMINISTIC] * len(tokens)
         attempts = [Attempt(parent, node, draw) for node, (parent, draw) in enumerate(zip(parents, draws))]
-        return cls(TokenTree(tokens, parents, attempts, q), source)
+        return cls(TokenTree(tokens, parents, attempts, q), source, entry)
 
     @classmethod
     def nothing(cls) -> Proposal:
@@ -159,13 +165,6 @@ class Drafter(Protocol):
     def report(self, stats: GenerationStats) -> None:
         """Adds what the drafter tracked to the generation's stats at the end."""
 
-    def around_verify(
-        self, cache: RollbackCache, start: int, block: torch.Tensor
-    ) -> contextlib.AbstractContextManager[object]:
-        """Entered around every verify forward of ``block [1, q]`` at positions ``start..``: an exit
-        draft may let the verify reuse what it computed, or fill its adapter's cache after it."""
-        return contextlib.nullcontext()
-
 
 class WrappingDrafter(Drafter):
     """A drafter that changes what ``inner`` proposes (or records it) and passes everything else on."""
@@ -181,11 +180,6 @@ class WrappingDrafter(Drafter):
 
     def watch_verify(self, block: int) -> contextlib.AbstractContextManager[object]:
         return self.inner.watch_verify(block)
-
-    def around_verify(
-        self, cache: RollbackCache, start: int, block: torch.Tensor
-    ) -> contextlib.AbstractContextManager[object]:
-        return self.inner.around_verify(cache, start, block)
 
     def report(self, stats: GenerationStats) -> None:
         self.inner.report(stats)

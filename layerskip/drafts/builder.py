@@ -16,13 +16,14 @@ drafter of one generation (``start``), the padding of a verify block.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from layerskip.drafts.base import Drafter
+from layerskip.drafts.base import Drafter, Proposal
 from layerskip.drafts.drafters.auto import (
     MAX_ACCEPTANCE,
     AutoDrafter,
@@ -33,7 +34,7 @@ from layerskip.drafts.drafters.auto import (
     best_skip_rate,
 )
 from layerskip.drafts.drafters.branching import BranchingDrafter
-from layerskip.drafts.drafters.exit_draft import ExitDrafter, capturing_layer_output, fill_adapter_cache
+from layerskip.drafts.drafters.exit_draft import ExitDrafter, exit_verify
 from layerskip.drafts.drafters.lookup import HybridDrafter, LookupDrafter, LookupRunLength
 from layerskip.drafts.drafters.onthefly import OnTheFlyDrafter, SelectionState, converged_policy
 from layerskip.drafts.drafters.skip import ChainDrafter, SkipDrafter
@@ -46,6 +47,7 @@ from layerskip.drafts.rules.costs import WIDE_BLOCK, WIDE_ROWS_UP_TO, DraftCosts
 from layerskip.drafts.rules.draft_length import DraftLengthByCost
 from layerskip.errors import LayerskipError, few
 from layerskip.hf import adapters
+from layerskip.hf.cache import RollbackCache
 from layerskip.sampling import Sampling
 
 # The face of drafts/ for the engine, which imports nothing of drafts/ but drafts.base and this
@@ -82,9 +84,8 @@ __all__ = [
     "best_skip_rate",
     "best_head_rate",
     "block_cost",
-    "capturing_layer_output",
+    "exit_verify",
     "expected_tokens",
-    "fill_adapter_cache",
 ]
 
 
@@ -348,6 +349,24 @@ class PreparedDraft:
                 )
             self.auto = AutoState.start(costs, policy.draft)
         self.selection = SelectionState.start(policy, model) if policy.on_the_fly is not None else None
+
+    def around_verify(
+        self, cache: RollbackCache, committed: list[int], block: torch.Tensor, proposals: tuple[Proposal, ...] = ()
+    ) -> contextlib.AbstractContextManager[object]:
+        """Entered around every verify forward of a batch, ``block [B, q]`` (row ``b`` after
+        ``committed[b]`` tokens, its ``proposals[b]``; none at the prefill): an exit draft's verify
+        enters the stack after its exit layer, or fills its adapter's own K/V after it
+        (``drafters.exit_draft.exit_verify``); any other draft leaves the verify as it is."""
+        if self.exit is None:
+            return contextlib.nullcontext()
+        assert self.policy.exit is not None
+        return exit_verify(self.model, self.exit, self.policy.exit.reuse_kv, cache, committed, block, proposals)
+
+    @property
+    def fills_adapter_cache(self) -> bool:
+        """Whether every verify's layer-L outputs go through a layer exit adapter afterwards (the
+        prefill then runs as one forward, so one capture holds every row's)."""
+        return self.exit is not None and self.exit.uses_cache
 
     def cache_windows(self) -> list[int | None]:
         """Per cache layer, its sliding window: the model's layers, and a layer exit adapter's own."""

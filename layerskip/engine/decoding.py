@@ -178,14 +178,6 @@ class Decoder:
         )
         return result
 
-    def batches(self) -> bool:
-        """Whether this decoder's draft can decode rows together: an exit draft whose verify enters
-        the stack after its exit layer, or keeps the adapter's own K/V, shapes the verify per row,
-        so such a batch runs one row at a time."""
-        if self.draft is None or self.draft.exit is None:
-            return True
-        return not (self.draft.policy.exit.reuse_kv or self.draft.exit.uses_cache)
-
     @torch.inference_mode()
     def decode_batch(
         self,
@@ -219,11 +211,6 @@ class Decoder:
             return list(values) if values is not None else [None] * len(ids)
 
         rows = list(zip(ids, each(logits_hooks), each(stop_checks), each(on_tokens), strict=True))
-        if not self.batches():
-            return [
-                self._decode_rows([row], settings, tokenizer, None, step_observer, seed_offset=index)[0]
-                for index, row in enumerate(rows)
-            ]
         return self._decode_rows(rows, settings, tokenizer, drafters, step_observer)
 
     def _decode_rows(
@@ -233,7 +220,6 @@ class Decoder:
         tokenizer: object | None,
         drafters: Sequence[Drafter] | None,
         step_observer: StepObserver | None,
-        seed_offset: int = 0,
     ) -> list[tuple[list[int], GenerationStats]]:
         """``prompts`` (ids, logits hook, stop check, token callback each) decoded as one batch."""
         with self.threads.session():  # the caller's thread count comes back afterwards
@@ -243,7 +229,7 @@ class Decoder:
             ids = [prompt for prompt, *_ in prompts]
             seed = settings.seed
             generators = [
-                None if seed is None else torch.Generator(self.device).manual_seed(seed + seed_offset + index)
+                None if seed is None else torch.Generator(self.device).manual_seed(seed + index)
                 for index in range(len(ids))
             ]
             verifiers = [

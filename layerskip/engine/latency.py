@@ -27,8 +27,7 @@ from layerskip.drafts.builder import (
     DraftHead,
     DraftModel,
     ExitAdapter,
-    capturing_layer_output,
-    fill_adapter_cache,
+    exit_verify,
 )
 from layerskip.engine.verify_head import VerifyHead, engine_verify_head
 from layerskip.hf import adapters
@@ -83,10 +82,8 @@ def prefilled_cache(
     if exit is None or not exit.uses_cache:
         full_logits(model, block, cache, keep=1)
         return cache, device
-    captured: list[torch.Tensor] = []
-    with capturing_layer_output(model, exit.spec.layer, captured):
+    with exit_verify(model, exit, False, cache, [0], block):  # the adapter's own K/V filled after it
         full_logits(model, block, cache, keep=1)
-    fill_adapter_cache(model, exit, block, captured[-1], cache, 0)
     return cache, device
 
 

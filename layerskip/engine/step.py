@@ -110,9 +110,12 @@ class Stepper:
         prompts = [row.output.history for row in self.rows]
         longest = max(len(p) for p in prompts)
         block = torch.tensor([[*p, *[p[-1]] * (longest - len(p))] for p in prompts], device=self.device)
-        with self.threads.phase("verify", len(self.rows)) as run, self._around_verify(self.cache.lengths, block):
+        committed = list(self.cache.lengths)
+        with self.threads.phase("verify", len(self.rows)) as run, self._around_verify(committed, block):
             run.units = 0  # the prefill teaches nothing about a step
-            if len(prompts) * longest > PREFILL_PADDING * sum(len(p) for p in prompts):
+            # (A layer exit adapter fills its own K/V from the one forward's layer-L outputs.)
+            alone = self.prepared is None or not self.prepared.fills_adapter_cache
+            if alone and len(prompts) * longest > PREFILL_PADDING * sum(len(p) for p in prompts):
                 lasts = self._prefill_rows(prompts)
             else:
                 hidden = block_hidden(self.model, block, self.cache)  # [B, longest, H]
@@ -166,7 +169,8 @@ class Stepper:
             parents.append([*tree.parents, *range(len(tree) - 1, len(tree) - 1 + fillers)])
         ids = torch.tensor(blocks, device=self.device)  # [B, width]
         own = kind == DRAFT  # the rows' own drafters proposed: they watch (and may shape) the verify
-        with self.threads.phase("verify", len(self.rows)) as run, self._around_verify(committed, ids, own, width):
+        shaped = self._around_verify(committed, ids, own, width, tuple(proposals))
+        with self.threads.phase("verify", len(self.rows)) as run, shaped:
             run.units = 1
             hidden = block_hidden(self.model, ids, self.cache, parents)  # [B, width, H]
             verdicts = verify_rows(
@@ -204,15 +208,22 @@ class Stepper:
         self._leave()
 
     def _around_verify(
-        self, committed: list[int], block: torch.Tensor, own: bool = True, width: int | None = None
+        self,
+        committed: list[int],
+        block: torch.Tensor,
+        own: bool = True,
+        width: int | None = None,
+        proposals: tuple[Proposal, ...] = (),
     ) -> contextlib.ExitStack:
-        """The rows' drafters around the verify forward: each times it (its draft length by cost)
-        and may shape it (an exit draft enters the stack after its exit layer)."""
+        """Around the verify forward: the rows' own drafters, where they proposed, time it (their
+        draft length by cost); the policy's draft may shape it for every row at once (an exit
+        draft enters the stack after its exit layer, or fills its adapter's K/V after it)."""
         stack = contextlib.ExitStack()
         if own:
-            for b, row in enumerate(self.rows):
+            for row in self.rows:
                 stack.enter_context(row.drafter.watch_verify(width or block.shape[1]))
-                stack.enter_context(row.drafter.around_verify(self.cache, committed[b], block[b : b + 1]))
+        if self.prepared is not None:
+            stack.enter_context(self.prepared.around_verify(self.cache, committed, block, proposals))
         return stack
 
     def _proposals(self, kind: str) -> Proposals:

@@ -43,9 +43,12 @@ class ChainDraft:
     # [k, K] best first.
     top_tokens: torch.Tensor | None = None
     top_probs: torch.Tensor | None = None
+    # An exit draft that reuses its K/V: layer L's outputs of [pending, tokens], [1, k+1, H]
+    # (``Proposal.entry``).
+    entry: torch.Tensor | None = None
 
     def proposal(self) -> Proposal:
-        return Proposal.chain(self.tokens, SKIP, self.q)
+        return Proposal.chain(self.tokens, SKIP, self.q, self.entry)
 
 
 class ChainDrafter(Drafter, Protocol):
