@@ -271,16 +271,19 @@ def input_moments(model: nn.Module, groups: list[list[nn.Module]]) -> dict[int, 
     removed again whatever happens."""
     sums: dict[int, tuple[torch.Tensor, int]] = {}
 
-    def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        x = args[0].detach().float().reshape(-1, args[0].shape[-1])  # [tokens, in]
+    def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        given = args[0] if args else next(iter(kwargs.values()), None)  # the input, however passed
+        if not isinstance(given, torch.Tensor):
+            return
+        x = given.detach().float().reshape(-1, given.shape[-1])  # [tokens, in]
         total, count = sums.get(id(module), (0.0, 0))
         sums[id(module)] = (total + (x * x).sum(0), count + x.shape[0])
 
     device = next(model.parameters()).device
     rows, tokens = MOMENT_TEXT
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(MOMENT_SEED)).to(device)
-    handles = [modules[0].register_forward_pre_hook(hook) for modules in groups]
+    handles = [modules[0].register_forward_pre_hook(hook, with_kwargs=True) for modules in groups]
     try:
         stack_forward(model, ids, None, positions(0, tokens, device).expand_as(ids))
     finally:
