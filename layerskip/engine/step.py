@@ -9,7 +9,9 @@ row's history but its last token (``pending``). A step is
                nothing, prompt lookup, the batched skip draft, or each row's own drafter (a token
                tree or a chain, drafted through the row's view of the cache)
     verify:    one forward over ``[B, width]``: row b is [pending, its candidates, fillers] at
-               positions from its own committed length (a token tree's rows see their ancestors only)
+               positions from its own committed length (a token tree's rows see their ancestors only);
+               the policy's draft may shape it for every row (``PreparedDraft.around_verify``: an
+               exit draft enters after its exit layer, or fills its adapter's own K/V)
     accept:    each row's verifier keeps its accepted path and adds the full model's own token
     keep:      each row's accepted path's K/V (along a chain: a rollback to committed + 1 + accepted);
                finished rows leave the batch
@@ -168,7 +170,7 @@ class Stepper:
             )
             parents.append([*tree.parents, *range(len(tree) - 1, len(tree) - 1 + fillers)])
         ids = torch.tensor(blocks, device=self.device)  # [B, width]
-        own = kind == DRAFT  # the rows' own drafters proposed: they watch (and may shape) the verify
+        own = kind == DRAFT  # the rows' own drafters proposed: they watch the verify (their length by cost)
         shaped = self._around_verify(committed, ids, own, width, tuple(proposals))
         with self.threads.phase("verify", len(self.rows)) as run, shaped:
             run.units = 1
