@@ -39,7 +39,7 @@ def _on_grid(levels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 def _dequantised(weight: torch.Tensor, stored: bool = False, weights: torch.Tensor | None = None) -> torch.Tensor:
-    levels, scale, low = int4_grid(weight, stored=stored, weights=weights)
+    levels, scale, low = int4_grid(weight, stored=stored, input_weights=weights)
     return (levels * scale[..., None] + low[..., None]).reshape(weight.shape)
 
 

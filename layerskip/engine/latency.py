@@ -8,6 +8,7 @@ cache is prefilled with a real context so the attention cost is realistic.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import statistics
 import time
@@ -79,10 +80,8 @@ def prefilled_cache(
         windows.append(windows[exit.spec.layer])
     cache = model_cache(model, windows)
     block = torch.tensor([list(context)], device=device)
-    if exit is None or not exit.uses_cache:
-        full_logits(model, block, cache, keep=1)
-        return cache, device
-    with exit_verify(model, exit, False, cache, [0], block):  # the adapter's own K/V filled after it
+    # A layer exit adapter's own K/V are filled after the forward, as after every verify.
+    with exit_verify(model, exit, False, cache, [0], block) if exit is not None else contextlib.nullcontext():
         full_logits(model, block, cache, keep=1)
     return cache, device
 

@@ -100,14 +100,14 @@ def importance(moments: torch.Tensor | None) -> torch.Tensor | None:
 
 class LowPrecisionProjection:
     """A callable standing in for one projection's ``forward``: ``x [..., in] -> [..., out]``
-    (``weights``: each input's ``importance`` in the int4 fit, ``[in]``; None: every input alike)."""
+    (``input_weights``: each input's ``importance`` in the int4 fit, ``[in]``; None: every input alike)."""
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         precision: str,
-        weights: torch.Tensor | None = None,
+        input_weights: torch.Tensor | None = None,
     ) -> None:
         weight = weight.detach()
         out_features, in_features = weight.shape
@@ -115,7 +115,7 @@ class LowPrecisionProjection:
             precision = "bfloat16"  # the int4 kernel's layout needs these multiples
         self.precision = precision
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
-        self._matmul = _int4(weight, weights) if precision == "int4" else _BUILDERS[precision](weight)
+        self._matmul = _BUILDERS[precision](weight, input_weights)
         self.nbytes = sum(t.numel() * t.element_size() for t in self._tensors)
 
     def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
@@ -196,12 +196,14 @@ class _Matmul:
         return self.fn(flat)
 
 
-def _bfloat16(weight: torch.Tensor) -> _Matmul:
+# Each builder takes the weight and each input's weight in the fit (only int4's fit uses them: bf16
+# rounds each weight alone, int8 scales by each row's largest, which weighing did not improve).
+def _bfloat16(weight: torch.Tensor, input_weights: torch.Tensor | None = None) -> _Matmul:
     w = weight.to(torch.bfloat16).contiguous()
     return _Matmul(lambda x: nn.functional.linear(x, w), w)
 
 
-def _int8(weight: torch.Tensor) -> _Matmul:
+def _int8(weight: torch.Tensor, input_weights: torch.Tensor | None = None) -> _Matmul:
     w = weight.float()
     scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)  # [out]
     quantized = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
@@ -210,19 +212,19 @@ def _int8(weight: torch.Tensor) -> _Matmul:
 
 
 def int4_grid(
-    weight: torch.Tensor, stored: bool = False, weights: torch.Tensor | None = None
+    weight: torch.Tensor, stored: bool = False, input_weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight [out, in]`` (``in`` a multiple of ``INT4_GROUP``) on the int4 copy's grid: its
     levels ``[out, groups, 32]`` (0..15, as floats), and each group's scale and minimum ``[out, groups]``
-    (the copy is ``levels * scale + minimum``), fitted to the weights (``_int4_fit``; ``weights
-    [in]``: each input's share of the squared error, ``importance``; None: alike). With
+    (the copy is ``levels * scale + minimum``), fitted to the weights (``_int4_fit``;
+    ``input_weights [in]``: each input's share of the squared error, ``importance``; None: alike). With
     ``stored``, the scale and zero (``minimum + 8 * scale``) are rounded to bf16 as the kernel
     stores them, and the levels chosen for those rounded values."""
     out_features, in_features = weight.shape
     groups = weight.detach().float().reshape(-1, INT4_GROUP)  # [n, 32]
-    if weights is None:
-        weights = torch.ones(in_features)
-    per_group = weights.float().to(groups.device).reshape(1, -1, INT4_GROUP)  # [1, in / 32, 32]
+    if input_weights is None:
+        input_weights = torch.ones(in_features)
+    per_group = input_weights.float().to(groups.device).reshape(1, -1, INT4_GROUP)  # [1, in / 32, 32]
     per_group = per_group.expand(out_features, -1, -1).reshape(-1, INT4_GROUP)  # [n, 32], as ``groups``
     levels = torch.empty_like(groups)
     scale, low = groups.new_empty(groups.shape[0]), groups.new_empty(groups.shape[0])
@@ -316,9 +318,9 @@ def int4_rounding_error(weights: Iterable[torch.Tensor]) -> float:
     return float(torch.tensor(errors).median()) if errors else 0.0
 
 
-def _int4(weight: torch.Tensor, weights: torch.Tensor | None = None) -> _Matmul:
+def _int4(weight: torch.Tensor, input_weights: torch.Tensor | None = None) -> _Matmul:
     out_features, in_features = weight.shape
-    q, scale, low = int4_grid(weight, stored=True, weights=weights)
+    q, scale, low = int4_grid(weight, stored=True, input_weights=input_weights)
     q = q.to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features), 1)
     # The kernel dequantises (q - 8) * scale + zero, so zero = low + 8 * scale (bf16 values
@@ -331,4 +333,8 @@ def _int4(weight: torch.Tensor, weights: torch.Tensor | None = None) -> _Matmul:
     )
 
 
-_BUILDERS: dict[str, Callable[[torch.Tensor], _Matmul]] = {"bfloat16": _bfloat16, "int8": _int8}
+_BUILDERS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], _Matmul]] = {
+    "bfloat16": _bfloat16,
+    "int8": _int8,
+    "int4": _int4,
+}
