@@ -182,3 +182,24 @@ def test_the_prefill_runs_on_the_drafts_best_count_once_it_is_known() -> None:
         with tuner.phase("verify") as prefill:
             prefill.units = 0
         assert prefill.threads == 1
+
+
+def test_a_batch_tunes_its_threads_by_size_class() -> None:
+    """Batches try every candidate count too, each size class (1, 2-3, 4-7, ...) learning its own;
+    a count on trial says so, so a batch's chooser keeps its clock time out of its kinds' rates."""
+    torch.set_num_threads(2)
+    tuner = ThreadTuner("auto", torch.device("cpu"))
+    assert tuner.phase_threads("draft", 8).candidates == (2, 1)
+    assert tuner.phase_threads("draft", 8) is tuner.phase_threads("draft", 15)
+    assert tuner.phase_threads("draft", 8) is not tuner.phase_threads("draft", 16)
+    seen, trials = set(), 0
+    with tuner.session():
+        for _ in range(40):
+            with tuner.phase("draft", 8) as draft:
+                draft.units = 3
+            with tuner.phase("verify", 8) as verify:
+                assert verify.threads == draft.threads and verify.trial == draft.trial
+            seen.add(draft.threads)
+            trials += draft.trial
+    assert seen == {1, 2} and 0 < trials < 40
+    assert tuner.phase_threads("draft", 1).uses == {}  # one row's class learnt nothing from the batch

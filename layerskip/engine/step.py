@@ -196,7 +196,8 @@ class Stepper:
             stats.verify_seconds += seconds - (drafted - start)  # verify forward, acceptance and rollback
             record_outcome(stats, row.drafter if own else None, proposal, verdict, kept, width)
         # A step that grew the cache's buffers rates its kind without that: growth comes a few
-        # times per batch (the buffers double) and would brand whichever kind happened to run.
+        # times per batch (the buffers double) and would brand whichever kind happened to run. A
+        # step at a thread count on trial keeps no clock time beside its price, for the same reason.
         wall = seconds - (self.cache.growth_seconds - grown)
         # A batch ends when its last row does: a step brings that end closer by what the rows
         # furthest from their end kept (a row that ran ahead finishes early and leaves the others
@@ -204,7 +205,8 @@ class Stepper:
         furthest = max(remaining)
         lagging = [kept for kept, left in zip(kept_by_row, remaining, strict=True) if left == furthest]
         useful = len(kept_by_row) * sum(lagging) / len(lagging)
-        self.kinds.observe(kind, useful, self.kinds.step_seconds(wall, width, batched, own_forwards), wall)
+        priced = self.kinds.step_seconds(wall, width, batched, own_forwards)
+        self.kinds.observe(kind, useful, priced, None if run.trial else wall)
         self.steps[kind] = self.steps.get(kind, 0) + 1
         self._observe()
         self._leave()

@@ -115,7 +115,9 @@ class StepKinds:
     # a drafting kind that could not beat the best even with every token accepted is not explored.
     pricer: StepPrices | None = None
     rows: int = 0
-    wall: dict[str, list[float]] = field(default_factory=dict)  # the clock's seconds of the recent steps
+    # (the clock's seconds, the priced seconds) of the recent steps, but those run at a thread count
+    # on trial (``engine.threads``)
+    wall: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     def step_seconds(self, wall: float, width: int, batched_forwards: int, own_forwards: int) -> float:
         """A step's seconds as the rates count them: priced from its shape under a pricer, else ``wall``."""
@@ -141,7 +143,7 @@ class StepKinds:
             return 1.0
 
         def ratio(name: str) -> float:
-            return sum(self.wall[name]) / max(sum(seconds for _, seconds in self.recent[name]), 1e-9)
+            return sum(wall for wall, _ in self.wall[name]) / max(sum(seconds for _, seconds in self.wall[name]), 1e-9)
 
         return ratio(kind) / max(ratio(PLAIN), 1e-9)
 
@@ -188,8 +190,8 @@ class StepKinds:
         del recent[:-RECENT_STEPS]
         if wall is not None:
             walls = self.wall.setdefault(kind, [])
-            walls.append(wall)
-            del walls[: -len(recent)]
+            walls.append((wall, seconds))
+            del walls[:-RECENT_STEPS]
         self.last_seconds[kind] = seconds
         self.steps[kind] = self.steps.get(kind, 0) + 1
         for other in self.kinds:

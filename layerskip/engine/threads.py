@@ -126,10 +126,12 @@ class ThreadTuner:
         self.enabled = torch.device(device).type == "cpu"
         available = torch.get_num_threads()
         self.counts = candidate_counts(available) if threads == "auto" else (int(threads),)
-        # Per phase and number of rows: a step over many rows is other work than one over one row
-        # (wider products, another best count), so each learns its own.
+        # Per phase and size of batch (rows grouped by powers of two: 1, 2-3, 4-7, ...): a step over
+        # many rows is other work than one over one row (wider products, perhaps another best
+        # count), while a batch whose rows leave one by one keeps what its size class learnt.
         self.phases: dict[tuple[str, int], PhaseThreads] = {}
         self.last_draft_threads: int | None = None
+        self.last_draft_trial = False
         self.used: dict[str, int] = {}  # "phase:threads" -> runs in the current session, for stats
 
     @contextlib.contextmanager
@@ -145,13 +147,11 @@ class ThreadTuner:
                 torch.set_num_threads(previous)
 
     def phase_threads(self, name: str, rows: int = 1) -> PhaseThreads:
-        """The thread choice of phase ``name`` over ``rows`` rows."""
-        if (name, rows) not in self.phases:
-            # Several rows: products wide enough for every core, and a count that moved would bend
-            # the batch's measured rates of its kinds of step; they run at the first candidate
-            # (every thread, or the caller's fixed count).
-            self.phases[(name, rows)] = PhaseThreads(self.counts if rows == 1 else self.counts[:1])
-        return self.phases[(name, rows)]
+        """The thread choice of phase ``name`` over ``rows`` rows (their size class)."""
+        key = (name, rows.bit_length())
+        if key not in self.phases:
+            self.phases[key] = PhaseThreads(self.counts)
+        return self.phases[key]
 
     @contextlib.contextmanager
     def phase(self, name: str, rows: int = 1) -> Iterator[PhaseRun]:
@@ -170,9 +170,11 @@ class ThreadTuner:
         if not follows_draft:
             run.threads = self.phase_threads(name, rows).next()
         elif self.last_draft_threads is not None:
-            run.threads = self.last_draft_threads
+            run.threads, run.trial = self.last_draft_threads, self.last_draft_trial
         else:  # the prefill, or a verify after a lookup draft: the draft's best so far
             run.threads = draft.best()
+        if not follows_draft:
+            run.trial = run.threads != self.phase_threads(name, rows).best()
         if torch.get_num_threads() != run.threads:
             torch.set_num_threads(run.threads)
         start = time.perf_counter()
@@ -183,6 +185,7 @@ class ThreadTuner:
         if name == "draft":
             # only a draft that ran forwards sets the verify's count
             self.last_draft_threads = run.threads if run.units > 0 else None
+            self.last_draft_trial = run.trial
         if run.units > 0 and not follows_draft:
             self.phase_threads(name, rows).record(run.threads, seconds / run.units)
 
@@ -193,3 +196,4 @@ class PhaseRun:
 
     threads: int = 0
     units: int = 1
+    trial: bool = False  # a count tried (warm-up or re-try), not the best one known
