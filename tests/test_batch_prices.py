@@ -147,3 +147,18 @@ def test_a_lookup_step_keeps_only_the_positions_that_pay_for_every_rows_verify()
     assert paying_width(everyone, 4, prices) == 7  # every row's likely run: the whole run
     assert paying_width(one_long, 4, None) == 7  # without prices: the longest match whole
     assert paying_width([([], [])] * 4, 4, prices) == 1
+
+
+def test_a_longer_batched_draft_is_tried_only_after_the_shorter_one_ran_near_the_best() -> None:
+    step = {"plain": (4, 0.040), "skip:3": (6, 0.100), "skip:6": (8, 0.150)}  # both drafts lose to plain
+    prices = {"plain": (4.0, 0.040), "skip:3": (5.0, 0.060), "skip:6": (6.0, 0.090)}
+    kinds = StepKinds(("plain", "skip:3", "skip:6"), prices=dict(prices))
+    for _ in range(300):
+        kinds.observe(kind := kinds.choose(), *step[kind])
+    assert kinds.steps.get("skip:3", 0) >= 2 and "skip:6" not in kinds.steps
+    # The shorter draft near the best rate: the longer one gets its trial.
+    step["skip:3"] = (9, 0.100)
+    kinds = StepKinds(("plain", "skip:3", "skip:6"), prices=dict(prices))
+    for _ in range(300):
+        kinds.observe(kind := kinds.choose(), *step[kind])
+    assert "skip:6" in kinds.steps

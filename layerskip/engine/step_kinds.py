@@ -21,7 +21,8 @@ prices take drafted tokens as accepted independently, which underrates long draf
 comes in runs. Each kind measured is tried again once the time since its last trial is ten times
 that trial's cost, and as many times more as its rate is below the best's, so exploring one kind
 costs under 3 % (a trial at half the best rate loses half its seconds, once per twenty of them);
-a kind that could not beat the best even if every drafted token were accepted is never tried.
+a kind that could not beat the best even if every drafted token were accepted is never tried, and
+a longer batched draft waits until the shorter one has run near the best rate.
 
 A step's tokens count as its rows times what the rows furthest from their end kept (their mean):
 a batch ends when its last row does, and a step that moves some rows far ahead and the last by one
@@ -79,6 +80,10 @@ EXPLORE_AFTER = 10.0
 EXPLORE_FIRST = 4.0
 # A drafting kind is chosen over the plain step only where it is rated this much faster.
 DRAFT_MARGIN = 1.05
+# A longer batched draft is tried only once the next shorter one has run at this share of the best
+# kind's rate or more: its trial costs more and rides the same acceptance, so where the shorter
+# draft lost by more the longer one loses too (sixteen rows of SmolLM2 tried both, and both lost).
+LONGER_AFTER = 0.8
 
 
 def price(prices: StepPrices, kind: str, rows: int, acceptance: float | None = None) -> Price | None:
@@ -159,9 +164,23 @@ class StepKinds:
                 wait = EXPLORE_AFTER * self.last_seconds[kind] * max(1.0, behind)
             else:
                 wait = EXPLORE_FIRST * self.prices[kind][1]
-            if self.since.get(kind, 0.0) > wait and not self.hopeless(kind):
+            if self.since.get(kind, 0.0) > wait and not self.hopeless(kind) and not self.after_shorter(kind, best):
                 return kind
         return best
+
+    def after_shorter(self, kind: str, best: str) -> bool:
+        """Whether ``kind`` is a batched draft whose next shorter one has not yet run at
+        ``LONGER_AFTER`` of the best kind's rate (a shorter one that is hopeless holds nothing back)."""
+        if not kind.startswith("skip:"):
+            return False
+        length = int(kind.split(":")[1])
+        shorter = [k for k in self.kinds if k.startswith("skip:") and int(k.split(":")[1]) < length]
+        if not shorter:
+            return False
+        below = max(shorter, key=lambda k: int(k.split(":")[1]))
+        if self.hopeless(below):
+            return False
+        return below not in self.recent or self.rate(below) < LONGER_AFTER * self.rate(best)
 
     def rated(self, kind: str) -> float:
         """``rate``, a drafting kind's less ``DRAFT_MARGIN`` where the plain step is on the menu:

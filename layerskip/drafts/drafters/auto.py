@@ -57,9 +57,10 @@ from layerskip.stats import DeviceClock, GenerationStats
 
 # What ``auto`` chooses changes from version to version; a result file records the revision that
 # ran (``measure.bench.environment``) and README's first table quotes only runs of this one.
-# Bump it with every change to what ``auto`` or a batch's step chooser decides. 1: a batch's kinds
-# known only by their price are tried early, and measured ones again after ten times their trial;
-# 2: the draft's precision priced at the head size it would draft with, no margin for the policy's.
+# Bump it with every change to what ``auto`` decides for one prompt at a time (the table's runs);
+# the batch's step chooser is recorded by the run's commit. 1: a batch's kinds known only by their
+# price are tried early, and measured ones again after ten times their trial; 2: the draft's
+# precision priced at the head size it would draft with, no margin for the policy's.
 AUTO_REVISION = 2
 
 VERIFY_SMOOTHING = 0.2  # weight of the newest verify timing in the running curve
