@@ -21,7 +21,7 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import read_text
 from layerskip.hf.models import LoadedModel
 from layerskip.hf.prompting import encode_prompt
-from layerskip.machine import Machine, this_machine
+from layerskip.machine import Machine, code_version, this_machine
 
 EXIT_BAD_INPUT = 2
 
@@ -235,6 +235,23 @@ def warn_if_tuned_elsewhere(
     line = tuning_advice(policies, this_machine(device), quick_search_command(args.model, args.dtype, args.device))
     if line is not None:
         print(line, file=sys.stderr)
+
+
+def command_line(program: str, argv: list[str] | None) -> str:
+    """The command that repeats this run: ``program`` with the arguments it was given."""
+    return shlex.join([*program.split(), *(sys.argv[1:] if argv is None else argv)])
+
+
+def measured_run(script: str, argv: list[str] | None, loaded: LoadedModel, dtype: str) -> dict[str, object]:
+    """What a measuring script (``scripts/SCRIPT``) records of its run: the command that repeats it,
+    the model, its dtype and device, and the code that measured ("commit", "dirty")."""
+    return {
+        "command": command_line(f"python scripts/{script}", argv),
+        "model": loaded.name,
+        "dtype": dtype,
+        "device": str(next(loaded.model.parameters()).device),
+        **code_version(),
+    }
 
 
 def check_seed(seed: int | None, flag: str = "--seed") -> None:
