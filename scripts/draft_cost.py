@@ -29,7 +29,7 @@ from unittest.mock import patch
 
 import torch
 
-from layerskip.cli.common import check_policies, load_policies, measured_run, model_parser, run_cli, table_lines
+from layerskip.cli.common import check_policies, load_policies, measured_run, model_parser, run_cli
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import DraftModels, head_rows
 from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
@@ -42,6 +42,7 @@ from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import this_machine
 from layerskip.measure.latency import copy_bandwidth, draft_bytes_read, draft_step_breakdown
+from layerskip.measure.report import table as markdown_table
 
 OUTPUT_FILES = ("draft_cost.json", "draft_cost.md")
 BREAKDOWN = ("head_ms", "layer_projections_ms", "attention_kernels_ms", "other_ops_ms", "python_and_dispatch_ms")
@@ -209,8 +210,7 @@ def _main(argv: list[str] | None) -> int:
         for dtype, curve in curves.items()
         for key, label in (("relative", "t(n)/t(1)"), ("to_plain_step", "t(n) / plain step"))
     ]
-    lines = [*table_lines(header, cells), "", *table_lines(["verify block n", *VERIFY_BLOCKS], curve_cells)]
-    table = "\n".join(lines)
+    table = markdown_table(header, cells) + "\n\n" + markdown_table(["verify block n", *VERIFY_BLOCKS], curve_cells)
     out = Path(args.out)
     write_json_atomic(out / OUTPUT_FILES[0], result)
     write_text_atomic(out / OUTPUT_FILES[1], table + "\n")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from layerskip.cli.common import int_list, measured_run, model_parser, run_cli, table_lines
+from layerskip.cli.common import int_list, measured_run, model_parser, run_cli
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftRun
 from layerskip.drafts.model.draft_model import DraftModel
@@ -36,6 +36,7 @@ from layerskip.fileio import check_output_dir, write_json_atomic, write_text_ato
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
 from layerskip.machine import this_machine
+from layerskip.measure.report import table
 from layerskip.measure.tree_ceiling import RecordingDrafter, TreeCeiling
 
 OUTPUT_FILES = ("tree_ceiling.json", "tree_ceiling.md")
@@ -78,10 +79,10 @@ def markdown(summary: dict, verify: dict[int, float], draft: dict[int, float]) -
     ]
     extra = summary["extra_tokens_per_step"].items()
     cells = [[name, f"{e:.3f}", f"{e / summary['tau_chain']:.1%}"] for name, e in extra]
-    lines += table_lines(["tree candidate", "extra tokens per step (free verify)", "share of the chain's"], cells)
+    lines.append(table(["tree candidate", "extra tokens per step (free verify)", "share of the chain's"], cells))
     cost = lambda costs, count: f"{costs[count]:.2f}" if count in costs else "-"  # noqa: E731
     cells = [[count, cost(verify, count), cost(draft, count)] for count in sorted(set(verify) | set(draft))]
-    lines += ["", *table_lines(["rows", "verify / one row", "draft forward / one row"], cells)]
+    lines += ["", table(["rows", "verify / one row", "draft forward / one row"], cells)]
     return "\n".join(lines) + "\n"
 
 

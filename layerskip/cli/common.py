@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import os
 import shlex
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -22,6 +20,7 @@ from layerskip.fileio import read_text
 from layerskip.hf.models import LoadedModel
 from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import Machine, code_version, this_machine
+from layerskip.measure.report import csv_table
 
 EXIT_BAD_INPUT = 2
 
@@ -150,23 +149,9 @@ def encode_prompts(
     return ids
 
 
-def table_lines(header: Sequence[object], rows: Iterable[Sequence[object]]) -> list[str]:
-    """A markdown table's lines: ``header``, its rule, then one line per row."""
-    return [_table_row(header), "|" + "---|" * len(header), *map(_table_row, rows)]
-
-
-def _table_row(cells: Sequence[object]) -> str:
-    return f"| {' | '.join(map(str, cells))} |"
-
-
 def csv_text(rows: list[dict[str, object]]) -> str:
     """``rows`` as CSV, the first row's keys as the header; no rows: empty."""
-    buffer = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return buffer.getvalue()
+    return csv_table(rows, tuple(rows[0])) if rows else ""
 
 
 def read_prompt(text: str | None, path: str | None) -> str:
