@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from layerskip.engine.decoding import DecodeSettings, StopCheck
@@ -220,7 +219,6 @@ class RowProcessors:
 
 
 def engine_calls(
-    model: nn.Module,
     input_ids: torch.Tensor,
     logits_processor: Sequence[object],
     stopping_criteria: Sequence[object],
