@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from unittest.mock import patch
 
 import torch
 
-from layerskip.cli.common import check_policies, load_policies, model_parser, run_cli, table_lines
+from layerskip.cli.common import check_policies, load_policies, measured_run, model_parser, run_cli
 from layerskip.data import builtin_prompts
 from layerskip.drafts.builder import DraftModels, head_rows
 from layerskip.drafts.policy.skip_policy import DraftSettings, SkipPolicy
@@ -41,8 +40,9 @@ from layerskip.fileio import check_output_dir, write_json_atomic, write_text_ato
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt
-from layerskip.machine import code_version, this_machine
+from layerskip.machine import this_machine
 from layerskip.measure.latency import copy_bandwidth, draft_bytes_read, draft_step_breakdown
+from layerskip.measure.report import table as markdown_table
 
 OUTPUT_FILES = ("draft_cost.json", "draft_cost.md")
 BREAKDOWN = ("head_ms", "layer_projections_ms", "attention_kernels_ms", "other_ops_ms", "python_and_dispatch_ms")
@@ -134,9 +134,10 @@ def _main(argv: list[str] | None) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies(extra, model)
-    cpu = next(model.parameters()).device.type == "cpu"
+    device = next(model.parameters()).device
+    cpu = device.type == "cpu"
     context = encode_prompt(tokenizer, builtin_prompts()[6].text, loaded.instruct)  # a ~100-token prompt
-    bandwidth = copy_bandwidth(next(model.parameters()).device)
+    bandwidth = copy_bandwidth(device)
     curves = {args.dtype: verify_curve(model, context, args.repeats)}
     if args.dtype == "float32":  # the same model in bf16, for its curve
         curves["bfloat16"] = verify_curve(copy.deepcopy(model).to(torch.bfloat16), context, args.repeats)
@@ -182,12 +183,8 @@ def _main(argv: list[str] | None) -> int:
     )
     result = {
         "compiled_lean_step": compiled,
-        "command": shlex.join(["python", "scripts/draft_cost.py", *(sys.argv[1:] if argv is None else argv)]),
-        "model": loaded.name,
-        "dtype": args.dtype,
-        "device": str(next(model.parameters()).device),
-        "machine": this_machine(next(model.parameters()).device).describe(),
-        **code_version(),  # "commit", "dirty": the code that measured
+        **measured_run("draft_cost.py", argv, loaded, args.dtype),
+        "machine": this_machine(device).describe(),
         "plain_step_ms": plain * 1000,
         "plain_step_bandwidth_floor_ms": 1000 * plain_bytes / bandwidth,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
@@ -213,8 +210,7 @@ def _main(argv: list[str] | None) -> int:
         for dtype, curve in curves.items()
         for key, label in (("relative", "t(n)/t(1)"), ("to_plain_step", "t(n) / plain step"))
     ]
-    lines = [*table_lines(header, cells), "", *table_lines(["verify block n", *VERIFY_BLOCKS], curve_cells)]
-    table = "\n".join(lines)
+    table = markdown_table(header, cells) + "\n\n" + markdown_table(["verify block n", *VERIFY_BLOCKS], curve_cells)
     out = Path(args.out)
     write_json_atomic(out / OUTPUT_FILES[0], result)
     write_text_atomic(out / OUTPUT_FILES[1], table + "\n")

@@ -13,12 +13,11 @@ independent acceptance (the same model the search's cheap proxy uses, without it
 
 from __future__ import annotations
 
-import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from layerskip.cli.common import csv_text, float_list, int_list, model_parser, run_cli, table_lines
+from layerskip.cli.common import csv_text, float_list, int_list, measured_run, model_parser, run_cli
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.model.precision import PRECISIONS
@@ -28,9 +27,9 @@ from layerskip.fileio import check_output_dir, write_json_atomic, write_text_ato
 from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
-from layerskip.machine import code_version
 from layerskip.measure.agreement import build_references, early_exit_frontier
 from layerskip.measure.frontier import expected_tokens
+from layerskip.measure.report import table as markdown_table
 
 OUTPUT_FILES = ("early_exit.json", "early_exit.csv", "early_exit.md")
 
@@ -105,11 +104,7 @@ def _main(argv: list[str] | None) -> int:
             }
         )
     result = {
-        "command": shlex.join(["python", "scripts/early_exit.py", *(sys.argv[1:] if argv is None else argv)]),
-        "model": loaded.name,
-        "dtype": args.dtype,
-        "device": str(next(model.parameters()).device),
-        **code_version(),  # "commit", "dirty": the code that measured
+        **measured_run("early_exit.py", argv, loaded, args.dtype),
         "precision": precision,
         "prompts": len(prompts),
         "reference_tokens": args.reference_tokens,
@@ -126,7 +121,7 @@ def _main(argv: list[str] | None) -> int:
         + [f"{r['draft_cost']:.3f}", f"{r['projected_speedup']:.2f}x"]
         for r in rows
     ]
-    table = "\n".join(table_lines(header, cells))
+    table = markdown_table(header, cells)
     out = Path(args.out)
     write_json_atomic(out / OUTPUT_FILES[0], result)
     write_text_atomic(out / OUTPUT_FILES[1], csv_text(rows))

@@ -9,18 +9,16 @@ each policy, generated interleaved on the same prompts.
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
-from layerskip.cli.common import check_policies, load_policies, model_parser, run_cli
+from layerskip.cli.common import check_policies, load_policies, measured_run, model_parser, run_cli
 from layerskip.data import load_prompts
 from layerskip.drafts.policy.skip_policy import SkipPolicy
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model, resolve_device
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from layerskip.machine import code_version
 from layerskip.measure.profiling import csv_text, forward_costs, markdown, profile_configs, profile_report
 
 OUTPUT_FILES = ("profile.json", "profile.md", "profile.csv")
@@ -58,14 +56,8 @@ def _main(argv: list[str] | None) -> int:
         model, prompt_ids, configs, eos_token_ids(model, tokenizer), args.max_new_tokens, progress=not args.no_progress
     )
     report = profile_report(costs, profiles)
-    report.update(
-        command=shlex.join(["python", "scripts/profile_decode.py", *(sys.argv[1:] if argv is None else argv)]),
-        model=loaded.name,
-        dtype=args.dtype,
-        device=str(next(model.parameters()).device),
-        prompts={"source": args.prompts, "n": len(prompts)},
-        **code_version(),  # "commit", "dirty": the code that measured
-    )
+    report.update(measured_run("profile_decode.py", argv, loaded, args.dtype))
+    report["prompts"] = {"source": args.prompts, "n": len(prompts)}
     out = Path(args.out)
     text = markdown(report)
     print(f"wrote {write_json_atomic(out / OUTPUT_FILES[0], report)}", file=sys.stderr)

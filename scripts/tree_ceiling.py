@@ -15,7 +15,6 @@ extra tokens per step outgrow those costs.
 
 from __future__ import annotations
 
-import shlex
 import statistics
 import sys
 from dataclasses import replace
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from layerskip.cli.common import int_list, model_parser, run_cli, table_lines
+from layerskip.cli.common import int_list, measured_run, model_parser, run_cli
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftRun
 from layerskip.drafts.model.draft_model import DraftModel
@@ -36,7 +35,8 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt, eos_token_ids
-from layerskip.machine import code_version, this_machine
+from layerskip.machine import this_machine
+from layerskip.measure.report import table
 from layerskip.measure.tree_ceiling import RecordingDrafter, TreeCeiling
 
 OUTPUT_FILES = ("tree_ceiling.json", "tree_ceiling.md")
@@ -79,10 +79,10 @@ def markdown(summary: dict, verify: dict[int, float], draft: dict[int, float]) -
     ]
     extra = summary["extra_tokens_per_step"].items()
     cells = [[name, f"{e:.3f}", f"{e / summary['tau_chain']:.1%}"] for name, e in extra]
-    lines += table_lines(["tree candidate", "extra tokens per step (free verify)", "share of the chain's"], cells)
+    lines.append(table(["tree candidate", "extra tokens per step (free verify)", "share of the chain's"], cells))
     cost = lambda costs, count: f"{costs[count]:.2f}" if count in costs else "-"  # noqa: E731
     cells = [[count, cost(verify, count), cost(draft, count)] for count in sorted(set(verify) | set(draft))]
-    lines += ["", *table_lines(["rows", "verify / one row", "draft forward / one row"], cells)]
+    lines += ["", table(["rows", "verify / one row", "draft forward / one row"], cells)]
     return "\n".join(lines) + "\n"
 
 
@@ -131,12 +131,8 @@ def _main(argv: list[str] | None) -> int:
         )
     summary = ceiling.summary()
     result = {
-        "command": shlex.join(["python", "scripts/tree_ceiling.py", *(sys.argv[1:] if argv is None else argv)]),
-        "model": loaded.name,
-        "dtype": args.dtype,
-        "device": str(device),
+        **measured_run("tree_ceiling.py", argv, loaded, args.dtype),
         "machine": this_machine(device).describe(),
-        **code_version(),  # "commit", "dirty": the code that measured
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "draft_precision": s.precision,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -14,6 +13,7 @@ from layerskip.cli.common import (
     add_chat_argument,
     add_prompt_arguments,
     check_policies,
+    command_line,
     encode_prompts,
     load_policies,
     model_parser,
@@ -207,7 +207,7 @@ def _main(argv: list[str] | None) -> int:
     if args.from_results:
         results = resummarise(args.from_results)
         return _report(write_outputs(results, args.out), markdown_report(results))
-    command = shlex.join(["layerskip-bench", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("layerskip-bench", argv)
     if args.max_new_tokens <= 0:
         raise LayerskipError(f"--max-new-tokens must be > 0 (got {args.max_new_tokens})")
     sampling = _sampling(args)

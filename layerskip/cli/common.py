@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import os
 import shlex
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +19,8 @@ from layerskip.errors import LayerskipError
 from layerskip.fileio import read_text
 from layerskip.hf.models import LoadedModel
 from layerskip.hf.prompting import encode_prompt
-from layerskip.machine import Machine, this_machine
+from layerskip.machine import Machine, code_version, this_machine
+from layerskip.measure.report import csv_table
 
 EXIT_BAD_INPUT = 2
 
@@ -150,23 +149,9 @@ def encode_prompts(
     return ids
 
 
-def table_lines(header: Sequence[object], rows: Iterable[Sequence[object]]) -> list[str]:
-    """A markdown table's lines: ``header``, its rule, then one line per row."""
-    return [_table_row(header), "|" + "---|" * len(header), *map(_table_row, rows)]
-
-
-def _table_row(cells: Sequence[object]) -> str:
-    return f"| {' | '.join(map(str, cells))} |"
-
-
 def csv_text(rows: list[dict[str, object]]) -> str:
     """``rows`` as CSV, the first row's keys as the header; no rows: empty."""
-    buffer = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return buffer.getvalue()
+    return csv_table(rows, tuple(rows[0])) if rows else ""
 
 
 def read_prompt(text: str | None, path: str | None) -> str:
@@ -235,6 +220,23 @@ def warn_if_tuned_elsewhere(
     line = tuning_advice(policies, this_machine(device), quick_search_command(args.model, args.dtype, args.device))
     if line is not None:
         print(line, file=sys.stderr)
+
+
+def command_line(program: str, argv: list[str] | None) -> str:
+    """The command that repeats this run: ``program`` with the arguments it was given."""
+    return shlex.join([*program.split(), *(sys.argv[1:] if argv is None else argv)])
+
+
+def measured_run(script: str, argv: list[str] | None, loaded: LoadedModel, dtype: str) -> dict[str, object]:
+    """What a measuring script (``scripts/SCRIPT``) records of its run: the command that repeats it,
+    the model, its dtype and device, and the code that measured ("commit", "dirty")."""
+    return {
+        "command": command_line(f"python scripts/{script}", argv),
+        "model": loaded.name,
+        "dtype": dtype,
+        "device": str(next(loaded.model.parameters()).device),
+        **code_version(),
+    }
 
 
 def check_seed(seed: int | None, flag: str = "--seed") -> None:

@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from layerskip.cli.common import csv_text, int_list, model_parser, run_cli, str_list
+from layerskip.data import load_prompts
 from layerskip.distill.corpus import (
     CODE_DOMAIN,
     OWN_SUFFIX,
     Document,
     code_documents,
-    prompt_documents,
     split_documents,
 )
 from layerskip.distill.teacher import TeacherData, cache_key, chunk_documents, collect, own_continuations
@@ -146,8 +146,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 def gather(args: argparse.Namespace) -> list[Document]:
     sources = args.data or ([str(SPEC_BENCH)] if SPEC_BENCH.is_file() else ["builtin"])
     documents: list[Document] = []
-    for source in sources:
-        documents += prompt_documents(source, args.text_field)
+    for source in sources:  # one document per prompt
+        documents += [Document(p.category, p.text) for p in load_prompts(source, text_field=args.text_field)]
     for directory in args.code_dir:
         root = sysconfig.get_paths()["stdlib"] if directory == STDLIB else directory
         documents += code_documents(root, args.code_files, seed=args.seed)

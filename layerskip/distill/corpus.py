@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from layerskip.data import load_prompts
 from layerskip.errors import LayerskipError
 
 CODE_DOMAIN = "code"
@@ -26,11 +25,6 @@ class Document:
     domain: str
     text: str
     ids: tuple[int, ...] = ()  # token ids, when the document is already tokenised (own continuations)
-
-
-def prompt_documents(source: str, text_field: str | None = None, categories: Sequence[str] = ()) -> list[Document]:
-    """One document per prompt (``layerskip.data.load_prompts``: builtin, Spec-Bench JSONL, json/csv/parquet)."""
-    return [Document(p.category, p.text) for p in load_prompts(source, text_field=text_field, categories=categories)]
 
 
 def code_documents(directory: str | Path, max_files: int, seed: int = 0, max_chars: int = 20_000) -> list[Document]:

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from layerskip.engine.decoding import DecodeSettings, StopCheck
@@ -122,7 +121,13 @@ def _prompts(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> list[tupl
     return prompts
 
 
-_WARPER_ORDER = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
+# generate's sampling warpers, in the order it applies them: the Sampling field each stands for, and its type
+_WARPERS = {
+    "TemperatureLogitsWarper": ("temperature", float),
+    "TopKLogitsWarper": ("top_k", int),
+    "TopPLogitsWarper": ("top_p", float),
+}
+_WARPER_ORDER = tuple(_WARPERS)
 
 
 def _is_plain_warper(processor: object) -> bool:
@@ -151,13 +156,8 @@ def _split_processors(
         cut -= 1
     values: dict[str, Any] = {}
     for warper in items[cut:]:
-        name = type(warper).__name__
-        if name == "TemperatureLogitsWarper":
-            values["temperature"] = float(warper.temperature)
-        elif name == "TopKLogitsWarper":
-            values["top_k"] = int(warper.top_k)
-        else:
-            values["top_p"] = float(warper.top_p)
+        name, kind = _WARPERS[type(warper).__name__]
+        values[name] = kind(getattr(warper, name))
     return items[:cut], items[cut:], Sampling(**values)
 
 
@@ -219,7 +219,6 @@ class RowProcessors:
 
 
 def engine_calls(
-    model: nn.Module,
     input_ids: torch.Tensor,
     logits_processor: Sequence[object],
     stopping_criteria: Sequence[object],

@@ -132,7 +132,6 @@ def self_speculative_generate(
                 f"a streamer with {input_ids.shape[0]} sequences {UNSUPPORTED} (HF streamers take one)"
             )
         calls = engine_calls(
-            model,
             input_ids,
             logits_processor,
             stopping_criteria,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +36,10 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
+def table(header: Sequence[object], rows: Iterable[Sequence[object]]) -> str:
     """A Markdown table: ``header``'s cells, the rule under them, then a line per row of cells."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, cells)) + " |" for cells in rows])
 
 
 def markdown_table(results: dict[str, Any]) -> str:
