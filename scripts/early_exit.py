@@ -22,6 +22,7 @@ from layerskip.cli.common import csv_text, float_list, int_list, model_parser, r
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.model.precision import PRECISIONS
+from layerskip.drafts.rules.costs import expected_tokens
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
@@ -30,7 +31,6 @@ from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
 from layerskip.machine import code_version
 from layerskip.measure.agreement import build_references, early_exit_frontier
-from layerskip.measure.frontier import expected_tokens
 
 OUTPUT_FILES = ("early_exit.json", "early_exit.csv", "early_exit.md")
 

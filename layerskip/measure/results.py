@@ -38,7 +38,7 @@ from layerskip.measure.labels import (
     decoding_label,
     replace_between_markers,
 )
-from layerskip.measure.report import batch_table, csv_table, markdown_report, section, table
+from layerskip.measure.report import batch_table, csv_table, fmt, markdown_report, percent, section, table
 
 RESULTS_DIR = Path("docs/results")
 RESULTS_PAGE = Path("docs/results.md")
@@ -705,8 +705,8 @@ def tree_table(data: dict[str, Any]) -> str:
         rows.append(
             [
                 method,
-                _number(overall.get("mean_accepted")),
-                _number(chain.get("mean_accepted")),
+                fmt(overall.get("mean_accepted")),
+                fmt(chain.get("mean_accepted")),
                 _speedup(overall.get("speedup")),
                 _speedup(chain.get("speedup")),
                 f"{trees}{share}",
@@ -715,10 +715,6 @@ def tree_table(data: dict[str, Any]) -> str:
         )
     header = ["method", "τ", "τ, chain", "speedup", "speedup, chain", "tree steps", "accepted off the first branch"]
     return table(header, rows) if rows else ""
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def auto_lines(data: dict[str, Any]) -> str:
@@ -731,8 +727,8 @@ def auto_lines(data: dict[str, Any]) -> str:
         if not isinstance(auto, dict):
             continue
         parts = [
-            f"prompt lookup drafted {_share(auto.get('lookup_share'))} of the steps, "
-            f"the skip draft {_share(auto.get('skip_share'))}"
+            f"prompt lookup drafted {percent(auto.get('lookup_share'))} of the steps, "
+            f"the skip draft {percent(auto.get('skip_share'))}"
         ]
         lengths = _histogram(auto.get("draft_lengths"), lambda k: k)
         if lengths:
@@ -745,10 +741,6 @@ def auto_lines(data: dict[str, Any]) -> str:
         parts.append(_calibration(auto.get("calibration") or {}))
         lines.append(f"- `{method}`: " + "; ".join(parts))
     return "\n".join(lines)
-
-
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
 
 
 def _histogram(counts: Any, label: Any, zero_last: bool = False) -> str:
@@ -851,8 +843,8 @@ def twin_section(files: list[ResultFile]) -> str:
                 f"[{_speedup(mine[0])}](#{twin.name})",
                 f"{mine[0] / theirs[0]:.2f}",
                 f"{shipped.get('tokens_per_second') or 0:.1f} → {noisy.get('tokens_per_second') or 0:.1f}",
-                f"{_share((shipped.get('auto') or {}).get('lookup_share'))} → "
-                f"{_share((noisy.get('auto') or {}).get('lookup_share'))}",
+                f"{percent((shipped.get('auto') or {}).get('lookup_share'))} → "
+                f"{percent((noisy.get('auto') or {}).get('lookup_share'))}",
                 f"{shipped.get('new_tokens', '-')} → {noisy.get('new_tokens', '-')}",
                 f"{_draft_copy(original, theirs[1])} → {_draft_copy(twin, mine[1])}",
                 "" if pld is None else _speedup(pld[0]),
@@ -1070,24 +1062,23 @@ def rendered(root: str | Path = ".") -> dict[Path, str]:
     files = load_result_files(root / RESULTS_DIR)
     readme = root / "README.md"
     readme_text = readme.read_text()
-    if not any(marker in readme_text for marker in (README_START, FIRST_SCREEN_START, BATCHES_START)):
+    runs = load_batch_runs(root / RESULTS_DIR)
+    tables = {  # the README's generated tables, each between its markers (the whole summary links the page's)
+        (README_START, README_END): lambda: summary_table(files, str(RESULTS_PAGE)),
+        (FIRST_SCREEN_START, FIRST_SCREEN_END): lambda: first_screen_table(files, str(RESULTS_PAGE)),
+        (BATCHES_START, BATCHES_END): lambda: batch_summary_table(runs, str(RESULTS_PAGE)),
+    }
+    if not any(start in readme_text for start, _ in tables):
         raise LayerskipError(
             f"{readme} has none of the generated tables' markers (first-screen, batches-table or "
             "results-table); put them back around the tables"
         )
-    if README_START in readme_text:  # the whole summary in the README (the committed one links the page's)
-        summary = summary_table(files, str(RESULTS_PAGE))
-        readme_text = replace_between_markers(readme_text, summary, README_START, README_END)
-    if FIRST_SCREEN_START in readme_text:
-        first = first_screen_table(files, str(RESULTS_PAGE))
-        readme_text = replace_between_markers(readme_text, first, FIRST_SCREEN_START, FIRST_SCREEN_END)
+    for (start, end), make in tables.items():
+        if start in readme_text:
+            readme_text = replace_between_markers(readme_text, make(), start, end)
     page = results_page(files, load_draft_costs(root / RESULTS_DIR), read_tree_ceilings(root / RESULTS_DIR))
-    runs = load_batch_runs(root / RESULTS_DIR)
     if runs:
         page = page.rstrip("\n") + "\n\n" + batches_section(runs) + "\n"
-    if BATCHES_START in readme_text:
-        batches = batch_summary_table(runs, str(RESULTS_PAGE))
-        readme_text = replace_between_markers(readme_text, batches, BATCHES_START, BATCHES_END)
     outputs = {readme: readme_text, root / RESULTS_PAGE: page}
     outputs.update({root / RESULTS_DIR / name: text for name, text in notebook_data(files).items()})
     return outputs
