@@ -232,6 +232,32 @@ TREE_CEILING_SHAPE = Obj(
     },
     optional=_CODE,
 )
+_BATCH_ROW = Obj(
+    required={
+        "batch_size": int,
+        "layout": str,
+        **{key: Number(positive=True) for key in ("hf_tokens_per_second", "ours_tokens_per_second", "speedup")},
+        **{key: Number() for key in ("row_latency_hf_s", "row_latency_ours_s")},
+        "identical_rows": int,
+        "rows": int,
+    },
+    optional={"plain_tokens_per_second": Maybe(Number(positive=True)), "vs_plain": Maybe(Number(positive=True))},
+)
+BATCHES_SHAPE = Obj(
+    required={
+        **{key: str for key in ("command", "model", "dtype", "policy")},
+        "max_new_tokens": int,
+        "device_name": str,
+        "batches": Items(_BATCH_ROW),
+        "environment": Obj(optional={"cpu_flags": _FLAGS, **_CODE}),
+    }
+)
+# Each measuring script's output (ScriptRun): what the results page reads of it, and what writes it.
+SCRIPT_OUTPUTS = {
+    "draft_cost": (DRAFT_COST_SHAPE, "scripts/draft_cost.py"),
+    "tree_ceiling": (TREE_CEILING_SHAPE, "scripts/tree_ceiling.py"),
+    "batches": (BATCHES_SHAPE, "scripts/bench.py --batch-size"),
+}
 
 
 @dataclass(frozen=True)
@@ -389,44 +415,54 @@ def load_result_files(directory: str | Path = RESULTS_DIR) -> list[ResultFile]:
 
 
 @dataclass(frozen=True)
-class DraftCostFile:
-    """One committed ``scripts/draft_cost.py`` output: ``name`` is its folder under draft-cost/."""
+class ScriptRun:
+    """One committed output of a measuring script (``SCRIPT_OUTPUTS``): ``FOLDER/NAME/SCRIPT.json``
+    under docs/results/, FOLDER the script's name with dashes; ``name`` is its folder NAME."""
 
+    script: str  # draft_cost, tree_ceiling or batches
     name: str
     data: dict[str, Any]
 
+    @property
+    def anchor(self) -> str:
+        return f"{self.script}-{self.name}"
+
+    @property
+    def link(self) -> str:
+        """The file, linked from the results page."""
+        return f"[{self.name}](results/{self.script.replace('_', '-')}/{self.name}/{self.script}.json)"
+
     def cpu(self) -> str:
-        """The machine draft_cost.py recorded (``MODEL (flag, flag, ...)``) as ``cpu_label`` names it."""
+        """The machine as ``cpu_label`` names it: a batch run records the CPU's name and flags, the
+        other scripts ``MODEL (flag, flag, ...)``."""
+        if self.script == "batches":
+            return cpu_label(self.data["device_name"], self.data["environment"].get("cpu_flags"))
         machine = str(self.data["machine"])
         match = re.fullmatch(r"(.*\S) \(([^()]*)\)", machine)
         if not match:
             return cpu_name(machine)
         return cpu_label(match.group(1), [flag.strip() for flag in match.group(2).split(",")])
 
-    def whole_int4_draft(self) -> dict[str, Any] | None:
-        """The int4 draft that bypasses nothing (the cheapest draft that keeps every sublayer)."""
-        rows = [
-            r for r in self.data["rows"] if r.get("precision") == "int4" and not r.get("fraction_of_weights_bypassed")
-        ]
-        return min(rows, key=lambda r: r["relative_to_plain_step"]) if rows else None
 
-
-def _script_outputs(directory: str | Path, script: str, shape: Obj, fix: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """Every ``SCRIPT.json`` that ``scripts/SCRIPT.py`` wrote under ``directory`` (in its folder
-    ``script-name/NAME/``) as (NAME, data), by model, then name; each checked for everything the results
-    page reads, nested values included, so a damaged file is one line naming what is wrong."""
-    folder, fix = script.replace("_", "-"), fix or f"pass a {script}.json that scripts/{script}.py wrote"
+def load_script_runs(directory: str | Path, script: str) -> list[ScriptRun]:
+    """Every output of ``script`` (a key of ``SCRIPT_OUTPUTS``) under ``directory``, by model, then
+    name; each checked for everything the results page reads, nested values included, so a damaged
+    file is one line naming what is wrong."""
+    shape, writer = SCRIPT_OUTPUTS[script]
+    folder = script.replace("_", "-")
     paths = sorted(Path(directory).glob(f"{folder}/*/{script}.json"))
-    found = [(path.parent.name, load_json(path, f"{folder} file", fix, shape=shape)) for path in paths]
-    return sorted(found, key=lambda named: (named[1]["model"], named[0]))
+    fix = f"pass a {script}.json that {writer} wrote"
+    runs = [ScriptRun(script, path.parent.name, load_json(path, f"{folder} file", fix, shape=shape)) for path in paths]
+    return sorted(runs, key=lambda run: (run.data["model"], run.name))
 
 
-def load_draft_costs(directory: str | Path = RESULTS_DIR) -> list[DraftCostFile]:
-    """Every ``draft-cost/NAME/draft_cost.json`` under ``directory`` (scripts/draft_cost.py's output folders)."""
-    return [DraftCostFile(*found) for found in _script_outputs(directory, "draft_cost", DRAFT_COST_SHAPE)]
+def whole_int4_draft(cost: ScriptRun) -> dict[str, Any] | None:
+    """A draft_cost.py run's int4 draft that bypasses nothing (the cheapest draft that keeps every sublayer)."""
+    rows = [r for r in cost.data["rows"] if r.get("precision") == "int4" and not r.get("fraction_of_weights_bypassed")]
+    return min(rows, key=lambda r: r["relative_to_plain_step"]) if rows else None
 
 
-def draft_cost_section(costs: list[DraftCostFile]) -> str:
+def draft_cost_section(costs: list[ScriptRun]) -> str:
     """The results page's draft-cost section: a draft step and a verify block against a plain step."""
     if not costs:
         return ""
@@ -435,16 +471,15 @@ def draft_cost_section(costs: list[DraftCostFile]) -> str:
     )
     draft, verify = [], []
     for c in costs:
-        link = f"[{c.name}](results/draft-cost/{c.name}/draft_cost.json)"
         figures = ["no int4 draft measured", "", "", ""]
-        if row := c.whole_int4_draft():
+        if row := whole_int4_draft(c):
             figures = [row["policy"], f"{row['draft_step_ms']:.1f} ms", f"**{row['relative_to_plain_step']:.2f}**"]
             figures.append(f"{row['floor_relative_to_plain_step']:.2f}")
-        run = [link, c.data["model"], c.data["dtype"], c.cpu(), f"commit {commit_label(c.data)}"]
+        run = [c.link, c.data["model"], c.data["dtype"], c.cpu(), f"commit {commit_label(c.data)}"]
         draft.append([*run, f"{c.data['plain_step_ms']:.1f} ms", *figures])
         for dtype, curve in c.data["verify_curves"].items():
             values = [curve["to_plain_step"].get(str(n)) for n in blocks]
-            verify.append([link, c.cpu(), dtype, *("" if v is None else f"{v:.2f}" for v in values)])
+            verify.append([c.link, c.cpu(), dtype, *("" if v is None else f"{v:.2f}" for v in values)])
     draft_header = ["run", "model", "dtype", "CPU", "code", "plain step", "draft", "draft step", "vs plain step"]
     draft_header.append("its bandwidth floor vs plain step")
     return "\n\n".join(
@@ -463,18 +498,13 @@ def draft_cost_section(costs: list[DraftCostFile]) -> str:
     )
 
 
-def read_tree_ceilings(directory: str | Path = RESULTS_DIR) -> list[DraftCostFile]:
-    """Every ``tree-ceiling/NAME/tree_ceiling.json`` under ``directory`` (scripts/tree_ceiling.py's output folders)."""
-    return [DraftCostFile(*found) for found in _script_outputs(directory, "tree_ceiling", TREE_CEILING_SHAPE)]
-
-
 def _widest(costs: dict[str, float], limit: int) -> str:
     """The cost at the largest row count up to ``limit``, as ``n: x.xx``."""
     rows = [int(n) for n in costs if int(n) <= limit]
     return f"{max(rows)}: {costs[str(max(rows))]:.2f}" if rows else "-"
 
 
-def tree_ceiling_section(ceilings: list[DraftCostFile]) -> str:
+def tree_ceiling_section(ceilings: list[ScriptRun]) -> str:
     """The results page's token-tree ceiling: extra tokens per verify each candidate kind could add
     with a free verify, beside what widening the verify and the draft costs on the same machine."""
     if not ceilings:
@@ -491,7 +521,7 @@ def tree_ceiling_section(ceilings: list[DraftCostFile]) -> str:
         verify, draft = c.data["verify_rows_cost"], c.data["draft_rows_cost"]
         rows.append(
             [
-                f"[{c.name}](results/tree-ceiling/{c.name}/tree_ceiling.json)",
+                c.link,
                 c.cpu(),
                 f"commit {commit_label(c.data)}",
                 f"{tau:.2f}",
@@ -883,54 +913,13 @@ def twin_section(files: list[ResultFile]) -> str:
 
 BATCHES_START = "<!-- batches-table:start: generated by scripts/results_tables.py from docs/results/batches -->"
 BATCHES_END = "<!-- batches-table:end -->"
-_BATCH_ROW = Obj(
-    required={
-        "batch_size": int,
-        "layout": str,
-        **{key: Number(positive=True) for key in ("hf_tokens_per_second", "ours_tokens_per_second", "speedup")},
-        **{key: Number() for key in ("row_latency_hf_s", "row_latency_ours_s")},
-        "identical_rows": int,
-        "rows": int,
-    },
-    optional={"plain_tokens_per_second": Maybe(Number(positive=True)), "vs_plain": Maybe(Number(positive=True))},
-)
-BATCHES_SHAPE = Obj(
-    required={
-        **{key: str for key in ("command", "model", "dtype", "policy")},
-        "max_new_tokens": int,
-        "device_name": str,
-        "batches": Items(_BATCH_ROW),
-        "environment": Obj(optional={"cpu_flags": _FLAGS, **_CODE}),
-    }
-)
 
 
-@dataclass
-class BatchRun:
-    """One committed batch run (``scripts/bench.py --batch-size``): ``name`` is its folder under batches/."""
-
-    name: str
-    data: dict[str, Any]
-
-    def cpu(self) -> str:
-        return cpu_label(self.data["device_name"], self.data["environment"].get("cpu_flags"))
-
-    @property
-    def anchor(self) -> str:
-        return f"batches-{self.name}"
-
-
-def load_batch_runs(directory: str | Path) -> list[BatchRun]:
-    """Every ``batches/NAME/batches.json`` under ``directory``, by model, then name."""
-    fix = "pass a batches.json that scripts/bench.py --batch-size wrote"
-    return [BatchRun(*found) for found in _script_outputs(directory, "batches", BATCHES_SHAPE, fix)]
-
-
-def _speedups(run: BatchRun, layout: str) -> dict[int, dict[str, Any]]:
+def _speedups(run: ScriptRun, layout: str) -> dict[int, dict[str, Any]]:
     return {row["batch_size"]: row for row in run.data["batches"] if row["layout"] == layout}
 
 
-def batch_summary_table(runs: list[BatchRun], page: str) -> str:
+def batch_summary_table(runs: list[ScriptRun], page: str) -> str:
     """README's batches table: per run and layout, the speedup over HF's batched generate at each
     batch size, and the rows identical to HF's."""
     sizes = sorted({row["batch_size"] for run in runs for row in run.data["batches"]})
@@ -950,7 +939,7 @@ def batch_summary_table(runs: list[BatchRun], page: str) -> str:
     return table(header, table_rows)
 
 
-def batches_section(runs: list[BatchRun]) -> str:
+def batches_section(runs: list[ScriptRun]) -> str:
     """The results page's batches section."""
     intro = (
         '<a id="batches"></a>\n## Batches\n\n'
@@ -972,20 +961,20 @@ def batches_section(runs: list[BatchRun]) -> str:
     return "\n\n".join([intro, *[run_section(run) for run in runs]])
 
 
-def run_section(run: BatchRun) -> str:
+def run_section(run: ScriptRun) -> str:
     """One batch run on the results page: its command, machine and every batch's figures."""
     d = run.data
     return (
         f'<a id="{run.anchor}"></a>\n### {d["model"]}, {d["dtype"]}, policy {d["policy"]}, on {run.cpu()}\n'
-        f"`{d['command']}` ([{run.name}](results/batches/{run.name}/batches.json)), "
+        f"`{d['command']}` ({run.link}), "
         f"{d['max_new_tokens']} new tokens, greedy; commit {commit_label(d['environment'])}.\n\n{batch_table(d)}"
     )
 
 
 def results_page(
     files: list[ResultFile],
-    draft_costs: list[DraftCostFile] | None = None,
-    tree_ceilings: list[DraftCostFile] | None = None,
+    draft_costs: list[ScriptRun] | None = None,
+    tree_ceilings: list[ScriptRun] | None = None,
 ) -> str:
     """docs/results.md, whole."""
     parts = [
@@ -1062,7 +1051,7 @@ def rendered(root: str | Path = ".") -> dict[Path, str]:
     files = load_result_files(root / RESULTS_DIR)
     readme = root / "README.md"
     readme_text = readme.read_text()
-    runs = load_batch_runs(root / RESULTS_DIR)
+    runs = load_script_runs(root / RESULTS_DIR, "batches")
     tables = {  # the README's generated tables, each between its markers (the whole summary links the page's)
         (README_START, README_END): lambda: summary_table(files, str(RESULTS_PAGE)),
         (FIRST_SCREEN_START, FIRST_SCREEN_END): lambda: first_screen_table(files, str(RESULTS_PAGE)),
@@ -1076,7 +1065,8 @@ def rendered(root: str | Path = ".") -> dict[Path, str]:
     for (start, end), make in tables.items():
         if start in readme_text:
             readme_text = replace_between_markers(readme_text, make(), start, end)
-    page = results_page(files, load_draft_costs(root / RESULTS_DIR), read_tree_ceilings(root / RESULTS_DIR))
+    costs, ceilings = (load_script_runs(root / RESULTS_DIR, script) for script in ("draft_cost", "tree_ceiling"))
+    page = results_page(files, costs, ceilings)
     if runs:
         page = page.rstrip("\n") + "\n\n" + batches_section(runs) + "\n"
     outputs = {readme: readme_text, root / RESULTS_PAGE: page}
