@@ -38,7 +38,7 @@ from layerskip.measure.labels import (
     decoding_label,
     replace_between_markers,
 )
-from layerskip.measure.report import batch_table, csv_table, fmt, markdown_report, percent, section, table
+from layerskip.measure.report import COLUMNS, batch_table, csv_table, fmt, markdown_report, percent, section, table
 
 RESULTS_DIR = Path("docs/results")
 RESULTS_PAGE = Path("docs/results.md")
@@ -1005,7 +1005,6 @@ def results_page(
     return "\n\n".join(parts) + "\n"
 
 
-_FIGURE_KEYS = ("tokens_per_second", "speedup", "mean_accepted", "acceptance_rate", "identical_fraction", "n_prompts")
 _PROMPT_KEYS = ("prompt_id", "category", "new_tokens", "seconds", "steps", "drafted", "accepted", "identical")
 
 
@@ -1022,7 +1021,7 @@ def csv_text(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     return csv_table(rounded, columns, lineterminator="\n")
 
 
-FIGURE_COLUMNS = ("results", "model", "dtype", "cpu", "method", "kind", "decoding", "category", *_FIGURE_KEYS)
+FIGURE_COLUMNS = ("results", "model", "dtype", "cpu", "method", "kind", "decoding", "category", *COLUMNS[:6])
 PROMPT_COLUMNS = ("results", "model", "dtype", "method", "kind", *_PROMPT_KEYS)
 
 
@@ -1031,16 +1030,12 @@ def notebook_data(files: list[ResultFile]) -> dict[str, str]:
     method and category (and ``overall``), and prompts.csv, a row per result file, method and prompt
     (steps only for our engine's methods)."""
     figures = [
-        {**_method_columns(f, method), "category": category, **{key: values.get(key) for key in _FIGURE_KEYS}}
+        {**values, **_method_columns(f, method), "category": category}
         for f in files
         for method, by_method in f.data["methods"].items()
         for category, values in [("overall", by_method["overall"]), *by_method.get("by_category", {}).items()]
     ]
-    prompts = [
-        {**_method_columns(f, record["method"]), **{key: record.get(key) for key in _PROMPT_KEYS}}
-        for f in files
-        for record in f.data["per_prompt"]
-    ]
+    prompts = [{**record, **_method_columns(f, record["method"])} for f in files for record in f.data["per_prompt"]]
     return {FIGURES_CSV: csv_text(figures, FIGURE_COLUMNS), PROMPTS_CSV: csv_text(prompts, PROMPT_COLUMNS)}
 
 
