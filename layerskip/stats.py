@@ -74,17 +74,15 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, block: int | None = None) -> None:
+        """A step: the prefill (``block`` None), or a verify forward over ``block`` positions."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.accept_histogram[accepted] = self.accept_histogram.get(accepted, 0) + 1
-
-    def record_draft(self, drafted: int) -> None:
-        self.draft_histogram[drafted] = self.draft_histogram.get(drafted, 0) + 1
-
-    def record_block(self, length: int) -> None:
-        self.block_histogram[length] = self.block_histogram.get(length, 0) + 1
+        if block is not None:
+            self.draft_histogram[drafted] = self.draft_histogram.get(drafted, 0) + 1
+            self.block_histogram[block] = self.block_histogram.get(block, 0) + 1
 
     @classmethod
     def combined(cls, items: Sequence[GenerationStats]) -> GenerationStats:

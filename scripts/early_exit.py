@@ -21,6 +21,7 @@ from layerskip.cli.common import csv_text, float_list, int_list, measured_run, m
 from layerskip.data import builtin_prompts, load_prompts
 from layerskip.drafts.builder import DraftModels
 from layerskip.drafts.model.precision import PRECISIONS
+from layerskip.drafts.rules.costs import expected_tokens
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.errors import LayerskipError
 from layerskip.fileio import check_output_dir, write_json_atomic, write_text_atomic
@@ -28,7 +29,6 @@ from layerskip.hf import adapters
 from layerskip.hf.models import load_model
 from layerskip.hf.prompting import encode_prompt
 from layerskip.measure.agreement import build_references, early_exit_frontier
-from layerskip.measure.frontier import expected_tokens
 from layerskip.measure.report import table as markdown_table
 
 OUTPUT_FILES = ("early_exit.json", "early_exit.csv", "early_exit.md")

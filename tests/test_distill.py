@@ -310,7 +310,8 @@ def test_search_chooses_among_trained_exits(tmp_path: Path, capsys) -> None:
 
 
 def test_projected_speedup_formula() -> None:
-    from layerskip.measure.frontier import expected_tokens, projected_speedup
+    from layerskip.drafts.rules.costs import expected_tokens
+    from layerskip.measure.frontier import projected_speedup
 
     assert expected_tokens(0.0, 4) == 1.0 and expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 1) == pytest.approx(1.5)

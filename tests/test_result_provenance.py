@@ -21,7 +21,7 @@ import torch
 from layerskip.machine import SOURCE_ROOT, code_version
 from layerskip.measure.bench import environment
 from layerskip.measure.labels import commit_label
-from layerskip.measure.results import BatchRun, ResultFile, file_section, load_result_files, run_section
+from layerskip.measure.results import ResultFile, ScriptRun, file_section, load_result_files, run_section
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -143,9 +143,9 @@ def test_the_results_page_shows_the_commit_beside_the_cpu() -> None:
     data["environment"]["dirty"] = True
     assert "commit abc1234 + uncommitted changes" in file_section(ResultFile("x", data))
     batches = json.loads((RESULTS / "batches" / "smollm2-135m-float32-amx" / "batches.json").read_text())
-    assert "greedy; commit not recorded." in run_section(BatchRun("b", batches))
+    assert "greedy; commit not recorded." in run_section(ScriptRun("batches", "b", batches))
     batches["environment"]["commit"] = "abc1234"
-    assert "greedy; commit abc1234." in run_section(BatchRun("b", batches))
+    assert "greedy; commit abc1234." in run_section(ScriptRun("batches", "b", batches))
     assert commit_label({"commit": None}) == commit_label({}) == "not recorded"
 
 

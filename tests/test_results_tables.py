@@ -32,24 +32,23 @@ from layerskip.measure.results import (
     README_END,
     README_START,
     RESULTS_DIR,
-    DraftCostFile,
     ResultFile,
+    ScriptRun,
     auto_lines,
     cpu_name,
     divergences_by_method,
     draft_cost_section,
-    load_batch_runs,
-    load_draft_costs,
     load_result_files,
+    load_script_runs,
     policy_kind,
     publish,
     read_result_file,
-    read_tree_ceilings,
     rendered,
     results_page,
     summary_table,
     tree_ceiling_section,
     tree_table,
+    whole_int4_draft,
 )
 
 FIXTURE = Path(__file__).parent / "data" / "bench-smollm2-tiny.json"
@@ -347,25 +346,27 @@ def test_divergences_are_summarised_from_the_recorded_gaps_and_bounds() -> None:
 
 
 def test_draft_cost_files_are_on_the_results_page(tmp_path: Path) -> None:
-    costs = load_draft_costs(REPO / RESULTS_DIR)
+    costs = load_script_runs(REPO / RESULTS_DIR, "draft_cost")
     xeon = next(c for c in costs if c.name == "smollm2-135m-fp32-amx")
     assert xeon.cpu() == "Intel Xeon (AVX2, AVX-512, avx512_bf16, AMX)"
-    assert round(xeon.whole_int4_draft()["relative_to_plain_step"], 2) == 0.37
+    assert round(whole_int4_draft(xeon)["relative_to_plain_step"], 2) == 0.37
     section = draft_cost_section(costs)
     assert '<a id="draft-cost"></a>' in section
     assert "| **0.37** |" in section and "| 1.14 | 1.15 | 1.23 | 1.57 | 1.55 |" in section
     assert section in (REPO / "docs" / "results.md").read_text()
     assert draft_cost_section([]) == ""
-    no_int4 = DraftCostFile("x", {**xeon.data, "rows": [r for r in xeon.data["rows"] if r["precision"] != "int4"]})
+    no_int4 = ScriptRun(
+        "draft_cost", "x", {**xeon.data, "rows": [r for r in xeon.data["rows"] if r["precision"] != "int4"]}
+    )
     assert "no int4 draft measured" in draft_cost_section([no_int4])
     broken = tmp_path / "draft-cost" / "broken" / "draft_cost.json"
     broken.parent.mkdir(parents=True)
     broken.write_text(json.dumps({**xeon.data, "plain_step_ms": "fast"}))
     with pytest.raises(LayerskipError, match="plain_step_ms is a string, not a number above 0"):
-        load_draft_costs(tmp_path)
+        load_script_runs(tmp_path, "draft_cost")
     broken.write_text("{")
     with pytest.raises(LayerskipError, match="cannot read draft-cost file"):
-        load_draft_costs(tmp_path)
+        load_script_runs(tmp_path, "draft_cost")
 
 
 def _committed_figures() -> tuple[set[str], set[str]]:
@@ -377,10 +378,10 @@ def _committed_figures() -> tuple[set[str], set[str]]:
             for values in [figures["overall"], *figures.get("by_category", {}).values()]:
                 if values.get("speedup") is not None:
                     speedups.add(f"{values['speedup']:.2f}")
-    for run in load_batch_runs(REPO / RESULTS_DIR):  # batches against HF's batched generate
+    for run in load_script_runs(REPO / RESULTS_DIR, "batches"):  # batches against HF's batched generate
         speedups.update(f"{row['speedup']:.2f}" for row in run.data["batches"])
     costs: set[str] = set()
-    for c in load_draft_costs(REPO / RESULTS_DIR):
+    for c in load_script_runs(REPO / RESULTS_DIR, "draft_cost"):
         costs.update(f"{r['relative_to_plain_step']:.2f}" for r in c.data["rows"])
         for curve in c.data["verify_curves"].values():
             costs.update(f"{v:.2f}" for v in curve["to_plain_step"].values())
@@ -542,7 +543,7 @@ def test_result_files_from_before_auto_and_trees_still_render() -> None:
 
 
 def test_tree_ceiling_files_are_on_the_results_page(tmp_path: Path) -> None:
-    ceilings = read_tree_ceilings(REPO / RESULTS_DIR)
+    ceilings = load_script_runs(REPO / RESULTS_DIR, "tree_ceiling")
     assert {c.name for c in ceilings} >= {"smollm2-135m-fp32", "gemma3-270m-bf16"}
     section = tree_ceiling_section(ceilings)
     assert '<a id="tree-ceiling"></a>' in section
@@ -555,10 +556,10 @@ def test_tree_ceiling_files_are_on_the_results_page(tmp_path: Path) -> None:
     folder.mkdir(parents=True)
     (folder / "tree_ceiling.json").write_text(json.dumps({**one.data, "tau_chain": "high"}))
     with pytest.raises(LayerskipError, match="tau_chain is a string, not a number above 0"):
-        read_tree_ceilings(tmp_path)
+        load_script_runs(tmp_path, "tree_ceiling")
     (folder / "tree_ceiling.json").write_text("{")
     with pytest.raises(LayerskipError, match="cannot read tree-ceiling file"):
-        read_tree_ceilings(tmp_path)
+        load_script_runs(tmp_path, "tree_ceiling")
 
 
 def _with(data: dict, path: tuple, value: object) -> dict:
@@ -670,11 +671,11 @@ def test_the_draft_cost_script_runs_end_to_end_and_its_file_renders(tiny_llama: 
     out = tmp_path / "draft-cost" / "tiny"
     result = run_script("draft_cost.py", "--model", str(tiny_llama), "--repeats", "1", "--out", str(out))
     assert result.returncode == 0, result.stderr
-    [cost] = load_draft_costs(tmp_path)
+    [cost] = load_script_runs(tmp_path, "draft_cost")
     assert set(cost.data["draft_memory_mb"]) == {"model", "bfloat16", "int4"}
     assert all(megabytes > 0 for name, megabytes in cost.data["draft_memory_mb"].items() if name != "model")
     assert (out / "draft_cost.md").read_text().startswith("| policy |")
-    assert "[tiny](results/draft-cost/tiny/draft_cost.json)" in draft_cost_section(load_draft_costs(tmp_path))
+    assert "[tiny](results/draft-cost/tiny/draft_cost.json)" in draft_cost_section([cost])
     taken = tmp_path / "taken"
     taken.write_text("mine")
     refused = run_script("draft_cost.py", "--model", str(tmp_path / "no-model"), "--out", str(taken))
@@ -683,7 +684,7 @@ def test_the_draft_cost_script_runs_end_to_end_and_its_file_renders(tiny_llama: 
 
 def test_a_batch_runs_report_holds_the_results_pages_table() -> None:
     """bench's batches.md and the results page render a batch run's figures as one table."""
-    for run in load_batch_runs(REPO / RESULTS_DIR):
+    for run in load_script_runs(REPO / RESULTS_DIR, "batches"):
         table = batch_table(run.data)
         assert table.startswith("| batch | layout |") and table in batch_markdown(run.data)
         assert table in (REPO / "docs" / "results.md").read_text()

@@ -345,9 +345,7 @@ def record_outcome(
     """One step's figures (``block``: the positions the verify ran over, fillers included); the
     drafter that proposed (None: not the row's own) learns the verdict as far as it was used."""
     used = verdict.cut(kept)  # candidates past an EOS or the budget were not used
-    stats.record_step(len(proposal), used.accepted)
-    stats.record_draft(len(proposal))
-    stats.record_block(block)
+    stats.record_step(len(proposal), used.accepted, block)
     if proposal.source == base.LOOKUP and len(proposal):
         stats.lookup_steps += 1
     if not proposal.tree.is_chain:

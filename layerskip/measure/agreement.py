@@ -113,29 +113,20 @@ class TeacherForcedDraft:
         return int((predicted == self.continuation).sum()), count
 
 
-def teacher_forced_agreement(
-    draft_model: DraftModel, references: Sequence[Reference], attention: Sequence[int] = (), mlp: Sequence[int] = ()
-) -> float:
-    """Fraction of reference positions where the draft's full head's top-1 equals the full model's token."""
-    matches = total = 0
-    for reference in references:
-        m, n = TeacherForcedDraft(draft_model, reference, attention, mlp).agreement()
-        matches += m
-        total += n
-    return matches / total if total else 0.0
-
-
 def single_sublayer_agreement(
     model: nn.Module, references: Sequence[Reference], progress: bool = False
 ) -> dict[str, list[float]]:
-    """Agreement with exactly one sublayer bypassed: {"attention": [per layer], "mlp": [per layer]}."""
+    """Agreement with exactly one sublayer bypassed: {"attention": [per layer], "mlp": [per layer]},
+    the fraction of reference positions where the draft's full head's top-1 is the full model's token."""
     draft_model = DraftModels(model).get()
     count = adapters.num_layers(model)
     result: dict[str, list[float]] = {"attention": [], "mlp": []}
     bar = tqdm(total=2 * count, desc="single-sublayer agreement", disable=not progress)
     for i in range(count):
         for kind, values in result.items():
-            values.append(teacher_forced_agreement(draft_model, references, **{kind: [i]}))
+            counts = [TeacherForcedDraft(draft_model, ref, **{kind: [i]}).agreement() for ref in references]
+            total = sum(n for _, n in counts)
+            values.append(sum(m for m, _ in counts) / total if total else 0.0)
             bar.update()
     bar.close()
     return result

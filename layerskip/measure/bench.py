@@ -208,18 +208,20 @@ def build_methods(
 
         return _with_threads(run, count)
 
-    def ours(policy: SkipPolicy | None, setting: int | str) -> tuple[Runner, float | None]:
+    def ours(name: str, policy: SkipPolicy | None, setting: int | str) -> Method:
+        """Our engine decoding with ``policy`` (None: no draft) under thread ``setting``."""
         if processors:
             # Processors come from HF's own reading of the arguments: through the plug-in, which
             # hands them to the engine as plain generate would apply them.
             spec = PLAIN if policy is None else policy
-            return custom(spec, None), _draft_memory(decoder_for(model, spec))  # the process's threads, as ours
+            memory = _draft_memory(decoder_for(model, spec))
+            return Method(name, custom(spec, None), policy, memory)  # the process's threads, as ours
         decoder = Decoder.for_policy(model, policy, threads=setting)
 
         def run(ids: list[int], max_new: int) -> tuple[list[int], GenerationStats]:
             return decoder.decode(ids, DecodeSettings(max_new, sampling, seed_for(ids), eos_token_ids))
 
-        return run, _draft_memory(decoder)
+        return Method(name, run, policy, _draft_memory(decoder))
 
     def methods_for(setting: int | str, hf_threads: int | None) -> list[Method]:
         """Every method named, for one thread setting: ``setting`` for our decoders, ``hf_threads``
@@ -229,21 +231,17 @@ def build_methods(
             if name == "hf-ar":
                 methods.append(Method(name, hf(hf_threads)))
             elif name == "ar":
-                methods.append(Method(name, ours(None, setting)[0]))
+                methods.append(ours(name, None, setting))
             elif name == "self-spec":
                 variants = _variants(policies, ablate, tree_ablation)
                 for label, policy in variants.items():
-                    full = name if len(variants) == 1 else f"{name}:{label}"
-                    run, memory = ours(policy, setting)
-                    methods.append(Method(full, run, policy, memory))
+                    methods.append(ours(name if len(variants) == 1 else f"{name}:{label}", policy, setting))
             elif name == "self-spec-lookup":
                 draft = replace(LOOKUP_ONLY.draft, lookup_max_tokens=lookup_tokens, max_draft_tokens=lookup_tokens)
-                lookup = replace(LOOKUP_ONLY, draft=draft)
-                methods.append(Method(name, ours(lookup, setting)[0], lookup))
+                methods.append(ours(name, replace(LOOKUP_ONLY, draft=draft), setting))
             elif name == "self-spec-on-the-fly":
                 selection = SkipPolicy.adaptive_selection(device=next(model.parameters()).device)
-                run, memory = ours(selection, setting)
-                methods.append(Method(name, run, selection, memory))
+                methods.append(ours(name, selection, setting))
             elif name == "hf-custom":
                 for label, policy in policies.items():
                     full = name if len(policies) == 1 else f"{name}:{label}"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from layerskip.drafts.builder import head_rows
 from layerskip.drafts.model.draft_model import DraftModel
 from layerskip.drafts.policy.skip_policy import SkipPolicy
+from layerskip.drafts.rules.costs import expected_tokens
 from layerskip.engine.latency import draft_step_seconds, verify_seconds
 from layerskip.engine.verify_head import engine_verify_head
 
@@ -23,12 +24,6 @@ class ExitCost:
     draft_cost: float  # one draft step / one plain step
     verify_cost: dict[int, float]  # block length -> verify / plain step
     plain_ms: float
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    if acceptance >= 1.0:
-        return k + 1.0
-    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
 def projected_speedup(acceptance: float, draft_cost: float, verify_cost: Callable[[int], float]) -> tuple[float, int]:

@@ -25,7 +25,7 @@ from layerskip.drafts.rules.costs import block_cost
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.engine.latency import verify_seconds
 from layerskip.hf import adapters
-from layerskip.measure.report import csv_table, table
+from layerskip.measure.report import csv_table, fmt, percent, table
 from layerskip.measure.timing import Runner, TimedRun, run_interleaved, throughput
 from layerskip.stats import GenerationStats
 
@@ -149,16 +149,8 @@ def markdown(report: dict[str, Any]) -> str:
     header += ["draft", "verify fwd", "verify rest", "loop other", "framework floor"]
     for s in report["configs"]:
         speed, per_verify, drafted, lookup = (s.get(k) for k in CSV_COLUMNS[1:])
-        cells = [
-            s["name"],
-            f"{s['tokens_per_second']:.1f}",
-            "-" if speed is None else f"{speed:.2f}x",
-            "-" if per_verify is None else f"{per_verify:.2f}",
-            "-" if drafted is None else f"{100 * drafted:.0f}%",
-            "-" if lookup is None else f"{100 * lookup:.0f}%",
-            *(f"{s['ms_per_token'][part]:.1f}" for part in MS_PARTS),
-        ]
-        rows.append(cells)
+        cells = [s["name"], fmt(s["tokens_per_second"], 1), "-" if speed is None else f"{speed:.2f}x", fmt(per_verify)]
+        rows.append([*cells, percent(drafted), percent(lookup), *(fmt(s["ms_per_token"][p], 1) for p in MS_PARTS)])
     blocks = costs["block_relative"]
     return (
         "Forward cost of a block of b tokens, relative to one plain step "

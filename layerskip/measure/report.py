@@ -28,7 +28,7 @@ COLUMNS = (
 )
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
+def fmt(value: Any, digits: int = 2) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -52,12 +52,12 @@ def markdown_table(results: dict[str, Any]) -> str:
     rows = []
     for name, figures in methods.items():
         o = figures["overall"]
-        cells = [name, _fmt(o["tokens_per_second"], 1), f"{_fmt(o['speedup'])}x", _fmt(o["mean_accepted"])]
-        cells += [_fmt(o["acceptance_rate"]), _identity(o)]
+        cells = [name, fmt(o["tokens_per_second"], 1), f"{fmt(o['speedup'])}x", fmt(o["mean_accepted"])]
+        cells += [fmt(o["acceptance_rate"]), _identity(o)]
         if memory:
-            cells.append(_fmt((memory.get(name) or {}).get("peak_mb"), 0))
+            cells.append(fmt((memory.get(name) or {}).get("peak_mb"), 0))
         by_category = figures["by_category"]
-        cells += [f"{_fmt(by_category[c]['speedup'])}x" if by_category.get(c) else "-" for c in categories]
+        cells += [f"{fmt(by_category[c]['speedup'])}x" if by_category.get(c) else "-" for c in categories]
         rows.append(cells)
     return table(header, rows)
 
@@ -71,7 +71,7 @@ def _identity(figures: dict[str, Any]) -> str:
     if "n_identical" not in figures:
         # A sampled run compares no draws: its fraction is None.
         fraction = figures.get("identical_fraction")
-        return "n/a (sampled)" if fraction is None else _fmt(fraction)
+        return "n/a (sampled)" if fraction is None else fmt(fraction)
     cell = f"{figures['n_identical']} / {figures['n_rounding']} / {figures['n_defect']}"
     unclassified = figures.get("n_unclassified")
     return f"{cell} (+{unclassified} unclassified)" if unclassified else cell
@@ -91,8 +91,8 @@ def divergences_by_prompt(results: dict[str, Any]) -> str:
             str(d.get("position")),
             _token(d, "method"),
             _token(d, "reference"),
-            _fmt(d.get("fp32_gap"), 4),
-            _fmt(d.get("error_bound"), 4),
+            fmt(d.get("fp32_gap"), 4),
+            fmt(d.get("error_bound"), 4),
             d.get("class") or "unclassified",
         ]
         for row, d in rows
@@ -120,13 +120,12 @@ def profile_table(results: dict[str, Any]) -> str:
     header = ["method", "ms/token", "prefill", "draft", "verify", "other", "verify ms/step", "lookup steps"]
     parts = ("total_ms", "prefill_ms", "draft_ms", "verify_ms", "other_ms", "verify_ms_per_step")
     rows = [
-        [name, *(_fmt(p.get(part), 1) for part in parts), _percent(p.get("lookup_share"))]
-        for name, p in profiles.items()
+        [name, *(fmt(p.get(part), 1) for part in parts), percent(p.get("lookup_share"))] for name, p in profiles.items()
     ]
     return table(header, rows)
 
 
-def _percent(share: float | None) -> str:
+def percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.0f}%"
 
 
@@ -144,10 +143,10 @@ def held_out_table(results: dict[str, Any]) -> str:
             [
                 name,
                 ", ".join(split["tuned_categories"]),
-                f"{_fmt(tuned.get('speedup'))}x" if tuned else "-",
-                f"{_fmt(held.get('speedup'))}x" if held else "- (no other category)",
-                _fmt(tuned.get("acceptance_rate")),
-                _fmt(held.get("acceptance_rate")),
+                f"{fmt(tuned.get('speedup'))}x" if tuned else "-",
+                f"{fmt(held.get('speedup'))}x" if held else "- (no other category)",
+                fmt(tuned.get("acceptance_rate")),
+                fmt(held.get("acceptance_rate")),
             ]
         )
     return table(header, cells)
@@ -160,9 +159,9 @@ def markdown_report(results: dict[str, Any]) -> str:
         "within the measured rounding error of the two paths, `defect`: it is not):"
     )
     sampled = results.get("sampled")
-    parts = [f"Sampled ({decoding_label(sampled)}), every method alike: draws are not compared token for token."]
+    note = f"Sampled ({decoding_label(sampled)}), every method alike: draws are not compared token for token."
     parts = [
-        *(parts if sampled else []),
+        *([note] if sampled else []),
         markdown_table(results),
         *own_arithmetic_note(results),
         *section(divergences, divergences_by_prompt(results)),

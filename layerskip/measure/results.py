@@ -38,7 +38,7 @@ from layerskip.measure.labels import (
     decoding_label,
     replace_between_markers,
 )
-from layerskip.measure.report import batch_table, csv_table, markdown_report, section, table
+from layerskip.measure.report import COLUMNS, batch_table, csv_table, fmt, markdown_report, percent, section, table
 
 RESULTS_DIR = Path("docs/results")
 RESULTS_PAGE = Path("docs/results.md")
@@ -232,6 +232,32 @@ TREE_CEILING_SHAPE = Obj(
     },
     optional=_CODE,
 )
+_BATCH_ROW = Obj(
+    required={
+        "batch_size": int,
+        "layout": str,
+        **{key: Number(positive=True) for key in ("hf_tokens_per_second", "ours_tokens_per_second", "speedup")},
+        **{key: Number() for key in ("row_latency_hf_s", "row_latency_ours_s")},
+        "identical_rows": int,
+        "rows": int,
+    },
+    optional={"plain_tokens_per_second": Maybe(Number(positive=True)), "vs_plain": Maybe(Number(positive=True))},
+)
+BATCHES_SHAPE = Obj(
+    required={
+        **{key: str for key in ("command", "model", "dtype", "policy")},
+        "max_new_tokens": int,
+        "device_name": str,
+        "batches": Items(_BATCH_ROW),
+        "environment": Obj(optional={"cpu_flags": _FLAGS, **_CODE}),
+    }
+)
+# Each measuring script's output (ScriptRun): what the results page reads of it, and what writes it.
+SCRIPT_OUTPUTS = {
+    "draft_cost": (DRAFT_COST_SHAPE, "scripts/draft_cost.py"),
+    "tree_ceiling": (TREE_CEILING_SHAPE, "scripts/tree_ceiling.py"),
+    "batches": (BATCHES_SHAPE, "scripts/bench.py --batch-size"),
+}
 
 
 @dataclass(frozen=True)
@@ -389,44 +415,54 @@ def load_result_files(directory: str | Path = RESULTS_DIR) -> list[ResultFile]:
 
 
 @dataclass(frozen=True)
-class DraftCostFile:
-    """One committed ``scripts/draft_cost.py`` output: ``name`` is its folder under draft-cost/."""
+class ScriptRun:
+    """One committed output of a measuring script (``SCRIPT_OUTPUTS``): ``FOLDER/NAME/SCRIPT.json``
+    under docs/results/, FOLDER the script's name with dashes; ``name`` is its folder NAME."""
 
+    script: str  # draft_cost, tree_ceiling or batches
     name: str
     data: dict[str, Any]
 
+    @property
+    def anchor(self) -> str:
+        return f"{self.script}-{self.name}"
+
+    @property
+    def link(self) -> str:
+        """The file, linked from the results page."""
+        return f"[{self.name}](results/{self.script.replace('_', '-')}/{self.name}/{self.script}.json)"
+
     def cpu(self) -> str:
-        """The machine draft_cost.py recorded (``MODEL (flag, flag, ...)``) as ``cpu_label`` names it."""
+        """The machine as ``cpu_label`` names it: a batch run records the CPU's name and flags, the
+        other scripts ``MODEL (flag, flag, ...)``."""
+        if self.script == "batches":
+            return cpu_label(self.data["device_name"], self.data["environment"].get("cpu_flags"))
         machine = str(self.data["machine"])
         match = re.fullmatch(r"(.*\S) \(([^()]*)\)", machine)
         if not match:
             return cpu_name(machine)
         return cpu_label(match.group(1), [flag.strip() for flag in match.group(2).split(",")])
 
-    def whole_int4_draft(self) -> dict[str, Any] | None:
-        """The int4 draft that bypasses nothing (the cheapest draft that keeps every sublayer)."""
-        rows = [
-            r for r in self.data["rows"] if r.get("precision") == "int4" and not r.get("fraction_of_weights_bypassed")
-        ]
-        return min(rows, key=lambda r: r["relative_to_plain_step"]) if rows else None
 
-
-def _script_outputs(directory: str | Path, script: str, shape: Obj, fix: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """Every ``SCRIPT.json`` that ``scripts/SCRIPT.py`` wrote under ``directory`` (in its folder
-    ``script-name/NAME/``) as (NAME, data), by model, then name; each checked for everything the results
-    page reads, nested values included, so a damaged file is one line naming what is wrong."""
-    folder, fix = script.replace("_", "-"), fix or f"pass a {script}.json that scripts/{script}.py wrote"
+def load_script_runs(directory: str | Path, script: str) -> list[ScriptRun]:
+    """Every output of ``script`` (a key of ``SCRIPT_OUTPUTS``) under ``directory``, by model, then
+    name; each checked for everything the results page reads, nested values included, so a damaged
+    file is one line naming what is wrong."""
+    shape, writer = SCRIPT_OUTPUTS[script]
+    folder = script.replace("_", "-")
     paths = sorted(Path(directory).glob(f"{folder}/*/{script}.json"))
-    found = [(path.parent.name, load_json(path, f"{folder} file", fix, shape=shape)) for path in paths]
-    return sorted(found, key=lambda named: (named[1]["model"], named[0]))
+    fix = f"pass a {script}.json that {writer} wrote"
+    runs = [ScriptRun(script, path.parent.name, load_json(path, f"{folder} file", fix, shape=shape)) for path in paths]
+    return sorted(runs, key=lambda run: (run.data["model"], run.name))
 
 
-def load_draft_costs(directory: str | Path = RESULTS_DIR) -> list[DraftCostFile]:
-    """Every ``draft-cost/NAME/draft_cost.json`` under ``directory`` (scripts/draft_cost.py's output folders)."""
-    return [DraftCostFile(*found) for found in _script_outputs(directory, "draft_cost", DRAFT_COST_SHAPE)]
+def whole_int4_draft(cost: ScriptRun) -> dict[str, Any] | None:
+    """A draft_cost.py run's int4 draft that bypasses nothing (the cheapest draft that keeps every sublayer)."""
+    rows = [r for r in cost.data["rows"] if r.get("precision") == "int4" and not r.get("fraction_of_weights_bypassed")]
+    return min(rows, key=lambda r: r["relative_to_plain_step"]) if rows else None
 
 
-def draft_cost_section(costs: list[DraftCostFile]) -> str:
+def draft_cost_section(costs: list[ScriptRun]) -> str:
     """The results page's draft-cost section: a draft step and a verify block against a plain step."""
     if not costs:
         return ""
@@ -435,16 +471,15 @@ def draft_cost_section(costs: list[DraftCostFile]) -> str:
     )
     draft, verify = [], []
     for c in costs:
-        link = f"[{c.name}](results/draft-cost/{c.name}/draft_cost.json)"
         figures = ["no int4 draft measured", "", "", ""]
-        if row := c.whole_int4_draft():
+        if row := whole_int4_draft(c):
             figures = [row["policy"], f"{row['draft_step_ms']:.1f} ms", f"**{row['relative_to_plain_step']:.2f}**"]
             figures.append(f"{row['floor_relative_to_plain_step']:.2f}")
-        run = [link, c.data["model"], c.data["dtype"], c.cpu(), f"commit {commit_label(c.data)}"]
+        run = [c.link, c.data["model"], c.data["dtype"], c.cpu(), f"commit {commit_label(c.data)}"]
         draft.append([*run, f"{c.data['plain_step_ms']:.1f} ms", *figures])
         for dtype, curve in c.data["verify_curves"].items():
             values = [curve["to_plain_step"].get(str(n)) for n in blocks]
-            verify.append([link, c.cpu(), dtype, *("" if v is None else f"{v:.2f}" for v in values)])
+            verify.append([c.link, c.cpu(), dtype, *("" if v is None else f"{v:.2f}" for v in values)])
     draft_header = ["run", "model", "dtype", "CPU", "code", "plain step", "draft", "draft step", "vs plain step"]
     draft_header.append("its bandwidth floor vs plain step")
     return "\n\n".join(
@@ -463,18 +498,13 @@ def draft_cost_section(costs: list[DraftCostFile]) -> str:
     )
 
 
-def read_tree_ceilings(directory: str | Path = RESULTS_DIR) -> list[DraftCostFile]:
-    """Every ``tree-ceiling/NAME/tree_ceiling.json`` under ``directory`` (scripts/tree_ceiling.py's output folders)."""
-    return [DraftCostFile(*found) for found in _script_outputs(directory, "tree_ceiling", TREE_CEILING_SHAPE)]
-
-
 def _widest(costs: dict[str, float], limit: int) -> str:
     """The cost at the largest row count up to ``limit``, as ``n: x.xx``."""
     rows = [int(n) for n in costs if int(n) <= limit]
     return f"{max(rows)}: {costs[str(max(rows))]:.2f}" if rows else "-"
 
 
-def tree_ceiling_section(ceilings: list[DraftCostFile]) -> str:
+def tree_ceiling_section(ceilings: list[ScriptRun]) -> str:
     """The results page's token-tree ceiling: extra tokens per verify each candidate kind could add
     with a free verify, beside what widening the verify and the draft costs on the same machine."""
     if not ceilings:
@@ -491,7 +521,7 @@ def tree_ceiling_section(ceilings: list[DraftCostFile]) -> str:
         verify, draft = c.data["verify_rows_cost"], c.data["draft_rows_cost"]
         rows.append(
             [
-                f"[{c.name}](results/tree-ceiling/{c.name}/tree_ceiling.json)",
+                c.link,
                 c.cpu(),
                 f"commit {commit_label(c.data)}",
                 f"{tau:.2f}",
@@ -705,8 +735,8 @@ def tree_table(data: dict[str, Any]) -> str:
         rows.append(
             [
                 method,
-                _number(overall.get("mean_accepted")),
-                _number(chain.get("mean_accepted")),
+                fmt(overall.get("mean_accepted")),
+                fmt(chain.get("mean_accepted")),
                 _speedup(overall.get("speedup")),
                 _speedup(chain.get("speedup")),
                 f"{trees}{share}",
@@ -715,10 +745,6 @@ def tree_table(data: dict[str, Any]) -> str:
         )
     header = ["method", "τ", "τ, chain", "speedup", "speedup, chain", "tree steps", "accepted off the first branch"]
     return table(header, rows) if rows else ""
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 def auto_lines(data: dict[str, Any]) -> str:
@@ -731,8 +757,8 @@ def auto_lines(data: dict[str, Any]) -> str:
         if not isinstance(auto, dict):
             continue
         parts = [
-            f"prompt lookup drafted {_share(auto.get('lookup_share'))} of the steps, "
-            f"the skip draft {_share(auto.get('skip_share'))}"
+            f"prompt lookup drafted {percent(auto.get('lookup_share'))} of the steps, "
+            f"the skip draft {percent(auto.get('skip_share'))}"
         ]
         lengths = _histogram(auto.get("draft_lengths"), lambda k: k)
         if lengths:
@@ -745,10 +771,6 @@ def auto_lines(data: dict[str, Any]) -> str:
         parts.append(_calibration(auto.get("calibration") or {}))
         lines.append(f"- `{method}`: " + "; ".join(parts))
     return "\n".join(lines)
-
-
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
 
 
 def _histogram(counts: Any, label: Any, zero_last: bool = False) -> str:
@@ -851,8 +873,8 @@ def twin_section(files: list[ResultFile]) -> str:
                 f"[{_speedup(mine[0])}](#{twin.name})",
                 f"{mine[0] / theirs[0]:.2f}",
                 f"{shipped.get('tokens_per_second') or 0:.1f} → {noisy.get('tokens_per_second') or 0:.1f}",
-                f"{_share((shipped.get('auto') or {}).get('lookup_share'))} → "
-                f"{_share((noisy.get('auto') or {}).get('lookup_share'))}",
+                f"{percent((shipped.get('auto') or {}).get('lookup_share'))} → "
+                f"{percent((noisy.get('auto') or {}).get('lookup_share'))}",
                 f"{shipped.get('new_tokens', '-')} → {noisy.get('new_tokens', '-')}",
                 f"{_draft_copy(original, theirs[1])} → {_draft_copy(twin, mine[1])}",
                 "" if pld is None else _speedup(pld[0]),
@@ -891,54 +913,13 @@ def twin_section(files: list[ResultFile]) -> str:
 
 BATCHES_START = "<!-- batches-table:start: generated by scripts/results_tables.py from docs/results/batches -->"
 BATCHES_END = "<!-- batches-table:end -->"
-_BATCH_ROW = Obj(
-    required={
-        "batch_size": int,
-        "layout": str,
-        **{key: Number(positive=True) for key in ("hf_tokens_per_second", "ours_tokens_per_second", "speedup")},
-        **{key: Number() for key in ("row_latency_hf_s", "row_latency_ours_s")},
-        "identical_rows": int,
-        "rows": int,
-    },
-    optional={"plain_tokens_per_second": Maybe(Number(positive=True)), "vs_plain": Maybe(Number(positive=True))},
-)
-BATCHES_SHAPE = Obj(
-    required={
-        **{key: str for key in ("command", "model", "dtype", "policy")},
-        "max_new_tokens": int,
-        "device_name": str,
-        "batches": Items(_BATCH_ROW),
-        "environment": Obj(optional={"cpu_flags": _FLAGS, **_CODE}),
-    }
-)
 
 
-@dataclass
-class BatchRun:
-    """One committed batch run (``scripts/bench.py --batch-size``): ``name`` is its folder under batches/."""
-
-    name: str
-    data: dict[str, Any]
-
-    def cpu(self) -> str:
-        return cpu_label(self.data["device_name"], self.data["environment"].get("cpu_flags"))
-
-    @property
-    def anchor(self) -> str:
-        return f"batches-{self.name}"
-
-
-def load_batch_runs(directory: str | Path) -> list[BatchRun]:
-    """Every ``batches/NAME/batches.json`` under ``directory``, by model, then name."""
-    fix = "pass a batches.json that scripts/bench.py --batch-size wrote"
-    return [BatchRun(*found) for found in _script_outputs(directory, "batches", BATCHES_SHAPE, fix)]
-
-
-def _speedups(run: BatchRun, layout: str) -> dict[int, dict[str, Any]]:
+def _speedups(run: ScriptRun, layout: str) -> dict[int, dict[str, Any]]:
     return {row["batch_size"]: row for row in run.data["batches"] if row["layout"] == layout}
 
 
-def batch_summary_table(runs: list[BatchRun], page: str) -> str:
+def batch_summary_table(runs: list[ScriptRun], page: str) -> str:
     """README's batches table: per run and layout, the speedup over HF's batched generate at each
     batch size, and the rows identical to HF's."""
     sizes = sorted({row["batch_size"] for run in runs for row in run.data["batches"]})
@@ -958,8 +939,10 @@ def batch_summary_table(runs: list[BatchRun], page: str) -> str:
     return table(header, table_rows)
 
 
-def batches_section(runs: list[BatchRun]) -> str:
-    """The results page's batches section."""
+def batches_section(runs: list[ScriptRun]) -> str:
+    """The results page's batches section (empty without a batch run)."""
+    if not runs:
+        return ""
     intro = (
         '<a id="batches"></a>\n## Batches\n\n'
         "HF's batched `generate` against the self-speculative plug-in (`model.generate(custom_generate=...)`) "
@@ -980,22 +963,18 @@ def batches_section(runs: list[BatchRun]) -> str:
     return "\n\n".join([intro, *[run_section(run) for run in runs]])
 
 
-def run_section(run: BatchRun) -> str:
+def run_section(run: ScriptRun) -> str:
     """One batch run on the results page: its command, machine and every batch's figures."""
     d = run.data
     return (
         f'<a id="{run.anchor}"></a>\n### {d["model"]}, {d["dtype"]}, policy {d["policy"]}, on {run.cpu()}\n'
-        f"`{d['command']}` ([{run.name}](results/batches/{run.name}/batches.json)), "
+        f"`{d['command']}` ({run.link}), "
         f"{d['max_new_tokens']} new tokens, greedy; commit {commit_label(d['environment'])}.\n\n{batch_table(d)}"
     )
 
 
-def results_page(
-    files: list[ResultFile],
-    draft_costs: list[DraftCostFile] | None = None,
-    tree_ceilings: list[DraftCostFile] | None = None,
-) -> str:
-    """docs/results.md, whole."""
+def results_page(files: list[ResultFile], scripts: dict[str, list[ScriptRun]] | None = None) -> str:
+    """docs/results.md, whole; ``scripts``: each measuring script's runs (``load_script_runs``) by script."""
     parts = [
         "# Results",
         "<!-- generated by scripts/results_tables.py from docs/results/*.json; edit those files, not this page -->",
@@ -1019,12 +998,13 @@ def results_page(
         summary_table(files, ""),
     ]
     parts += [file_section(f) for f in files]
-    optional = [draft_cost_section(draft_costs or []), twin_section(files), tree_ceiling_section(tree_ceilings or [])]
+    runs = scripts or {}
+    optional = [draft_cost_section(runs.get("draft_cost", [])), twin_section(files)]
+    optional += [tree_ceiling_section(runs.get("tree_ceiling", [])), batches_section(runs.get("batches", []))]
     parts += [part for part in optional if part]  # each empty without its files
     return "\n\n".join(parts) + "\n"
 
 
-_FIGURE_KEYS = ("tokens_per_second", "speedup", "mean_accepted", "acceptance_rate", "identical_fraction", "n_prompts")
 _PROMPT_KEYS = ("prompt_id", "category", "new_tokens", "seconds", "steps", "drafted", "accepted", "identical")
 
 
@@ -1041,7 +1021,7 @@ def csv_text(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     return csv_table(rounded, columns, lineterminator="\n")
 
 
-FIGURE_COLUMNS = ("results", "model", "dtype", "cpu", "method", "kind", "decoding", "category", *_FIGURE_KEYS)
+FIGURE_COLUMNS = ("results", "model", "dtype", "cpu", "method", "kind", "decoding", "category", *COLUMNS[:6])
 PROMPT_COLUMNS = ("results", "model", "dtype", "method", "kind", *_PROMPT_KEYS)
 
 
@@ -1050,16 +1030,12 @@ def notebook_data(files: list[ResultFile]) -> dict[str, str]:
     method and category (and ``overall``), and prompts.csv, a row per result file, method and prompt
     (steps only for our engine's methods)."""
     figures = [
-        {**_method_columns(f, method), "category": category, **{key: values.get(key) for key in _FIGURE_KEYS}}
+        {**values, **_method_columns(f, method), "category": category}
         for f in files
         for method, by_method in f.data["methods"].items()
         for category, values in [("overall", by_method["overall"]), *by_method.get("by_category", {}).items()]
     ]
-    prompts = [
-        {**_method_columns(f, record["method"]), **{key: record.get(key) for key in _PROMPT_KEYS}}
-        for f in files
-        for record in f.data["per_prompt"]
-    ]
+    prompts = [{**record, **_method_columns(f, record["method"])} for f in files for record in f.data["per_prompt"]]
     return {FIGURES_CSV: csv_text(figures, FIGURE_COLUMNS), PROMPTS_CSV: csv_text(prompts, PROMPT_COLUMNS)}
 
 
@@ -1070,25 +1046,21 @@ def rendered(root: str | Path = ".") -> dict[Path, str]:
     files = load_result_files(root / RESULTS_DIR)
     readme = root / "README.md"
     readme_text = readme.read_text()
-    if not any(marker in readme_text for marker in (README_START, FIRST_SCREEN_START, BATCHES_START)):
+    scripts = {script: load_script_runs(root / RESULTS_DIR, script) for script in SCRIPT_OUTPUTS}
+    tables = {  # the README's generated tables, each between its markers (the whole summary links the page's)
+        (README_START, README_END): lambda: summary_table(files, str(RESULTS_PAGE)),
+        (FIRST_SCREEN_START, FIRST_SCREEN_END): lambda: first_screen_table(files, str(RESULTS_PAGE)),
+        (BATCHES_START, BATCHES_END): lambda: batch_summary_table(scripts["batches"], str(RESULTS_PAGE)),
+    }
+    if not any(start in readme_text for start, _ in tables):
         raise LayerskipError(
             f"{readme} has none of the generated tables' markers (first-screen, batches-table or "
             "results-table); put them back around the tables"
         )
-    if README_START in readme_text:  # the whole summary in the README (the committed one links the page's)
-        summary = summary_table(files, str(RESULTS_PAGE))
-        readme_text = replace_between_markers(readme_text, summary, README_START, README_END)
-    if FIRST_SCREEN_START in readme_text:
-        first = first_screen_table(files, str(RESULTS_PAGE))
-        readme_text = replace_between_markers(readme_text, first, FIRST_SCREEN_START, FIRST_SCREEN_END)
-    page = results_page(files, load_draft_costs(root / RESULTS_DIR), read_tree_ceilings(root / RESULTS_DIR))
-    runs = load_batch_runs(root / RESULTS_DIR)
-    if runs:
-        page = page.rstrip("\n") + "\n\n" + batches_section(runs) + "\n"
-    if BATCHES_START in readme_text:
-        batches = batch_summary_table(runs, str(RESULTS_PAGE))
-        readme_text = replace_between_markers(readme_text, batches, BATCHES_START, BATCHES_END)
-    outputs = {readme: readme_text, root / RESULTS_PAGE: page}
+    for (start, end), make in tables.items():
+        if start in readme_text:
+            readme_text = replace_between_markers(readme_text, make(), start, end)
+    outputs = {readme: readme_text, root / RESULTS_PAGE: results_page(files, scripts)}
     outputs.update({root / RESULTS_DIR / name: text for name, text in notebook_data(files).items()})
     return outputs
 
