@@ -96,17 +96,18 @@ def test_no_commit_without_git(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_script_result_records_the_code() -> None:
     """Each front end that writes a JSON result records ``code_version()`` in it (bench through
-    ``environment()``)."""
+    ``environment()``, the measuring scripts through ``cli.common.measured_run``)."""
     writers = [ROOT / "layerskip" / "cli" / "bench.py", *(ROOT / "scripts").glob("*.py")]
     writers += [ROOT / "layerskip" / "cli" / name for name in ("train_exit.py", "twin.py")]
     missing = []
     for path in writers:
         text = path.read_text()
         if "write_json_atomic(" in text or "write_outputs(" in text:
-            if "code_version()" not in text and "environment(" not in text:
+            if not any(call in text for call in ("code_version()", "environment(", "measured_run(")):
                 missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"these write results without the commit: {missing}"
     assert "code_version()" in (ROOT / "layerskip" / "measure" / "bench.py").read_text()
+    assert "**code_version()" in (ROOT / "layerskip" / "cli" / "common.py").read_text()
 
 
 def test_a_search_trial_records_the_code_and_its_exported_policy_names_it(tmp_path: Path) -> None:
