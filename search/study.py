@@ -444,25 +444,23 @@ def draft_kind(policy: SkipPolicy) -> str:
     return "hybrid" if policy.draft.lookup_max_ngram else "skip"
 
 
-def finalists(study: optuna.Study, objective: str, top_k: int, per_kind: bool = False) -> list[FrozenTrial]:
+def finalists(study: optuna.Study, objective: str, top_k: int) -> list[FrozenTrial]:
     """Trials worth confirming by real generation: the best predicted speedups (of the Pareto set)
-    among trials the search may export (``layerskip.search.space.exportable``).
-
-    ``per_kind``: then the best predicted trial of every other ``draft_kind`` too. The cheap score
-    prices different drafts with timings taken at different moments, so a kind that predicts a
-    little lower may well be faster; only measuring it beside the others tells."""
+    among trials the search may export (``layerskip.search.space.exportable``), then the best
+    predicted trial of every other ``draft_kind``. The cheap score prices different drafts with
+    timings taken at different moments, so a kind that predicts a little lower may well be faster;
+    only measuring it beside the others tells."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     pool = study.best_trials if objective == "pareto" else complete
     pool = [t for t in pool if exportable(trial_policy(study, t))]
     ranked = sorted(pool, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0), reverse=True)
     chosen = ranked[:top_k]
-    if per_kind:
-        kinds = {draft_kind(trial_policy(study, t)) for t in chosen}
-        for trial in ranked[top_k:]:
-            kind = draft_kind(trial_policy(study, trial))
-            if kind not in kinds:
-                kinds.add(kind)
-                chosen.append(trial)
+    kinds = {draft_kind(trial_policy(study, t)) for t in chosen}
+    for trial in ranked[top_k:]:
+        kind = draft_kind(trial_policy(study, trial))
+        if kind not in kinds:
+            kinds.add(kind)
+            chosen.append(trial)
     return chosen
 
 
