@@ -29,7 +29,6 @@ from torch import nn
 
 from layerskip.cli.common import check_fits, check_policies
 from layerskip.data import Prompt, prompts_selected_by
-from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.model.exit_adapter import ExitAdapter
 from layerskip.drafts.model.vocab import DraftVocabulary
 from layerskip.drafts.policy.skip_policy import SkipPolicy, is_policy_file
@@ -306,32 +305,12 @@ def rank(
 def trials(
     inputs: Inputs, target: Target, storage: Storage, space: SearchSpace, calibration: Calibration
 ) -> optuna.Study:
-    """The study opened and this process's trials run, each scored by the cheap objective and
-    recording the machine it was priced on."""
-    args = inputs.args
-    study = open_search_study(inputs, target, storage, space, calibration)
-    ranking = study.user_attrs[RANKING_ATTR]
-    print(f"study '{inputs.study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
-    objective = recording_machine(
-        CheapObjective(target.model, calibration, space, args.objective, ranking), target.here
-    )
-    with phase("trials", inputs.progress) as info:
-        before = counted_trials(study)
-        run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, inputs.progress)
-        after = counted_trials(study)
-        info["detail"] = f"{after - before} finished while this ran, {after} in the study"
-    return study
-
-
-def open_search_study(
-    inputs: Inputs, target: Target, storage: Storage, space: SearchSpace, calibration: Calibration
-) -> optuna.Study:
-    """The study created or resumed: a new one records what it is for; the warm starts are
-    enqueued; the truncated heads' vocabulary ranking is stored once."""
+    """The study created or resumed (a new one records what it is for; the warm starts are enqueued;
+    the truncated heads' vocabulary ranking is stored once) and this process's trials run, each
+    scored by the cheap objective and recording the machine it was priced on."""
     args, model = inputs.args, target.model
     seed_params = []
-    for path, policy in inputs.seeds.items():
-        check_policy_fits(model, policy)
+    for path, policy in inputs.seeds.items():  # each checked against the model by check_model
         params, notes = space.params_for_policy(policy, f"--warm-start {path}")
         for note in notes:
             print(note, file=sys.stderr)
@@ -347,10 +326,9 @@ def open_search_study(
         "torch": torch.__version__,
         **({"preset": inputs.preset} if inputs.preset else {}),
     }
-    opened = storage.open()
     seed = args.seed + 1000 * args.worker
     study = open_study(
-        opened,
+        storage.open(),
         inputs.study_name,
         args.objective,
         seed,
@@ -365,6 +343,15 @@ def open_search_study(
         texts = [p.text for p in inputs.prompts]
         ranking = DraftVocabulary.from_texts(target.tokenizer, texts, model).top(max(args.draft_vocab))
         study.set_user_attr(RANKING_ATTR, list(ranking))
+    print(f"study '{inputs.study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
+    objective = recording_machine(
+        CheapObjective(model, calibration, space, args.objective, study.user_attrs[RANKING_ATTR]), target.here
+    )
+    with phase("trials", inputs.progress) as info:
+        before = counted_trials(study)
+        run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, inputs.progress)
+        after = counted_trials(study)
+        info["detail"] = f"{after - before} finished while this ran, {after} in the study"
     return study
 
 
@@ -373,7 +360,7 @@ def confirm(inputs: Inputs, study: optuna.Study, model: nn.Module, calibration: 
     """The finalists (the best predictions, and the best of every other kind of draft: exit, skip,
     hybrid, lookup) measured by real generation in one window beside HF generate; returns them."""
     args, rounds = inputs.args, inputs.args.confirm_rounds
-    top = finalists(study, args.objective, max(args.confirm_top, 1), per_kind=True)
+    top = finalists(study, args.objective, max(args.confirm_top, 1))
     with phase("confirm", inputs.progress) as info:
         # Real generation with a hopeless draft is slow and tells nothing new: skip those.
         hopeful = [t for t in top if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED]
