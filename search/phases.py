@@ -69,7 +69,6 @@ from layerskip.search.study import (
     local_storage_file,
     open_storage,
     open_study,
-    recording_machine,
     run_trials,
     warn_if_made_elsewhere,
 )
@@ -344,12 +343,10 @@ def trials(
         ranking = DraftVocabulary.from_texts(target.tokenizer, texts, model).top(max(args.draft_vocab))
         study.set_user_attr(RANKING_ATTR, list(ranking))
     print(f"study '{inputs.study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
-    objective = recording_machine(
-        CheapObjective(model, calibration, space, args.objective, study.user_attrs[RANKING_ATTR]), target.here
-    )
+    objective = CheapObjective(model, calibration, space, args.objective, study.user_attrs[RANKING_ATTR])
     with phase("trials", inputs.progress) as info:
         before = counted_trials(study)
-        run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, inputs.progress)
+        run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, inputs.progress, target.here)
         after = counted_trials(study)
         info["detail"] = f"{after - before} finished while this ran, {after} in the study"
     return study

@@ -255,20 +255,6 @@ def counted_trials(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=COUNTED_STATES))
 
 
-def recording_machine(objective: Callable[[Any], Any], here: Machine) -> Callable[[Any], Any]:
-    """The objective, with each trial recording the machine its costs are measured on and the code
-    that measured them: an exported policy says it was tuned there (workers of one study may run on
-    different machines, from different commits)."""
-    code = code_version()
-
-    def measured_here(trial: Any) -> Any:  # an optuna.Trial
-        trial.set_user_attr(MACHINE_ATTR, here.to_dict())
-        trial.set_user_attr(CODE_ATTR, code)
-        return objective(trial)
-
-    return measured_here
-
-
 def warn_if_made_elsewhere(attrs: dict[str, Any] | None, study_name: str, here: Machine) -> None:
     """A study resumed on another machine mixes costs measured on both: one warning line."""
     made_on = Machine.from_dict((attrs or {}).get(MACHINE_ATTR))
@@ -288,10 +274,14 @@ def run_trials(
     total_trials: int | None,
     timeout: float | None,
     progress: bool = True,
+    here: Machine | None = None,
 ) -> None:
     """Run up to ``n_trials`` here, stopping when all workers together reach ``total_trials``.
 
-    Ctrl-C stops the run and records the trial it interrupted as FAIL (see ``_InterruptGuard``).
+    Each trial records the process that runs it and, given ``here``, the machine its costs are
+    measured on and the code that measured them: an exported policy says it was tuned there
+    (workers of one study may run on different machines, from different commits). Ctrl-C stops
+    the run and records the trial it interrupted as FAIL (see ``_InterruptGuard``).
     """
     told: list[int] = []  # the trials this process ran to an end (any state)
     callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] = [lambda study, trial: told.append(trial.number)]
@@ -301,7 +291,7 @@ def run_trials(
     failed = fail_trials_of_dead_workers(study)
     if failed:
         print(f"trial(s) {failed} were left RUNNING by a process that no longer runs: marked FAIL", file=sys.stderr)
-    with _InterruptGuard(objective) as guarded:
+    with _InterruptGuard(objective, here) as guarded:
         while len(told) < n_trials:
             if total_trials is not None and counted_trials(study) >= total_trials:
                 return
@@ -376,8 +366,9 @@ class _InterruptGuard:
     way after a Ctrl-C, the run still ends as interrupted.
     """
 
-    def __init__(self, objective: Callable[[optuna.Trial], Any]) -> None:
+    def __init__(self, objective: Callable[[optuna.Trial], Any], here: Machine | None = None) -> None:
         self.objective = objective
+        self.stamps = {} if here is None else {MACHINE_ATTR: here.to_dict(), CODE_ATTR: code_version()}
         self.pending = False
         self.previous: Any = None
         self.installed = False
@@ -391,6 +382,8 @@ class _InterruptGuard:
         self.check()
         # A later run can tell whether this process died.
         trial.set_user_attr(WORKER_ATTR, f"{socket.gethostname()}:{os.getpid()}")
+        for key, value in self.stamps.items():
+            trial.set_user_attr(key, value)
         return self.objective(_CheckedTrial(trial, self))  # type: ignore[arg-type]
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
