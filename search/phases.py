@@ -325,17 +325,12 @@ def trials(
         "torch": torch.__version__,
         **({"preset": inputs.preset} if inputs.preset else {}),
     }
+    # The --warm-start policies on every run, first; the space's own warm starts by worker 0 only:
+    # checking for a twin and enqueueing is not atomic, and workers started together (a cached
+    # calibration makes their start-up equally fast) would both enqueue them, leaving duplicates.
+    warm_starts = [*seed_params, *(space.warm_starts() if args.worker == 0 else [])]
     seed = args.seed + 1000 * args.worker
-    study = open_study(
-        storage.open(),
-        inputs.study_name,
-        args.objective,
-        seed,
-        metadata,
-        space.warm_starts(),
-        seed_params,
-        enqueue_warm_starts=args.worker == 0,
-    )
+    study = open_study(storage.open(), inputs.study_name, args.objective, seed, metadata, warm_starts)
     if RANKING_ATTR not in study.user_attrs:
         # Truncated draft heads start from the calibration text's tokens (then the lowest ids);
         # stored once, so every trial of the study (and every worker) scores the same rows.

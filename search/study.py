@@ -208,17 +208,9 @@ def open_study(
     seed: int,
     metadata: dict[str, Any],
     warm_starts: list[dict[str, Any]],
-    seeds: list[dict[str, Any]] | None = None,
-    enqueue_warm_starts: bool = True,
 ) -> optuna.Study:
-    """Create or resume the study; record what it is for; enqueue warm starts once.
-
-    ``seeds`` (the user's ``--warm-start`` policies) are enqueued on every run, first, unless the
-    study already holds a trial with the same parameters. The space's own ``warm_starts`` only
-    when ``enqueue_warm_starts`` (worker 0): checking for a twin and enqueueing is not atomic, and
-    workers started together (a cached calibration makes their start-up equally fast) would
-    both enqueue them, leaving duplicate trials.
-    """
+    """Create or resume the study; record what it is for; enqueue the ``warm_starts`` (parameters)
+    in order, each unless the study already holds a trial with the same parameters."""
     directions = ["maximize", "minimize"] if objective == "pareto" else ["maximize"]
     pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=2)
     optuna.logging.set_verbosity(logging.WARNING)
@@ -234,7 +226,7 @@ def open_study(
             study.set_user_attr(key, value)
     # A warm start that a killed or interrupted run left FAIL (or never reached) is run again;
     # one already evaluated, queued or running elsewhere is not.
-    for params in [*(seeds or []), *(warm_starts if enqueue_warm_starts else [])]:
+    for params in warm_starts:
         if not has_twin(study, params):
             study.enqueue_trial(params)
     runs = [*study.user_attrs.get("runs", []), metadata.get("command", "")]
