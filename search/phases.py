@@ -31,7 +31,7 @@ from layerskip.cli.common import check_fits, check_policies
 from layerskip.data import Prompt, prompts_selected_by
 from layerskip.drafts.model.exit_adapter import ExitAdapter
 from layerskip.drafts.model.vocab import DraftVocabulary
-from layerskip.drafts.policy.skip_policy import SkipPolicy, is_policy_file
+from layerskip.drafts.policy.skip_policy import ModelIdentity, SkipPolicy, is_policy_file
 from layerskip.drafts.policy.spec import AUTO
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
@@ -192,14 +192,9 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies({f"--warm-start {path}": policy for path, policy in inputs.seeds.items()}, model)
     check_head_sizes(args.draft_vocab, adapters.lm_head(model).weight.shape[0])
-    identity = {
-        "model_name": loaded.name,
-        "model_architecture": adapters.architecture_of(model),
-        "model_num_layers": adapters.num_layers(model),
-        "model_fingerprint": adapters.weights_fingerprint(model),
-        "model_weights_sample": adapters.weights_sample_digest(model),
-        "objective": args.objective,
-    }
+    # model_name, model_architecture ...: the study records ModelIdentity's fields, which the export reads back
+    identity = {f"model_{key}": value for key, value in asdict(ModelIdentity.of(model, loaded.name)).items()}
+    identity["objective"] = args.objective
     space = SearchSpace(adapters.num_layers(model), exit_choices=inputs.exit_choices, **space_fields(args))
     for choice in inputs.exit_choices:  # another model's adapter, or a changed file, fails before any work
         ExitAdapter.load(choice.adapter, model, choice.sha256)
