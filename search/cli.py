@@ -19,6 +19,8 @@ import argparse
 import os
 import shlex
 import sys
+import types
+import typing
 from typing import Any
 
 import torch
@@ -27,10 +29,11 @@ from layerskip.cli.common import add_prompt_arguments, float_list, int_list, mod
 from layerskip.engine.calibration import CACHE_ENV as CALIBRATION_CACHE_ENV
 from layerskip.search.api import run_study
 from layerskip.search.calibration_cache import CACHE_ENV
+from layerskip.search.checks import SPACES
 from layerskip.search.confirmation import MIN_ROUNDS
 from layerskip.search.objective import OBJECTIVES
 from layerskip.search.phases import default_study_name
-from layerskip.search.settings import DEFAULTS, PRESETS, SETTINGS, flag, preset_values
+from layerskip.search.settings import DEFAULTS, HINTS, PRESETS, SETTINGS, flag, preset_values
 
 
 def _as_flags(values: dict[str, Any]) -> str:
@@ -65,151 +68,102 @@ def build_parser(argument_default: Any = None) -> argparse.ArgumentParser:
         f"machine: {_as_flags(preset_values('quick', torch.device('cpu')))} (trials stop starting after 150 s; "
         "on a GPU --draft-precision model). A flag given explicitly overrides the preset's value",
     )
-    _add_prompt_arguments(parser)
-    _add_study_arguments(parser)
-    _add_draft_arguments(parser)
-    _add_bypass_arguments(parser)
-    _add_run_arguments(parser)
+    add_prompt_arguments(parser)
+    for name, text in HELP.items():
+        _add_setting(parser, name, text)
     if argument_default is None:  # append flags add to a list of their own
         parser.set_defaults(**{name: list(v) if name in APPENDED else v for name, v in vars(DEFAULTS).items()})
     return parser
 
 
-APPENDED = ("warm_start", "exit_adapters")
+APPENDED = ("warm_start", "exit_adapters")  # repeatable flags: each adds to a list
+BOTH_WAYS = ("chat", "require_skip_draft")  # switches with a --no- form
+CHOICES = {"objective": OBJECTIVES, "space": SPACES}
+LISTS = {int: int_list, float: float_list, str: str_list}  # a list setting's comma-separated items
+
+# Every setting's flag in --help's order (the model's and --prompts' own come first): its help. Its
+# type comes from its SearchSettings field: a number, a comma-separated list, or a switch.
+HELP: dict[str, str | None] = {
+    # the calibration prompts: which, how many, chat template or not
+    "n_prompts": "calibration prompts (spread over categories)",
+    "per_category": "sample this many prompts from each category first",
+    "categories": "only these prompt categories, e.g. qa,rag",
+    "chat": None,
+    # the study: its budget, storage, name and objective, the reference length, and the confirmation
+    "n_trials": "trials this process runs",
+    "total_trials": "stop when the study (all workers) has this many trials",
+    "timeout": "stop starting trials after this many seconds",
+    "storage": "sqlite:///path.db, a journal file path.log, or postgresql://user:pass@host/db",
+    "study_name": "default: MODEL-OBJECTIVE (with --preset: MODEL-PRESET)",
+    "objective": None,
+    "reference_tokens": "length of each teacher-forcing reference",
+    "max_new_tokens": "tokens per prompt in the real confirmation",
+    "confirm_top": "finalists confirmed by real generation: the N best predicted, and the best predicted trial of "
+    "each other kind of draft (exit, skip, hybrid, lookup) found (0: none)",
+    "confirm_rounds": f"rounds of the confirmation window (>= {MIN_ROUNDS}): each runs every finalist and HF generate "
+    "on every calibration prompt, interleaved; a finalist's speedup is the median over rounds, its noise the "
+    "interquartile range",
+    # the draft settings a trial chooses among
+    "draft_tokens": "max draft token choices",
+    "no_adaptive": "do not search how drafts end (fixed k only: no adaptive threshold, no length by cost)",
+    "draft_vocab": "truncated draft head sizes to search (0 = full head), e.g. 0,4096,16384",
+    "lookup": "prompt-lookup max n-gram choices (0 = off), e.g. 0,3",
+    "lookup_tokens": "longest lookup run choices, e.g. 4,8,16 (default: the draft length k)",
+    "lookup_min": "shortest lookup n-gram choices, e.g. 1,2",
+    "lookup_confidence": "choices for cutting lookup runs below this estimated chance of full acceptance, "
+    "e.g. 0,0.1,0.2",
+    "verify_pad": "choices for padding short verify blocks to N tokens (0 = never), e.g. 0,4",
+    "tree_matches": "token-tree choices: lookup continuations verified at once (1 = a chain), e.g. 1,4",
+    "tree_siblings": "token-tree choices: the draft's next choices added where it hesitates (0 = none), e.g. 0,1",
+    "draft_precision": "draft weight precisions to search: model, bfloat16, int8, int4 (int8/int4: CPU), "
+    "e.g. model,int4",
+    "require_skip_draft": "every trial drafts with its skip policy (lookup, if on, leads where the context repeats)",
+    # which sublayers a trial may bypass, and where the search starts
+    "space": "ranked: bypass the N sublayers whose single bypass changes the draft least (N searched); "
+    "switches: one on/off switch per sublayer",
+    "warm_start": "policy JSON to try first (repeatable), e.g. the set on-the-fly selection ended on "
+    "(generate.py --policy on-the-fly --save-policy PATH), or 'auto': what --policy auto chooses here "
+    "after generating from the calibration prompts; in the ranked space a new study's order starts with "
+    "its bypassed sublayers",
+    "exit_adapters": "a layerskip-train-exit --out directory: its trained exit adapters become choices of an 'exit' "
+    "knob (repeatable; adapters are loaded, never trained, by trials). An exit draft bypasses every layer after "
+    "its exit and nothing before it: it uses no sublayer switches, so --max/--min-skip-fraction do not bound it",
+    "exit_thresholds": "exit drafts' confidence threshold choices",
+    "never_skip": "layers never to bypass, e.g. 0,1",
+    "min_skip_fraction": None,
+    "max_skip_fraction": None,
+    # this process: its seed and worker number, its outputs and what it prints
+    "seed": None,
+    "worker": "worker number: varies the sampler seed between workers",
+    "out": "policy JSON to write (default: STUDY_NAME.policy.json)",
+    "export_trial": "export this trial (e.g. a Pareto point) instead of the best",
+    "force": "let --out replace a file that is not a policy",
+    "plots": "directory for pareto.png, history.png, skip_frequency.png",
+    "no_progress": "no progress bars and no per-phase timing lines on stderr",
+    "no_cache": "build the references and measure latency again instead of reusing them. The references are "
+    f"cached (under ${CACHE_ENV}, default <model cache>/search) per model, prompts, settings, device, dtype "
+    f"and torch version; the latency with auto's calibration (under ${CALIBRATION_CACHE_ENV}) per model, "
+    "dtype, device and machine; cached latency is reused as measured, so pass this when the machine's state "
+    "has changed (a calibration measured on a busy machine is never cached). Fresh results replace the cached ones",
+}
 
 
-def _add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
-    """The calibration prompts: which, how many, chat template or not."""
-    add_prompt_arguments(parser)
-    parser.add_argument("--n-prompts", type=int, help="calibration prompts (spread over categories)")
-    parser.add_argument("--per-category", type=int, help="sample this many prompts from each category first")
-    parser.add_argument("--categories", type=str_list, help="only these prompt categories, e.g. qa,rag")
-    parser.add_argument("--chat", action=argparse.BooleanOptionalAction)
-
-
-def _add_study_arguments(parser: argparse.ArgumentParser) -> None:
-    """The study: its budget, storage, name and objective, the reference length, and the confirmation."""
-    parser.add_argument("--n-trials", type=int, help="trials this process runs")
-    parser.add_argument("--total-trials", type=int, help="stop when the study (all workers) has this many trials")
-    parser.add_argument("--timeout", type=float, help="stop starting trials after this many seconds")
-    parser.add_argument(
-        "--storage", help="sqlite:///path.db, a journal file path.log, or postgresql://user:pass@host/db"
-    )
-    parser.add_argument("--study-name", help="default: MODEL-OBJECTIVE (with --preset: MODEL-PRESET)")
-    parser.add_argument("--objective", choices=OBJECTIVES)
-    parser.add_argument("--reference-tokens", type=int, help="length of each teacher-forcing reference")
-    parser.add_argument("--max-new-tokens", type=int, help="tokens per prompt in the real confirmation")
-    parser.add_argument(
-        "--confirm-top",
-        type=int,
-        help="finalists confirmed by real generation: the N best predicted, and the best predicted trial of each "
-        "other kind of draft (exit, skip, hybrid, lookup) found (0: none)",
-    )
-    parser.add_argument(
-        "--confirm-rounds",
-        type=int,
-        help=f"rounds of the confirmation window (>= {MIN_ROUNDS}): each runs every finalist and HF generate on "
-        "every calibration prompt, interleaved; a finalist's speedup is the median over rounds, its noise the "
-        "interquartile range",
-    )
-
-
-def _add_draft_arguments(parser: argparse.ArgumentParser) -> None:
-    """The draft settings a trial chooses among."""
-    parser.add_argument("--draft-tokens", type=int_list, help="max draft token choices")
-    parser.add_argument(
-        "--no-adaptive",
-        action="store_true",
-        help="do not search how drafts end (fixed k only: no adaptive threshold, no length by cost)",
-    )
-    parser.add_argument(
-        "--draft-vocab", type=int_list, help="truncated draft head sizes to search (0 = full head), e.g. 0,4096,16384"
-    )
-    parser.add_argument("--lookup", type=int_list, help="prompt-lookup max n-gram choices (0 = off), e.g. 0,3")
-    parser.add_argument(
-        "--lookup-tokens", type=int_list, help="longest lookup run choices, e.g. 4,8,16 (default: the draft length k)"
-    )
-    parser.add_argument("--lookup-min", type=int_list, help="shortest lookup n-gram choices, e.g. 1,2")
-    parser.add_argument(
-        "--lookup-confidence",
-        type=float_list,
-        help="choices for cutting lookup runs below this estimated chance of full acceptance, e.g. 0,0.1,0.2",
-    )
-    parser.add_argument(
-        "--verify-pad", type=int_list, help="choices for padding short verify blocks to N tokens (0 = never), e.g. 0,4"
-    )
-    parser.add_argument(
-        "--tree-matches",
-        type=int_list,
-        help="token-tree choices: lookup continuations verified at once (1 = a chain), e.g. 1,4",
-    )
-    parser.add_argument(
-        "--tree-siblings",
-        type=int_list,
-        help="token-tree choices: the draft's next choices added where it hesitates (0 = none), e.g. 0,1",
-    )
-    parser.add_argument(
-        "--draft-precision",
-        type=str_list,
-        help="draft weight precisions to search: model, bfloat16, int8, int4 (int8/int4: CPU), e.g. model,int4",
-    )
-    parser.add_argument(
-        "--require-skip-draft",
-        action=argparse.BooleanOptionalAction,
-        help="every trial drafts with its skip policy (lookup, if on, leads where the context repeats)",
-    )
-
-
-def _add_bypass_arguments(parser: argparse.ArgumentParser) -> None:
-    """Which sublayers a trial may bypass, and where the search starts."""
-    parser.add_argument(
-        "--space",
-        choices=("ranked", "switches"),
-        help="ranked: bypass the N sublayers whose single bypass changes the draft least (N searched); "
-        "switches: one on/off switch per sublayer",
-    )
-    parser.add_argument(
-        "--warm-start",
-        metavar="POLICY",
-        action="append",
-        help="policy JSON to try first (repeatable), e.g. the set on-the-fly selection ended on "
-        "(generate.py --policy on-the-fly --save-policy PATH), or 'auto': what --policy auto chooses here "
-        "after generating from the calibration prompts; in the ranked space a new study's order starts with "
-        "its bypassed sublayers",
-    )
-    parser.add_argument(
-        "--exit-adapters",
-        action="append",
-        help="a layerskip-train-exit --out directory: its trained exit adapters become choices of an 'exit' knob "
-        "(repeatable; adapters are loaded, never trained, by trials). An exit draft bypasses every layer after "
-        "its exit and nothing before it: it uses no sublayer switches, so --max/--min-skip-fraction do not bound it",
-    )
-    parser.add_argument("--exit-thresholds", type=float_list, help="exit drafts' confidence threshold choices")
-    parser.add_argument("--never-skip", type=int_list, help="layers never to bypass, e.g. 0,1")
-    parser.add_argument("--min-skip-fraction", type=float)
-    parser.add_argument("--max-skip-fraction", type=float)
-
-
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """This process: its seed and worker number, its outputs and what it prints."""
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--worker", type=int, help="worker number: varies the sampler seed between workers")
-    parser.add_argument("--out", help="policy JSON to write (default: STUDY_NAME.policy.json)")
-    parser.add_argument("--export-trial", type=int, help="export this trial (e.g. a Pareto point) instead of the best")
-    parser.add_argument("--force", action="store_true", help="let --out replace a file that is not a policy")
-    parser.add_argument("--plots", help="directory for pareto.png, history.png, skip_frequency.png")
-    parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bars and no per-phase timing lines on stderr"
-    )
-    parser.add_argument(
-        "--no-cache",
-        action="store_true",
-        help="build the references and measure latency again instead of reusing them. The references are "
-        f"cached (under ${CACHE_ENV}, default <model cache>/search) per model, prompts, settings, device, dtype "
-        f"and torch version; the latency with auto's calibration (under ${CALIBRATION_CACHE_ENV}) per model, "
-        "dtype, device and machine; cached latency is reused as measured, so pass this when the machine's state "
-        "has changed (a calibration measured on a busy machine is never cached). Fresh results replace the cached ones",
-    )
+def _add_setting(parser: argparse.ArgumentParser, name: str, text: str | None) -> None:
+    """The flag of setting ``name``, its type read from its ``SearchSettings`` field."""
+    hint = HINTS[name]
+    kind = typing.get_args(hint)[0] if isinstance(hint, types.UnionType) else hint  # X | None: X
+    options: dict[str, Any] = {"help": text}
+    if name in APPENDED:
+        options.update(action="append", metavar="POLICY" if name == "warm_start" else None)
+    elif kind is bool:
+        options["action"] = argparse.BooleanOptionalAction if name in BOTH_WAYS else "store_true"
+    elif typing.get_origin(kind) is tuple:
+        options["type"] = LISTS[typing.get_args(kind)[0]]
+    elif name in CHOICES:
+        options["choices"] = CHOICES[name]
+    elif kind is not str:
+        options["type"] = kind
+    parser.add_argument(flag(name), **options)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -58,10 +58,6 @@ def draft_key(
     }
 
 
-def attr_name(key: dict[str, Any]) -> str:
-    return TIMING_PREFIX + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-
-
 class DraftTimings:
     """Draft-step timings by ``draft_key``: this process's, backed by the study of the trial asked with."""
 
@@ -71,7 +67,7 @@ class DraftTimings:
     def seconds(self, key: dict[str, Any], measure: Callable[[], float], trial: Any = None) -> SharedTiming:
         """The timing of the draft ``key`` names: known here, stored on ``trial``'s study, or measured
         now (by ``measure``) and stored for the trials after this one."""
-        name = attr_name(key)
+        name = TIMING_PREFIX + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         if name not in self.known:
             study = getattr(trial, "study", None)
             timing = _stored(study, name)

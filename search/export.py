@@ -12,7 +12,7 @@ beats plain decoding is reported by ``verdict``, plainly, and the study's finali
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +73,9 @@ def export_policy(study: optuna.Study, out: str | Path | None, trial_number: int
     the figures measured for it, saved to ``out`` unless it is None."""
     trial = choose_trial(study, trial_number)
     attrs = study.user_attrs
+    # The study records the model's identity field by field, as model_name, model_architecture ...
     identity = ModelIdentity(
-        name=attrs.get("model_name", ""),
-        architecture=attrs.get("model_architecture", ""),
-        num_layers=int(attrs.get("model_num_layers", 0)),
-        fingerprint=attrs.get("model_fingerprint", ""),
-        weights_sample=attrs.get("model_weights_sample", ""),
+        **{key: attrs.get(f"model_{key}", value) for key, value in asdict(ModelIdentity()).items()}
     )
     measured = {key: trial.user_attrs[key] for key in CHEAP_FIGURES if key in trial.user_attrs}
     confirmed = confirmations(study)

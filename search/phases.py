@@ -29,10 +29,9 @@ from torch import nn
 
 from layerskip.cli.common import check_fits, check_policies
 from layerskip.data import Prompt, prompts_selected_by
-from layerskip.drafts.builder import check_policy_fits
 from layerskip.drafts.model.exit_adapter import ExitAdapter
 from layerskip.drafts.model.vocab import DraftVocabulary
-from layerskip.drafts.policy.skip_policy import SkipPolicy, is_policy_file
+from layerskip.drafts.policy.skip_policy import ModelIdentity, SkipPolicy, is_policy_file
 from layerskip.drafts.policy.spec import AUTO
 from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.fileio import check_output_dir, check_output_file, check_replaceable
@@ -70,7 +69,6 @@ from layerskip.search.study import (
     local_storage_file,
     open_storage,
     open_study,
-    recording_machine,
     run_trials,
     warn_if_made_elsewhere,
 )
@@ -194,14 +192,9 @@ def check_model(inputs: Inputs, storage: Storage) -> Target:
     model, tokenizer = loaded.model, loaded.tokenizer
     check_policies({f"--warm-start {path}": policy for path, policy in inputs.seeds.items()}, model)
     check_head_sizes(args.draft_vocab, adapters.lm_head(model).weight.shape[0])
-    identity = {
-        "model_name": loaded.name,
-        "model_architecture": adapters.architecture_of(model),
-        "model_num_layers": adapters.num_layers(model),
-        "model_fingerprint": adapters.weights_fingerprint(model),
-        "model_weights_sample": adapters.weights_sample_digest(model),
-        "objective": args.objective,
-    }
+    # model_name, model_architecture ...: the study records ModelIdentity's fields, which the export reads back
+    identity = {f"model_{key}": value for key, value in asdict(ModelIdentity.of(model, loaded.name)).items()}
+    identity["objective"] = args.objective
     space = SearchSpace(adapters.num_layers(model), exit_choices=inputs.exit_choices, **space_fields(args))
     for choice in inputs.exit_choices:  # another model's adapter, or a changed file, fails before any work
         ExitAdapter.load(choice.adapter, model, choice.sha256)
@@ -306,32 +299,12 @@ def rank(
 def trials(
     inputs: Inputs, target: Target, storage: Storage, space: SearchSpace, calibration: Calibration
 ) -> optuna.Study:
-    """The study opened and this process's trials run, each scored by the cheap objective and
-    recording the machine it was priced on."""
-    args = inputs.args
-    study = open_search_study(inputs, target, storage, space, calibration)
-    ranking = study.user_attrs[RANKING_ATTR]
-    print(f"study '{inputs.study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
-    objective = recording_machine(
-        CheapObjective(target.model, calibration, space, args.objective, ranking), target.here
-    )
-    with phase("trials", inputs.progress) as info:
-        before = counted_trials(study)
-        run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, inputs.progress)
-        after = counted_trials(study)
-        info["detail"] = f"{after - before} finished while this ran, {after} in the study"
-    return study
-
-
-def open_search_study(
-    inputs: Inputs, target: Target, storage: Storage, space: SearchSpace, calibration: Calibration
-) -> optuna.Study:
-    """The study created or resumed: a new one records what it is for; the warm starts are
-    enqueued; the truncated heads' vocabulary ranking is stored once."""
+    """The study created or resumed (a new one records what it is for; the warm starts are enqueued;
+    the truncated heads' vocabulary ranking is stored once) and this process's trials run, each
+    scored by the cheap objective and recording the machine it was priced on."""
     args, model = inputs.args, target.model
     seed_params = []
-    for path, policy in inputs.seeds.items():
-        check_policy_fits(model, policy)
+    for path, policy in inputs.seeds.items():  # each checked against the model by check_model
         params, notes = space.params_for_policy(policy, f"--warm-start {path}")
         for note in notes:
             print(note, file=sys.stderr)
@@ -347,24 +320,25 @@ def open_search_study(
         "torch": torch.__version__,
         **({"preset": inputs.preset} if inputs.preset else {}),
     }
-    opened = storage.open()
+    # The --warm-start policies on every run, first; the space's own warm starts by worker 0 only:
+    # checking for a twin and enqueueing is not atomic, and workers started together (a cached
+    # calibration makes their start-up equally fast) would both enqueue them, leaving duplicates.
+    warm_starts = [*seed_params, *(space.warm_starts() if args.worker == 0 else [])]
     seed = args.seed + 1000 * args.worker
-    study = open_study(
-        opened,
-        inputs.study_name,
-        args.objective,
-        seed,
-        metadata,
-        space.warm_starts(),
-        seed_params,
-        enqueue_warm_starts=args.worker == 0,
-    )
+    study = open_study(storage.open(), inputs.study_name, args.objective, seed, metadata, warm_starts)
     if RANKING_ATTR not in study.user_attrs:
         # Truncated draft heads start from the calibration text's tokens (then the lowest ids);
         # stored once, so every trial of the study (and every worker) scores the same rows.
         texts = [p.text for p in inputs.prompts]
         ranking = DraftVocabulary.from_texts(target.tokenizer, texts, model).top(max(args.draft_vocab))
         study.set_user_attr(RANKING_ATTR, list(ranking))
+    print(f"study '{inputs.study_name}' on {args.storage}: {counted_trials(study)} trials so far", file=sys.stderr)
+    objective = CheapObjective(model, calibration, space, args.objective, study.user_attrs[RANKING_ATTR])
+    with phase("trials", inputs.progress) as info:
+        before = counted_trials(study)
+        run_trials(study, objective, args.n_trials, args.total_trials, args.timeout, inputs.progress, target.here)
+        after = counted_trials(study)
+        info["detail"] = f"{after - before} finished while this ran, {after} in the study"
     return study
 
 
@@ -373,7 +347,7 @@ def confirm(inputs: Inputs, study: optuna.Study, model: nn.Module, calibration: 
     """The finalists (the best predictions, and the best of every other kind of draft: exit, skip,
     hybrid, lookup) measured by real generation in one window beside HF generate; returns them."""
     args, rounds = inputs.args, inputs.args.confirm_rounds
-    top = finalists(study, args.objective, max(args.confirm_top, 1), per_kind=True)
+    top = finalists(study, args.objective, max(args.confirm_top, 1))
     with phase("confirm", inputs.progress) as info:
         # Real generation with a hopeless draft is slow and tells nothing new: skip those.
         hopeful = [t for t in top if t.user_attrs.get("predicted_speedup", 0.0) >= HOPELESS_PREDICTED]

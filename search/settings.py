@@ -78,7 +78,7 @@ class SearchSettings:
     no_cache: bool = False
 
     def __post_init__(self) -> None:
-        for name, hint in typing.get_type_hints(SearchSettings).items():
+        for name, hint in HINTS.items():
             object.__setattr__(self, name, _checked(name, getattr(self, name), hint))
 
 
@@ -116,6 +116,7 @@ def _as(value: Any, kind: type) -> Any:
     return float(value) if kind is float else os.fspath(value) if kind is str else value
 
 
+HINTS = typing.get_type_hints(SearchSettings)  # setting -> its type
 SETTINGS = tuple(field.name for field in fields(SearchSettings))
 DEFAULTS = SearchSettings()
 

@@ -9,6 +9,7 @@ parameters, so a knob with a single choice (not an Optuna parameter) is never lo
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -184,64 +185,11 @@ class SearchSpace:
         exit = self._exit_choice_of(policy, label)
         if exit is None:
             self._check_switches(policy, label)
-        params = self._params(policy, exit)
-        # What a trial with these parameters evaluates, built as the study builds it.
-        evaluated = self.suggest(optuna.trial.FixedTrial(params))
+        trial = _Nearest(policy, exit)
+        evaluated = self.suggest(trial)  # what a trial with these parameters evaluates
         if evaluated.draft.use_skip_draft:
             assert (evaluated.skip_attention, evaluated.skip_mlp) == (policy.skip_attention, policy.skip_mlp)
-        return params, _differences(label, policy.draft, evaluated.draft)
-
-    def _params(self, policy: SkipPolicy, exit: ExitChoice | None) -> dict[str, Any]:
-        """The parameters of the point nearest ``policy`` (unchecked); with ``exit`` (one of
-        ``exit_choices``) it drafts through that exit instead of the switches. In the ranked space
-        the point bypasses the first ``len(skip_attention) + len(skip_mlp)`` ranked sublayers."""
-        d = policy.draft
-
-        def nearest(value: Any, choices: Sequence[Any], distance: Any = None) -> Any:
-            return value if value in choices else min(choices, key=distance or (lambda c: abs(c - value)))
-
-        lookup = nearest(d.lookup_max_ngram, self.lookup_ngram_choices)
-        use_skip = d.use_skip_draft or not lookup or self.require_skip_draft
-        params: dict[str, Any] = {}
-        if self.exit_choices and use_skip:
-            params["exit"] = "none" if exit is None else exit.label
-            if exit is not None and len(self.exit_threshold_choices) > 1:
-                params["exit_threshold"] = nearest(d.initial_threshold, self.exit_threshold_choices)
-        if exit is None and self.sublayer_order:  # an exit draft samples no sublayer switches
-            params["skip_count"] = len(policy.skip_attention) + len(policy.skip_mlp)
-        elif exit is None:
-            for i in self.searchable_layers:
-                params[f"attn_{i:02d}"] = i in policy.skip_attention
-                params[f"mlp_{i:02d}"] = i in policy.skip_mlp
-        params["max_draft_tokens"] = nearest(d.max_draft_tokens, self.draft_token_choices)
-        if self.tune_adaptive:
-            params["adaptive"] = d.adaptive
-            if d.adaptive:
-                params["target_acceptance"] = nearest(d.target_acceptance, self.target_acceptance_choices)
-            else:
-                params["length_by_cost"] = d.length_by_cost
-        full = 1 << 40  # a full head (0) is as large as a head gets
-        params["draft_vocab_size"] = nearest(
-            d.draft_vocab_size, self.draft_vocab_choices, lambda c: abs((c or full) - (d.draft_vocab_size or full))
-        )
-        if len(self.precision_choices) > 1 and use_skip:
-            params["precision"] = nearest(d.precision, self.precision_choices, lambda c: c != d.precision)
-        params["lookup_max_ngram"] = lookup
-        # Draft settings a trial samples where the space offers a choice and the draft uses them.
-        for name, choices, used in (
-            ("min_verify_block", self.verify_pad_choices, True),
-            ("tree_siblings", self.tree_sibling_choices, use_skip),
-            ("tree_matches", self.tree_match_choices, lookup),
-            ("lookup_confidence", self.lookup_confidence_choices, lookup),
-            ("lookup_min_ngram", self.lookup_min_ngram_choices, lookup),
-        ):
-            if used and len(choices) > 1:
-                params[name] = nearest(getattr(d, name), choices)
-        if lookup and self.lookup_token_choices:
-            params["lookup_max_tokens"] = nearest(d.lookup_max_tokens, self.lookup_token_choices)
-        if lookup and not self.require_skip_draft:
-            params["use_skip_draft"] = use_skip
-        return params
+        return trial.params, _differences(label, policy.draft, evaluated.draft)
 
     def _candidate(
         self,
@@ -269,7 +217,10 @@ class SearchSpace:
             tree_siblings=self.tree_sibling_choices[0],
             initial_threshold=thresholds[len(thresholds) // 2],
         )
-        return self._params(SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft), exit)
+        trial = _Nearest(SkipPolicy(skip_attention=tuple(attention), skip_mlp=tuple(mlp), draft=draft), exit)
+        with contextlib.suppress(optuna.TrialPruned):  # outside the fraction limits: Optuna prunes it when it runs
+            self.suggest(trial)
+        return trial.params
 
     def _exit_choice_of(self, policy: SkipPolicy, label: str) -> ExitChoice | None:
         """The exit choice a warm-start policy drafts through (None: a plain skip draft)."""
@@ -360,6 +311,43 @@ def _differences(label: str, wanted: DraftSettings, evaluated: DraftSettings) ->
         for name, value in asdict(wanted).items()
         if name not in unused and getattr(evaluated, name) != value
     ]
+
+
+class _Nearest:
+    """A trial that draws, of every choice ``suggest`` offers, the one nearest ``policy``'s value
+    (with ``exit``, one of the space's ``exit_choices``, it drafts through that exit): ``params``
+    are then the parameters of the point nearest ``policy``. In the ranked space it bypasses the
+    first ``len(skip_attention) + len(skip_mlp)`` ranked sublayers."""
+
+    def __init__(self, policy: SkipPolicy, exit: ExitChoice | None) -> None:
+        self.wanted: dict[str, Any] = {
+            **asdict(policy.draft),
+            "exit": "none" if exit is None else exit.label,
+            "exit_threshold": policy.draft.initial_threshold,
+            "skip_count": len(policy.skip_attention) + len(policy.skip_mlp),
+            **{f"attn_{i:02d}": True for i in policy.skip_attention},
+            **{f"mlp_{i:02d}": True for i in policy.skip_mlp},
+        }
+        self.params: dict[str, Any] = {}
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        value = self.wanted.get(name, False)  # a sublayer's switch is off unless the policy bypasses it
+        if value not in choices:
+            full = 1 << 40  # a full head (0) is as large as a head gets
+            distance = {
+                "draft_vocab_size": lambda c: abs((c or full) - (value or full)),
+                "precision": lambda c: c != value,
+            }.get(name, lambda c: abs(c - value))
+            value = min(choices, key=distance)
+        self.params[name] = value
+        return value
+
+    def suggest_int(self, name: str, low: int, high: int) -> int:
+        self.params[name] = self.wanted[name]
+        return self.wanted[name]
+
+    def set_user_attr(self, key: str, value: Any) -> None:
+        pass
 
 
 def _pick(trial: optuna.Trial, name: str, choices: tuple[Any, ...]) -> Any:

@@ -208,17 +208,9 @@ def open_study(
     seed: int,
     metadata: dict[str, Any],
     warm_starts: list[dict[str, Any]],
-    seeds: list[dict[str, Any]] | None = None,
-    enqueue_warm_starts: bool = True,
 ) -> optuna.Study:
-    """Create or resume the study; record what it is for; enqueue warm starts once.
-
-    ``seeds`` (the user's ``--warm-start`` policies) are enqueued on every run, first, unless the
-    study already holds a trial with the same parameters. The space's own ``warm_starts`` only
-    when ``enqueue_warm_starts`` (worker 0): checking for a twin and enqueueing is not atomic, and
-    workers started together (a cached calibration makes their start-up equally fast) would
-    both enqueue them, leaving duplicate trials.
-    """
+    """Create or resume the study; record what it is for; enqueue the ``warm_starts`` (parameters)
+    in order, each unless the study already holds a trial with the same parameters."""
     directions = ["maximize", "minimize"] if objective == "pareto" else ["maximize"]
     pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=2)
     optuna.logging.set_verbosity(logging.WARNING)
@@ -234,7 +226,7 @@ def open_study(
             study.set_user_attr(key, value)
     # A warm start that a killed or interrupted run left FAIL (or never reached) is run again;
     # one already evaluated, queued or running elsewhere is not.
-    for params in [*(seeds or []), *(warm_starts if enqueue_warm_starts else [])]:
+    for params in warm_starts:
         if not has_twin(study, params):
             study.enqueue_trial(params)
     runs = [*study.user_attrs.get("runs", []), metadata.get("command", "")]
@@ -253,20 +245,6 @@ def has_twin(study: optuna.Study, params: dict[str, Any]) -> bool:
 
 def counted_trials(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=COUNTED_STATES))
-
-
-def recording_machine(objective: Callable[[Any], Any], here: Machine) -> Callable[[Any], Any]:
-    """The objective, with each trial recording the machine its costs are measured on and the code
-    that measured them: an exported policy says it was tuned there (workers of one study may run on
-    different machines, from different commits)."""
-    code = code_version()
-
-    def measured_here(trial: Any) -> Any:  # an optuna.Trial
-        trial.set_user_attr(MACHINE_ATTR, here.to_dict())
-        trial.set_user_attr(CODE_ATTR, code)
-        return objective(trial)
-
-    return measured_here
 
 
 def warn_if_made_elsewhere(attrs: dict[str, Any] | None, study_name: str, here: Machine) -> None:
@@ -288,10 +266,14 @@ def run_trials(
     total_trials: int | None,
     timeout: float | None,
     progress: bool = True,
+    here: Machine | None = None,
 ) -> None:
     """Run up to ``n_trials`` here, stopping when all workers together reach ``total_trials``.
 
-    Ctrl-C stops the run and records the trial it interrupted as FAIL (see ``_InterruptGuard``).
+    Each trial records the process that runs it and, given ``here``, the machine its costs are
+    measured on and the code that measured them: an exported policy says it was tuned there
+    (workers of one study may run on different machines, from different commits). Ctrl-C stops
+    the run and records the trial it interrupted as FAIL (see ``_InterruptGuard``).
     """
     told: list[int] = []  # the trials this process ran to an end (any state)
     callbacks: list[Callable[[optuna.Study, FrozenTrial], None]] = [lambda study, trial: told.append(trial.number)]
@@ -301,7 +283,7 @@ def run_trials(
     failed = fail_trials_of_dead_workers(study)
     if failed:
         print(f"trial(s) {failed} were left RUNNING by a process that no longer runs: marked FAIL", file=sys.stderr)
-    with _InterruptGuard(objective) as guarded:
+    with _InterruptGuard(objective, here) as guarded:
         while len(told) < n_trials:
             if total_trials is not None and counted_trials(study) >= total_trials:
                 return
@@ -376,8 +358,9 @@ class _InterruptGuard:
     way after a Ctrl-C, the run still ends as interrupted.
     """
 
-    def __init__(self, objective: Callable[[optuna.Trial], Any]) -> None:
+    def __init__(self, objective: Callable[[optuna.Trial], Any], here: Machine | None = None) -> None:
         self.objective = objective
+        self.stamps = {} if here is None else {MACHINE_ATTR: here.to_dict(), CODE_ATTR: code_version()}
         self.pending = False
         self.previous: Any = None
         self.installed = False
@@ -391,6 +374,8 @@ class _InterruptGuard:
         self.check()
         # A later run can tell whether this process died.
         trial.set_user_attr(WORKER_ATTR, f"{socket.gethostname()}:{os.getpid()}")
+        for key, value in self.stamps.items():
+            trial.set_user_attr(key, value)
         return self.objective(_CheckedTrial(trial, self))  # type: ignore[arg-type]
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
@@ -444,25 +429,23 @@ def draft_kind(policy: SkipPolicy) -> str:
     return "hybrid" if policy.draft.lookup_max_ngram else "skip"
 
 
-def finalists(study: optuna.Study, objective: str, top_k: int, per_kind: bool = False) -> list[FrozenTrial]:
+def finalists(study: optuna.Study, objective: str, top_k: int) -> list[FrozenTrial]:
     """Trials worth confirming by real generation: the best predicted speedups (of the Pareto set)
-    among trials the search may export (``layerskip.search.space.exportable``).
-
-    ``per_kind``: then the best predicted trial of every other ``draft_kind`` too. The cheap score
-    prices different drafts with timings taken at different moments, so a kind that predicts a
-    little lower may well be faster; only measuring it beside the others tells."""
+    among trials the search may export (``layerskip.search.space.exportable``), then the best
+    predicted trial of every other ``draft_kind``. The cheap score prices different drafts with
+    timings taken at different moments, so a kind that predicts a little lower may well be faster;
+    only measuring it beside the others tells."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     pool = study.best_trials if objective == "pareto" else complete
     pool = [t for t in pool if exportable(trial_policy(study, t))]
     ranked = sorted(pool, key=lambda t: t.user_attrs.get("predicted_speedup", 0.0), reverse=True)
     chosen = ranked[:top_k]
-    if per_kind:
-        kinds = {draft_kind(trial_policy(study, t)) for t in chosen}
-        for trial in ranked[top_k:]:
-            kind = draft_kind(trial_policy(study, trial))
-            if kind not in kinds:
-                kinds.add(kind)
-                chosen.append(trial)
+    kinds = {draft_kind(trial_policy(study, t)) for t in chosen}
+    for trial in ranked[top_k:]:
+        kind = draft_kind(trial_policy(study, trial))
+        if kind not in kinds:
+            kinds.add(kind)
+            chosen.append(trial)
     return chosen
 
 

@@ -117,7 +117,7 @@ def test_a_search_trial_records_the_code_and_its_exported_policy_names_it(tmp_pa
     from layerskip.machine import this_machine
     from layerskip.search.export import export_policy
     from layerskip.search.space import POLICY_ATTR, policy_attr
-    from layerskip.search.study import CODE_ATTR, recording_machine
+    from layerskip.search.study import CODE_ATTR, run_trials
 
     def objective(trial: optuna.Trial) -> float:
         trial.set_user_attr(POLICY_ATTR, policy_attr(SkipPolicy(skip_mlp=(1,))))
@@ -126,7 +126,7 @@ def test_a_search_trial_records_the_code_and_its_exported_policy_names_it(tmp_pa
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize")
-    study.optimize(recording_machine(objective, this_machine("cpu")), n_trials=1)
+    run_trials(study, objective, 1, None, None, progress=False, here=this_machine("cpu"))
     code = code_version()
     assert study.trials[0].user_attrs[CODE_ATTR] == code
     policy = export_policy(study, tmp_path / "p.json")

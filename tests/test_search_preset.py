@@ -38,6 +38,24 @@ def test_the_preset_sets_its_values_and_flags_override_them() -> None:
     assert record["values"]["--lookup"] == [0, 3]  # what the preset would have set, as JSON
 
 
+def test_every_setting_has_its_flag_and_default() -> None:
+    """The parser's flags are built from the settings table: each setting has one, typed as its field."""
+    from layerskip.search.cli import build_parser
+    from layerskip.search.settings import DEFAULTS, SETTINGS, flag
+
+    parser = build_parser()
+    flags = {option for action in parser._actions for option in action.option_strings}
+    assert {flag(name) for name in SETTINGS} <= flags
+    parsed = vars(parser.parse_args([]))
+    assert SearchSettings(**{name: parsed[name] for name in SETTINGS}) == DEFAULTS
+    typed = ["--draft-tokens", "3,5", "--lookup-confidence", "0,0.2", "--timeout", "9", "--warm-start", "a.json"]
+    _, given = given_arguments([*typed, "--no-chat", "--force", "--draft-precision", "int8"])
+    assert given == {
+        "draft_tokens": (3, 5), "lookup_confidence": (0.0, 0.2), "timeout": 9.0, "warm_start": ["a.json"],
+        "chat": False, "force": True, "draft_precision": ("int8",),
+    }  # fmt: skip
+
+
 def test_on_a_gpu_the_draft_keeps_the_models_weights() -> None:
     assert preset_values("quick", torch.device("cuda"))["draft_precision"] == ("model",)
 

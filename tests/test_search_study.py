@@ -227,7 +227,7 @@ def test_export_never_offers_a_draft_that_bypasses_nothing(tmp_path):
 
 def test_finalists_add_the_best_of_every_other_kind_of_draft():
     """The cheap score may rank a whole kind of draft just below another on noise: the best of each kind
-    is confirmed beside the top predictions (with per_kind)."""
+    is confirmed beside the top predictions."""
     from layerskip.drafts.policy.skip_policy import DraftSettings, ExitSettings, SkipPolicy
     from layerskip.search.space import trial_policy
     from layerskip.search.study import draft_kind, finalists
@@ -239,9 +239,8 @@ def test_finalists_add_the_best_of_every_other_kind_of_draft():
     _trial_with(study, SkipPolicy(skip_mlp=(2,)), 1.7)  # a second skip draft: not its kind's best
     hybrid = _trial_with(study, SkipPolicy(skip_mlp=(1,), draft=DraftSettings(lookup_max_ngram=3)), 1.5)
     lookup = _trial_with(study, SkipPolicy(draft=DraftSettings(use_skip_draft=False, lookup_max_ngram=3)), 1.0)
-    assert [t.number for t in finalists(study, "speedup", 2)] == exits
-    assert [t.number for t in finalists(study, "speedup", 2, per_kind=True)] == [*exits, skip, hybrid, lookup]
-    kinds = [draft_kind(trial_policy(study, t)) for t in finalists(study, "speedup", 1, per_kind=True)]
+    assert [t.number for t in finalists(study, "speedup", 2)] == [*exits, skip, hybrid, lookup]
+    kinds = [draft_kind(trial_policy(study, t)) for t in finalists(study, "speedup", 1)]
     assert kinds == ["exit", "skip", "hybrid", "lookup"]
 
 
