@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import hashlib
-import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -434,33 +432,3 @@ def layer_output_replacement(
         return transform(output, *args, **kwargs)
 
     return layer, forward
-
-
-def stack_hidden(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    cache: object | None = None,
-    position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The decoder stack's final hidden states ``[B, q, hidden]`` for ``input_ids [B, q]``.
-
-    The stack's cache argument was renamed from ``past_key_values`` to ``cache`` in transformers
-    5.24 (the old name warns, and goes in 5.40): pass whichever this version's forward takes.
-    ``attention_mask``, when given, is a prepared 4D mask (or one per layer type) that the stack
-    uses as it is (``tree.tree_attention_mask``); None lets the stack build its causal masks.
-    """
-    stack = base_model(model)
-    kwargs: dict[str, object] = {"input_ids": input_ids, "use_cache": cache is not None}
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
-    if cache is not None:
-        kwargs[_cache_argument(type(stack))] = cache
-    return stack(**kwargs).last_hidden_state
-
-
-@functools.cache
-def _cache_argument(stack_class: type) -> str:
-    return "cache" if "cache" in inspect.signature(stack_class.forward).parameters else "past_key_values"
