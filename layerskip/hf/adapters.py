@@ -89,12 +89,10 @@ def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 
 
-def attention_module(model: nn.Module, index: int) -> nn.Module:
-    return getattr(decoder_layers(model)[index], spec_for(model).attention)
-
-
-def mlp_module(model: nn.Module, index: int) -> nn.Module:
-    return getattr(decoder_layers(model)[index], spec_for(model).mlp)
+def sublayer(model: nn.Module, index: int, kind: str) -> nn.Module:
+    """Layer ``index``'s attention (``kind`` "attention") or MLP ("mlp")."""
+    spec = spec_for(model)
+    return getattr(decoder_layers(model)[index], spec.attention if kind == "attention" else spec.mlp)
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -182,8 +180,8 @@ def sliding_windows(model: nn.Module) -> list[int | None]:
 
 def sublayer_parameter_counts(model: nn.Module) -> tuple[list[int], list[int], int]:
     """(attention params per layer, MLP params per layer, all params): for 'fraction bypassed'."""
-    attn = [sum(p.numel() for p in attention_module(model, i).parameters()) for i in range(num_layers(model))]
-    mlp = [sum(p.numel() for p in mlp_module(model, i).parameters()) for i in range(num_layers(model))]
+    attn = [sum(p.numel() for p in sublayer(model, i, "attention").parameters()) for i in range(num_layers(model))]
+    mlp = [sum(p.numel() for p in sublayer(model, i, "mlp").parameters()) for i in range(num_layers(model))]
     total = sum(p.numel() for p in model.parameters())
     return attn, mlp, total
 
@@ -325,8 +323,7 @@ def projection_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | N
 
 def sublayer_projections(model: nn.Module, index: int, kind: str) -> list[nn.Module]:
     """The linear projections inside one sublayer (``kind`` = "attention" or "mlp") of layer ``index``."""
-    sublayer = attention_module(model, index) if kind == "attention" else mlp_module(model, index)
-    return [module for module in sublayer.modules() if projection_weight(module) is not None]
+    return [module for module in sublayer(model, index, kind).modules() if projection_weight(module) is not None]
 
 
 def check_indices(model: nn.Module, attention: Sequence[int], mlp: Sequence[int]) -> None:
