@@ -115,13 +115,12 @@ class RollbackCache(DynamicCache):
         sliding_windows: Sequence[int | None],
         rows: int = 1,
         dtype: torch.dtype | None = None,
-        initial_capacity: int | None = None,
     ) -> None:
         super().__init__()
         if rows < 1:
             raise ValueError(f"a cache holds at least one row, not {rows}")
         self.dtype = dtype
-        self.capacity = max(1, initial_capacity or _MIN_CAPACITY)
+        self.capacity = _MIN_CAPACITY
         self.growth_seconds = 0.0  # time spent growing the buffers (a step that grew is not its kind's usual cost)
         self.lengths = [0] * rows
         self.common_length: int | None = 0  # the one length every row holds (None where they differ)
