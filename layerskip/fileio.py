@@ -248,7 +248,6 @@ class UnreadableFile(LayerskipError):
 
     def __init__(self, what: str, path: Path, reason: str, fix: str) -> None:
         super().__init__(f"cannot read {what} {path}: {reason}; {fix}")
-        self.path = path
         self.reason = reason
 
 
