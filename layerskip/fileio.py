@@ -248,7 +248,6 @@ class UnreadableFile(LayerskipError):
 
     def __init__(self, what: str, path: Path, reason: str, fix: str) -> None:
         super().__init__(f"cannot read {what} {path}: {reason}; {fix}")
-        self.path = path
         self.reason = reason
 
 
@@ -497,14 +496,13 @@ def load_json(
     fix: str,
     expect: type | None = dict,
     unique_keys: bool = False,
-    limit: int = MAX_JSON_BYTES,
     shape: Any = None,
 ) -> Any:
     """The JSON document in the file at ``path``, the one way the project reads one: a regular
-    file of at most ``limit`` bytes, UTF-8, valid JSON at most ``MAX_JSON_DEPTH`` deep, of type
+    file of at most ``MAX_JSON_BYTES``, UTF-8, valid JSON at most ``MAX_JSON_DEPTH`` deep, of type
     ``expect`` and, given one, of ``shape`` (``check_shape``). Anything else is one line:
     ``cannot read WHAT PATH: REASON; FIX``."""
-    text = read_text(path, what, fix, limit)
+    text = read_text(path, what, fix)
     try:
         value = parse_json(text, expect, unique_keys)
         if shape is not None:
@@ -514,10 +512,10 @@ def load_json(
         raise UnreadableFile(what, Path(path).expanduser(), problem.reason, problem.fix or fix) from None
 
 
-def read_json_file(path: Path, limit: int = MAX_JSON_BYTES) -> object:
+def read_json_file(path: Path) -> object:
     """The JSON document in ``path``, or None if it is not one (or not a regular file, or larger
-    than ``limit`` bytes): for recognising files, not for loading them."""
+    than ``MAX_JSON_BYTES``): for recognising files, not for loading them."""
     try:
-        return load_json(path, "file", "", expect=None, limit=limit)
+        return load_json(path, "file", "", expect=None)
     except LayerskipError:
         return None

@@ -27,7 +27,7 @@ from layerskip.engine.decoding import Decoder, DecodeSettings
 from layerskip.hf import adapters
 from layerskip.hf import cache as cache_module
 from layerskip.hf.cache import RollbackCache, model_cache
-from layerskip.hf.forward import block_hidden, full_logits
+from layerskip.hf.forward import block_hidden, full_logits, stack_forward
 from layerskip.hf.lean import LEAN_FAMILIES
 from layerskip.measure.batches import BASELINE, OURS, OURS_ALONE, OURS_PLAIN, run_batches, summarise_batches
 from layerskip.measure.report import batch_table
@@ -104,7 +104,7 @@ def test_ragged_forward_equals_each_row_alone(arch: str, impl: str) -> None:
         more = [random_prompt(length=3, seed=20 + r) for r in range(len(prompts))]
         second = block_hidden(model, torch.tensor(more), cache)
         for r, prompt in enumerate(prompts):
-            alone = adapters.stack_hidden(model, torch.tensor([prompt + more[r]]))[0]  # [n + 3, H]
+            alone = stack_forward(model, torch.tensor([prompt + more[r]]))[0]  # [n + 3, H]
             torch.testing.assert_close(first[r, : len(prompt)], alone[: len(prompt)], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(second[r], alone[len(prompt) :], atol=1e-5, rtol=1e-4)
 

@@ -13,7 +13,7 @@ from layerskip.engine.decoding import DecodeSettings, decode
 from layerskip.hf import adapters
 from layerskip.hf import cache as cache_module
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import block_hidden
+from layerskip.hf.forward import block_hidden, stack_forward
 
 POLICIES = {
     "attention-0": SkipPolicy(skip_attention=(0,), skip_mlp=(2,)),
@@ -68,8 +68,8 @@ def test_writes_append_rollbacks_cut_and_lengths_are_the_rows() -> None:
     keys, values = _write(cache, k1, -k1)
     torch.testing.assert_close(keys, k1)
     torch.testing.assert_close(values, -k1)
-    assert cache.length == cache.get_seq_length() == cache.get_query_offset() == 5
-    assert cache.get_mask_sizes(3) == (8, 0) and cache.layers[1].get_mask_sizes(3) == (8, 0)
+    assert cache.get_seq_length() == cache.get_query_offset() == 5
+    assert cache.get_mask_sizes(3, 0) == (8, 0) and cache.layers[1].get_mask_sizes(3) == (8, 0)
     cache.rollback(2)
     k2 = _kv(length=2, start=500)
     keys, _ = _write(cache, k2, k2)  # overwrites the rolled-back slots
@@ -101,13 +101,13 @@ def test_growth_keeps_contents_and_the_dtype(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(cache_module, "_MIN_CAPACITY", 8)
     cache = RollbackCache([None, None], rows=2, dtype=torch.float32)
     chunks = []
-    while cache.length <= 40:
-        chunk = _kv(rows=2, length=7, start=float(cache.length * 100))
+    while cache.longest <= 40:
+        chunk = _kv(rows=2, length=7, start=float(cache.longest * 100))
         chunks.append(chunk)
         _write(cache, chunk.to(torch.bfloat16), chunk.to(torch.bfloat16))  # a bf16 draft's K/V
     expected = torch.cat(chunks, dim=-2).to(torch.bfloat16).float()
     for layer in cache.layers:
-        assert layer.key_buffer.dtype == torch.float32 and layer.key_buffer.shape[-2] >= cache.length > 8
+        assert layer.key_buffer.dtype == torch.float32 and layer.key_buffer.shape[-2] >= cache.longest > 8
         torch.testing.assert_close(layer.keys, expected)
 
 
@@ -145,7 +145,7 @@ def test_cache_drives_a_model_forward() -> None:
     model = tiny_model("llama")
     ids = torch.tensor([random_prompt(length=12)])
     with torch.inference_mode():
-        full = adapters.stack_hidden(model, ids)[0]
+        full = stack_forward(model, ids)[0]
         cache = RollbackCache(adapters.sliding_windows(model))
         block_hidden(model, ids[:, :8], cache)
         block_hidden(model, torch.tensor([[1, 2, 3]]), cache)  # to be rolled back

@@ -122,7 +122,7 @@ def test_growing_cache_keeps_the_sampled_distribution() -> None:
 
 def test_a_draft_in_bf16_never_changes_the_stored_dtype() -> None:
     """The cause itself: a bf16 write that grows an fp32 buffer leaves it fp32, the old rows exact."""
-    cache = RollbackCache([None], dtype=torch.float32, initial_capacity=2)
+    cache = RollbackCache([None], dtype=torch.float32)  # 2 positions (_small_buffers)
     layer = cache.layers[0]
     first = torch.randn(1, 1, 2, 4)
     layer.update(first, first)

@@ -18,6 +18,7 @@ from layerskip.engine import calibration
 from layerskip.engine import latency as engine_latency
 from layerskip.engine.precision_choice import PrecisionPrice, agreement, candidates, chosen, own_texts, priced_heads
 from layerskip.hf import adapters
+from layerskip.hf.forward import stack_forward
 
 VERIFY = {1: 1.0, 2: 1.05, 4: 1.12, 8: 1.4, 17: 2.0}
 
@@ -79,7 +80,7 @@ def test_own_texts_are_the_models_greedy_continuations() -> None:
     texts = own_texts(model, rows=3, tokens=6)
     assert texts.shape == (3, 8) and len({tuple(row.tolist()) for row in texts}) == 3
     for text in texts:  # every token after the two-token start is the model's argmax after its prefix
-        hidden = adapters.stack_hidden(model, text[None, :-1])[0]
+        hidden = stack_forward(model, text[None, :-1])[0]
         assert torch.equal(adapters.logits_from_hidden(model, hidden).argmax(-1)[1:], text[2:])
 
 

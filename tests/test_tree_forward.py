@@ -20,7 +20,7 @@ from layerskip.errors import LayerskipError
 from layerskip.hf import adapters
 from layerskip.hf import tree as hf_tree
 from layerskip.hf.cache import RollbackCache
-from layerskip.hf.forward import block_hidden, full_hidden
+from layerskip.hf.forward import block_hidden, full_hidden, stack_forward
 from layerskip.hf.tree import block_depths, block_visibility
 
 ATOL = 1e-5
@@ -78,7 +78,7 @@ def _tree_forward(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tens
 def _path_hidden(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """Plain causal forward, no cache: hidden states ``[1 + len(tokens), H]`` of pending + tokens."""
     ids = torch.tensor([[*prompt, *tokens]])
-    return adapters.stack_hidden(model, ids)[0, len(prompt) - 1 :]
+    return stack_forward(model, ids)[0, len(prompt) - 1 :]
 
 
 # -- the tree's structure --------------------------------------------------------------------------
@@ -185,7 +185,7 @@ ACCEPTED = {"first-branch": [0, 1, 2], "fork": [0, 1, 7, 8], "second": [9, 11], 
 @pytest.mark.parametrize("accepted", list(ACCEPTED))
 @pytest.mark.parametrize("arch,impl", [case for case in CASES if case[1] == "sdpa" or case[0] == "gemma2"])
 def test_keep_path_then_continue(arch: str, impl: str, accepted: str) -> None:
-    """After ``keep_path`` the cache is the one a plain decode of the accepted path would hold: the
+    """After ``keep_paths`` the cache is the one a plain decode of the accepted path would hold: the
     next forwards (a chain block, then one token) give the same hidden states as a fresh cache
     that only ever saw prefix + pending + path."""
     model = _model(arch, impl)
@@ -194,7 +194,7 @@ def test_keep_path_then_continue(arch: str, impl: str, accepted: str) -> None:
     start = PROMPT_LENGTH - 1
     with torch.inference_mode():
         _, cache = _tree_forward(model, prompt)
-        cache.keep_path(start, [0, *(i + 1 for i in path)])
+        cache.keep_paths([start], [[0, *(i + 1 for i in path)]])
         kept = start + 1 + len(path)
         assert row_lengths(cache) == [kept]
         fresh = _prefilled(model, [*prompt, *(TOKENS[i] for i in path)])
@@ -221,10 +221,10 @@ def test_keep_path_copies_only_what_moves(monkeypatch: pytest.MonkeyPatch) -> No
     with torch.inference_mode():
         _, cache = _tree_forward(model, random_prompt(length=PROMPT_LENGTH))
         monkeypatch.setattr(torch.Tensor, "index_select", counting)
-        cache.keep_path(9, [0, 1, 2, 3])  # the first branch: already contiguous
+        cache.keep_paths([9], [[0, 1, 2, 3]])  # the first branch: already contiguous
         assert selected == []
         _, cache = _tree_forward(model, random_prompt(length=PROMPT_LENGTH))
-        cache.keep_path(9, [0, 1, 2, 8, 9])  # fork under node 1: two rows move, per K and V of each layer
+        cache.keep_paths([9], [[0, 1, 2, 8, 9]])  # fork under node 1: two rows move, per K and V of each layer
         assert selected == [2] * 2 * adapters.num_layers(model)
 
 
@@ -232,7 +232,7 @@ def test_keep_path_copies_only_what_moves(monkeypatch: pytest.MonkeyPatch) -> No
 def test_keep_path_rejects_unordered_rows(rows: list[int]) -> None:
     cache = RollbackCache([None])
     with pytest.raises(ValueError):
-        cache.keep_path(0, rows)
+        cache.keep_paths([0], [rows])
 
 
 def test_keep_path_beyond_the_block_is_a_bug() -> None:
@@ -240,7 +240,7 @@ def test_keep_path_beyond_the_block_is_a_bug() -> None:
     with torch.inference_mode():
         _, cache = _tree_forward(model, random_prompt(length=PROMPT_LENGTH))
         with pytest.raises(RuntimeError, match="reaches row"):
-            cache.keep_path(9, [0, len(TOKENS) + 1])
+            cache.keep_paths([9], [[0, len(TOKENS) + 1]])
 
 
 @pytest.mark.parametrize(
@@ -276,6 +276,6 @@ def test_rows_of_other_lengths_and_trees_in_one_block(arch: str, impl: str) -> N
             alone_cache = _prefilled(model, prompt[:-1])
             alone = block_hidden(model, torch.tensor([blocks[b]]), alone_cache, [parents[b]])[0]
             torch.testing.assert_close(together[b], alone, atol=ATOL, rtol=ATOL, msg=f"{arch} row {b}")
-            alone_cache.keep_path(starts[b], paths[b])
+            alone_cache.keep_paths([starts[b]], [paths[b]])
             next_alone = block_hidden(model, torch.tensor([[5 + b]]), alone_cache)[0]
             torch.testing.assert_close(after[b], next_alone, atol=ATOL, rtol=ATOL, msg=f"{arch} row {b} after")

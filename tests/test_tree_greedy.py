@@ -39,7 +39,7 @@ class TreeRun:
     tokens: list[int]
     steps: int = 0  # verify forwards
     accepted: int = 0  # tree tokens accepted
-    gathered: int = 0  # steps whose accepted path was not already in place (keep_path moved K/V)
+    gathered: int = 0  # steps whose accepted path was not already in place (keep_paths moved K/V)
     off_first: int = 0  # steps that accepted a node outside the tree's first branch
 
 
@@ -61,7 +61,7 @@ def tree_decode(model: torch.nn.Module, prompt: list[int], new_tokens: int, prop
         targets = adapters.logits_from_hidden(model, hidden).argmax(dim=-1).tolist()
         path, nxt = accept_tree_greedy(tree.tokens, tree.parents, targets)
         rows = TokenTree.block_rows(path)
-        cache.keep_path(start, rows)
+        cache.keep_paths([start], [rows])
         new = [tree.tokens[i] for i in path] + [nxt]
         history += new
         run.tokens += new
@@ -69,7 +69,7 @@ def tree_decode(model: torch.nn.Module, prompt: list[int], new_tokens: int, prop
         run.accepted += len(path)
         run.gathered += rows != list(range(len(rows)))
         run.off_first += any(node != depth for depth, node in enumerate(path))
-        assert cache.length == len(history) - 1
+        assert cache.longest == len(history) - 1
     run.tokens = run.tokens[:new_tokens]
     return run
 

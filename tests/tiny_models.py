@@ -118,7 +118,7 @@ def _model_class(config):
 def _out_projections(model: nn.Module, index: int) -> list[nn.Linear]:
     """The last linear layer of a sublayer: the one writing into the residual stream."""
     found = []
-    for module in (adapters.attention_module(model, index), adapters.mlp_module(model, index)):
+    for module in (adapters.sublayer(model, index, "attention"), adapters.sublayer(model, index, "mlp")):
         linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
         conv1d = [m for m in module.modules() if type(m).__name__ == "Conv1D"]  # GPT-2
         found.append((linears or conv1d)[-1])

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from layerskip.distill.corpus import CODE_DOMAIN, OWN_SUFFIX, Document
 from layerskip.drafts.drafters.exit_draft import capturing_layer_output
 from layerskip.hf import adapters
+from layerskip.hf.forward import stack_forward
 
 
 @dataclass
@@ -117,7 +118,7 @@ def collect(
         with contextlib.ExitStack() as stack:
             for layer in layers:
                 stack.enter_context(capturing_layer_output(model, layer, captured[layer]))
-            last = adapters.stack_hidden(model, batch)  # [B, T, H]
+            last = stack_forward(model, batch)  # [B, T, H]
         for layer in layers:
             hidden[layer].append(captured[layer][-1].float().cpu())
         flat = last.reshape(-1, last.shape[-1])  # [B*T, H]

@@ -35,6 +35,7 @@ from layerskip.distill.teacher import TeacherData
 from layerskip.drafts.model.exit_adapter import ExitAdapter
 from layerskip.fileio import write_bytes_atomic
 from layerskip.hf import adapters
+from layerskip.hf.forward import stack_forward
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Student:
         replacements = adapters.bypass_replacements(self.model, self._others, self._others)
         replacements.append(adapters.layer_output_replacement(self.model, self.layer, transform, lambda: hidden))
         with adapters.patched_forwards(replacements):
-            final = adapters.stack_hidden(self.model, ids)
+            final = stack_forward(self.model, ids)
         logits = nn.functional.linear(final, self.weight, self.bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import hashlib
-import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -91,12 +89,10 @@ def num_layers(model: nn.Module) -> int:
     return len(decoder_layers(model))
 
 
-def attention_module(model: nn.Module, index: int) -> nn.Module:
-    return getattr(decoder_layers(model)[index], spec_for(model).attention)
-
-
-def mlp_module(model: nn.Module, index: int) -> nn.Module:
-    return getattr(decoder_layers(model)[index], spec_for(model).mlp)
+def sublayer(model: nn.Module, index: int, kind: str) -> nn.Module:
+    """Layer ``index``'s attention (``kind`` "attention") or MLP ("mlp")."""
+    spec = spec_for(model)
+    return getattr(decoder_layers(model)[index], spec.attention if kind == "attention" else spec.mlp)
 
 
 def base_model(model: nn.Module) -> nn.Module:
@@ -184,8 +180,8 @@ def sliding_windows(model: nn.Module) -> list[int | None]:
 
 def sublayer_parameter_counts(model: nn.Module) -> tuple[list[int], list[int], int]:
     """(attention params per layer, MLP params per layer, all params): for 'fraction bypassed'."""
-    attn = [sum(p.numel() for p in attention_module(model, i).parameters()) for i in range(num_layers(model))]
-    mlp = [sum(p.numel() for p in mlp_module(model, i).parameters()) for i in range(num_layers(model))]
+    attn = [sum(p.numel() for p in sublayer(model, i, "attention").parameters()) for i in range(num_layers(model))]
+    mlp = [sum(p.numel() for p in sublayer(model, i, "mlp").parameters()) for i in range(num_layers(model))]
     total = sum(p.numel() for p in model.parameters())
     return attn, mlp, total
 
@@ -327,8 +323,7 @@ def projection_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | N
 
 def sublayer_projections(model: nn.Module, index: int, kind: str) -> list[nn.Module]:
     """The linear projections inside one sublayer (``kind`` = "attention" or "mlp") of layer ``index``."""
-    sublayer = attention_module(model, index) if kind == "attention" else mlp_module(model, index)
-    return [module for module in sublayer.modules() if projection_weight(module) is not None]
+    return [module for module in sublayer(model, index, kind).modules() if projection_weight(module) is not None]
 
 
 def check_indices(model: nn.Module, attention: Sequence[int], mlp: Sequence[int]) -> None:
@@ -434,33 +429,3 @@ def layer_output_replacement(
         return transform(output, *args, **kwargs)
 
     return layer, forward
-
-
-def stack_hidden(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    cache: object | None = None,
-    position_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The decoder stack's final hidden states ``[B, q, hidden]`` for ``input_ids [B, q]``.
-
-    The stack's cache argument was renamed from ``past_key_values`` to ``cache`` in transformers
-    5.24 (the old name warns, and goes in 5.40): pass whichever this version's forward takes.
-    ``attention_mask``, when given, is a prepared 4D mask (or one per layer type) that the stack
-    uses as it is (``tree.tree_attention_mask``); None lets the stack build its causal masks.
-    """
-    stack = base_model(model)
-    kwargs: dict[str, object] = {"input_ids": input_ids, "use_cache": cache is not None}
-    if position_ids is not None:
-        kwargs["position_ids"] = position_ids
-    if attention_mask is not None:
-        kwargs["attention_mask"] = attention_mask
-    if cache is not None:
-        kwargs[_cache_argument(type(stack))] = cache
-    return stack(**kwargs).last_hidden_state
-
-
-@functools.cache
-def _cache_argument(stack_class: type) -> str:
-    return "cache" if "cache" in inspect.signature(stack_class.forward).parameters else "past_key_values"

@@ -98,14 +98,13 @@ class CacheLayer(DynamicLayer):
             self.key_buffer = self.key_buffer.index_select(0, rows)
             self.value_buffer = self.value_buffer.index_select(0, rows)
 
+    # transformers' Cache asks its layers (the first one) for these: every layer answers with the
+    # cache's longest row.
     def get_seq_length(self) -> int:
         return self.owner.longest
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.longest + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class RollbackCache(DynamicCache):
@@ -116,13 +115,12 @@ class RollbackCache(DynamicCache):
         sliding_windows: Sequence[int | None],
         rows: int = 1,
         dtype: torch.dtype | None = None,
-        initial_capacity: int | None = None,
     ) -> None:
         super().__init__()
         if rows < 1:
             raise ValueError(f"a cache holds at least one row, not {rows}")
         self.dtype = dtype
-        self.capacity = max(1, initial_capacity or _MIN_CAPACITY)
+        self.capacity = _MIN_CAPACITY
         self.growth_seconds = 0.0  # time spent growing the buffers (a step that grew is not its kind's usual cost)
         self.lengths = [0] * rows
         self.common_length: int | None = 0  # the one length every row holds (None where they differ)
@@ -137,20 +135,6 @@ class RollbackCache(DynamicCache):
     @property
     def longest(self) -> int:
         return max(self.lengths)
-
-    @property
-    def length(self) -> int:
-        """The longest row's length (a one-row cache's length)."""
-        return self.longest
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.longest
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.longest + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.longest
 
     def reserve(self, positions: int) -> None:
         """Room for ``positions`` per row (buffers doubled when short; their dtype never changes)."""
@@ -262,10 +246,6 @@ class RollbackCache(DynamicCache):
             theirs.is_initialized = True
         view.set_lengths([self.lengths[row]])
         return view
-
-    def keep_path(self, start: int, rows: Sequence[int]) -> None:
-        """``keep_paths`` with one start and path for every row."""
-        self.keep_paths([start] * self.rows, [rows] * self.rows)
 
 
 def model_cache(model: nn.Module, windows: Sequence[int | None] | None = None, rows: int = 1) -> RollbackCache:

@@ -7,6 +7,8 @@ infers a position from the cache. Every forward moves the cache's rows on by the
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -24,16 +26,35 @@ def positions(start: int, count: int, device: torch.device) -> torch.Tensor:
 def stack_forward(
     model: nn.Module,
     input_ids: torch.Tensor,
-    cache: RollbackCache | None,
-    position_ids: torch.Tensor,
+    cache: RollbackCache | None = None,
+    position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The decoder stack's hidden states ``[B, q, H]`` of ``input_ids [B, q]``; the cache's rows
-    move on by ``q`` (every layer that ran wrote there)."""
-    hidden = adapters.stack_hidden(model, input_ids, cache, position_ids, attention_mask=attention_mask)
+    """The decoder stack's final hidden states ``[B, q, H]`` of ``input_ids [B, q]``; the cache's rows
+    move on by ``q`` (every layer that ran wrote there). No positions: from 0 (a forward without a cache).
+
+    The stack's cache argument was renamed from ``past_key_values`` to ``cache`` in transformers
+    5.24 (the old name warns, and goes in 5.40): pass whichever this version's forward takes.
+    ``attention_mask``, when given, is a prepared 4D mask (or one per layer type) that the stack
+    uses as it is (``tree.block_masks``); None lets the stack build its causal masks.
+    """
+    stack = adapters.base_model(model)
+    kwargs: dict[str, object] = {"input_ids": input_ids, "use_cache": cache is not None}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if cache is not None:
+        kwargs[_cache_argument(type(stack))] = cache
+    hidden = stack(**kwargs).last_hidden_state
     if cache is not None:
         cache.advance(input_ids.shape[1])
     return hidden
+
+
+@functools.cache
+def _cache_argument(stack_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(stack_class.forward).parameters else "past_key_values"
 
 
 def block_hidden(

@@ -73,7 +73,7 @@ _MLP_GROUPS_FUSED = (("gate_up_proj",), ("down_proj",))  # Phi-3
 def projection_groups(model: nn.Module, index: int, kind: str) -> list[list[nn.Module]]:
     """The projections of one sublayer in groups that share their input, in order (Q/K/V then O;
     gate/up then down). Architectures the lean forward does not cover get one group per projection."""
-    sublayer = adapters.attention_module(model, index) if kind == "attention" else adapters.mlp_module(model, index)
+    sublayer = adapters.sublayer(model, index, kind)
     layouts = (_ATTENTION_GROUPS, _ATTENTION_GROUPS_FUSED) if kind == "attention" else (_MLP_GROUPS, _MLP_GROUPS_FUSED)
     for layout in layouts:
         if all(hasattr(sublayer, name) for group in layout for name in group):
@@ -156,7 +156,7 @@ class LeanPlan:
             return _norm_weight(module, family.norm_offset)
 
         for i, layer in enumerate(adapters.decoder_layers(model)):
-            attn = adapters.attention_module(model, i)
+            attn = adapters.sublayer(model, i, "attention")
             q_out = projection_groups(model, i, "attention")[0]
             head_dim = int(attn.head_dim)
             q_heads = (q_out[0].out_features if len(q_out) == 3 else config.num_attention_heads * head_dim) // head_dim

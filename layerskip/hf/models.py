@@ -149,13 +149,11 @@ def cache_is_whole(directory: Path) -> bool:
 def _usable_cache(target: Path) -> bool:
     """A whole cached copy is used; a damaged one is moved aside (then removed) to be rebuilt, and a
     link that leads to none is removed (what it leads to is left as it is)."""
-    if target.is_symlink() and not cache_is_whole(target):
-        _drop_link(target)
-        return False
-    if not target.exists():
-        return False
     if cache_is_whole(target):
         return True
+    if target.is_symlink() or not target.exists():
+        _drop_link(target)
+        return False
     damaged = target.with_name(f".{target.name}.damaged-{os.getpid()}")
     try:
         os.replace(target, damaged)

@@ -338,7 +338,7 @@ class DivergenceCheck:
         for index, (start, width) in enumerate(schedule):
             if start > target:
                 break
-            if start > cache.length:
+            if start > cache.longest:
                 return {}  # a gap in the recorded history: not a schedule this replay can follow
             try:
                 cache.rollback(start)

@@ -60,7 +60,7 @@ class TokenTree:
 
     @staticmethod
     def block_rows(path: Sequence[int]) -> list[int]:
-        """Block positions of the root and an accepted path: what ``RollbackCache.keep_path`` keeps."""
+        """Block positions of the root and an accepted path: what ``RollbackCache.keep_paths`` keeps."""
         return [0, *(node + 1 for node in path)]
 
 
