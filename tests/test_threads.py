@@ -203,3 +203,22 @@ def test_a_batch_tunes_its_threads_by_size_class() -> None:
             trials += draft.trial
     assert seen == {1, 2} and 0 < trials < 40
     assert tuner.phase_threads("draft", 1).uses == {}  # one row's class learnt nothing from the batch
+
+
+def test_a_step_without_a_draft_verifies_on_the_drafts_best_count_not_the_last_trial() -> None:
+    """A batch's plain and lookup steps run no draft phase: their verify takes the draft's best
+    count, not the count the last draft happened to try (on a 2-core machine, one thread tried
+    once would otherwise slow every plain step until the next draft)."""
+    torch.set_num_threads(2)
+    tuner = ThreadTuner("auto", torch.device("cpu"))
+    draft = tuner.phase_threads("draft", 8)
+    draft.record(2, 1e-12)  # two threads measured fastest (an empty phase below takes longer)
+    draft.record(2, 1e-12)
+    with tuner.session():
+        with tuner.phase("draft", 8) as trial:  # warm-up of the other count
+            trial.units = 3
+        with tuner.phase("verify", 8) as verify:
+            assert verify.threads == trial.threads == 1 and verify.trial
+        for _ in range(3):  # plain steps
+            with tuner.phase("verify", 8) as verify:
+                assert verify.threads == draft.best() == 2 and not verify.trial

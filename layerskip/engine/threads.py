@@ -169,9 +169,10 @@ class ThreadTuner:
         follows_draft = name == "verify" and (self.last_draft_threads is not None or bool(draft.average))
         if not follows_draft:
             run.threads = self.phase_threads(name, rows).next()
-        elif self.last_draft_threads is not None:
+        elif self.last_draft_threads is not None:  # this step's draft: its count, used up here
             run.threads, run.trial = self.last_draft_threads, self.last_draft_trial
-        else:  # the prefill, or a verify after a lookup draft: the draft's best so far
+            self.last_draft_threads = None
+        else:  # the prefill, a verify after a lookup draft or a step without one: the draft's best so far
             run.threads = draft.best()
         if not follows_draft:
             run.trial = run.threads != self.phase_threads(name, rows).best()
