@@ -140,13 +140,21 @@ def test_a_lookup_step_keeps_only_the_positions_that_pay_for_every_rows_verify()
     # 4 rows: a plain step 40 ms, each position more 10 ms for all rows; a token is worth 10 ms.
     prices = replace(_prices(), wide={1: 0.025, 4: 0.070})
     halves = [0.5**k for k in range(1, 7)]
+    level = [100, 100, 100, 100]  # tokens each row has left
     one_long = [(list(range(6)), halves), ([], []), ([], []), ([], [])]
-    assert paying_width(one_long, 4, prices) == 1  # one row's unlikely run: a plain step
+    assert paying_width(one_long, level, prices) == 1  # one row's unlikely run: a plain step
     sure = [0.95**k for k in range(1, 7)]
     everyone = [(list(range(6)), sure)] * 4
-    assert paying_width(everyone, 4, prices) == 7  # every row's likely run: the whole run
-    assert paying_width(one_long, 4, None) == 7  # without prices: the longest match whole
-    assert paying_width([([], [])] * 4, 4, prices) == 1
+    # Every row's likely run: most of it (the end moves as far as all four keep, 0.95 ** 4 a token).
+    assert paying_width(everyone, level, prices) == 5
+    assert paying_width(one_long, level, None) == 7  # without prices: the longest match whole
+    assert paying_width([([], [])] * 4, level, prices) == 1
+    # A likely run of one row among rows without a match pays only where that row is the one
+    # furthest behind, and the others far enough ahead that their own next tokens do.
+    alone = [(list(range(6)), sure), ([], []), ([], []), ([], [])]
+    assert paying_width(alone, level, prices) == 1
+    assert paying_width(alone, [100, 94, 94, 94], prices) == 7
+    assert paying_width(alone, [100, 98, 98, 98], prices) == 3
 
 
 def test_a_longer_batched_draft_is_tried_only_after_the_shorter_one_ran_near_the_best() -> None:

@@ -25,6 +25,7 @@ distribution (rejection sampling per row).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -113,8 +114,7 @@ class Stepper:
         longest = max(len(p) for p in prompts)
         block = torch.tensor([[*p, *[p[-1]] * (longest - len(p))] for p in prompts], device=self.device)
         committed = list(self.cache.lengths)
-        with self.threads.phase("verify", len(self.rows)) as run, self._around_verify(committed, block):
-            run.units = 0  # the prefill teaches nothing about a step
+        with self.threads.phase("verify", len(self.rows), learn=False), self._around_verify(committed, block):
             # (A layer exit adapter fills its own K/V from the one forward's layer-L outputs.)
             alone = self.prepared is None or not self.prepared.fills_adapter_cache
             if alone and len(prompts) * longest > PREFILL_PADDING * sum(len(p) for p in prompts):
@@ -186,11 +186,9 @@ class Stepper:
         seconds = self.clock.now() - start
         own_forwards = sum(len(p) for p in proposals if p.source == base.SKIP) if kind == DRAFT else 0
         batched = self._batched_forwards if kind.startswith("skip:") else 0
-        kept_by_row = []
         remaining = [row.output.remaining for row in self.rows]
         for row, proposal, verdict in zip(self.rows, proposals, verdicts, strict=True):
             kept = row.output.emit(verdict.tokens(proposal))  # the candidates kept, then the model's own token
-            kept_by_row.append(kept)
             stats = row.stats
             stats.draft_seconds += drafted - start if proposal.source != base.NONE else 0.0
             stats.verify_seconds += seconds - (drafted - start)  # verify forward, acceptance and rollback
@@ -199,12 +197,14 @@ class Stepper:
         # times per batch (the buffers double) and would brand whichever kind happened to run. A
         # step at a thread count on trial keeps no clock time beside its price, for the same reason.
         wall = seconds - (self.cache.growth_seconds - grown)
-        # A batch ends when its last row does: a step brings that end closer by what the rows
-        # furthest from their end kept (a row that ran ahead finishes early and leaves the others
-        # to steps that cost nearly as much with fewer rows), so a kind is rated by that, per row.
-        furthest = max(remaining)
-        lagging = [kept for kept, left in zip(kept_by_row, remaining, strict=True) if left == furthest]
-        useful = len(kept_by_row) * sum(lagging) / len(lagging)
+        # A batch ends when its last row does: a step brings that end closer by how much the most
+        # tokens any row still has to make fell (a row that ran ahead finishes early and leaves the
+        # others to steps that cost nearly as much with fewer rows), so a kind is rated by that, per
+        # row. Summed over a batch's steps this is exactly the budget; a mean over the rows furthest
+        # behind overrated drafts, whose rows take turns being last: sixteen rows of SmolLM2 each
+        # kept ~4 of a 3-token draft while the batch's end moved by one or two.
+        left = [0 if row.output.done else row.output.remaining for row in self.rows]
+        useful = len(self.rows) * (max(remaining) - max(left))
         priced = self.kinds.step_seconds(wall, width, batched, own_forwards)
         self.kinds.observe(kind, useful, priced, None if run.trial else wall)
         self.steps[kind] = self.steps.get(kind, 0) + 1
@@ -251,8 +251,7 @@ class Stepper:
     def _lookup_proposals(self) -> Proposals:
         """Each row's lookup match, cut to the verify width that pays best for the whole batch (under
         a pricer; else whole): a position more widens every row's verify, and is worth the chance that
-        the rows whose match reaches it keep its token (each row's own chances, learnt from its text).
-        One row's long match in a batch of eight made a verify cost three plain steps for nothing."""
+        it moves the batch's end (each row's own chances, learnt from its text; ``paying_width``)."""
         assert self.lookup is not None
         runs: list[tuple[list[int], list[float]]] = []
         for row in self.rows:
@@ -265,7 +264,7 @@ class Stepper:
             match = self.lookup.match(history, cap)
             row.lookup_runs.track(match, len(history))
             runs.append((match.tokens, row.lookup_runs.chances(match)))
-        width = paying_width(runs, len(self.rows), self.kinds.pricer)
+        width = paying_width(runs, [row.output.remaining for row in self.rows], self.kinds.pricer)
         return Proposals(tuple(Proposal.chain(tokens[: width - 1], base.LOOKUP) for tokens, _ in runs))
 
     def _longer_lookup(self, row: Row, draft: Proposal, steps: int) -> Proposal:
@@ -324,17 +323,33 @@ class Stepper:
         self.rows = [self.rows[b] for b in staying]
 
 
-def paying_width(runs: list[tuple[list[int], list[float]]], rows: int, prices: StepPrices | None) -> int:
-    """The verify width (1: each row's pending token alone) with the most expected tokens per
-    priced second for ``rows`` rows whose lookup ``runs`` are (tokens, each token's chance of being
-    kept, its earlier ones included); the narrowest of equals; the longest run's without prices."""
+def paying_width(runs: list[tuple[list[int], list[float]]], left: list[int], prices: StepPrices | None) -> int:
+    """The verify width (1: each row's pending token alone) whose expected move of the batch's end
+    (``Stepper.step``) per priced second is highest, for rows with ``left`` tokens still to make
+    and lookup ``runs`` (tokens, each token's chance of being kept, its earlier ones included);
+    the narrowest of equals; the longest run's without prices.
+
+    The end moves by ``j`` or more only where every row keeps enough: a row ``g`` tokens ahead of
+    the furthest behind needs ``j - g``. So an extra position pays where the rows furthest behind
+    all keep it, not where one row does: one row's long match in a batch of eight made a verify
+    cost three plain steps for nothing."""
     longest = max((len(tokens) for tokens, _ in runs), default=0)
     if prices is None:
         return longest + 1
+    rows, furthest = len(runs), max(left)
+
+    def holds(chances: list[float], needed: int) -> float:
+        """Chance that a row keeps at least ``needed`` tokens (its own next token always)."""
+        return 1.0 if needed <= 1 else (chances[needed - 2] if needed - 2 < len(chances) else 0.0)
 
     def rate(width: int) -> float:
-        tokens = rows + sum(sum(chances[: width - 1]) for _, chances in runs)
-        return tokens / prices.verify_rows(rows, width)
+        moved = 1.0 + sum(
+            math.prod(
+                holds(chances, j - (furthest - row_left)) for (_, chances), row_left in zip(runs, left, strict=True)
+            )
+            for j in range(2, width + 1)
+        )
+        return rows * moved / prices.verify_rows(rows, width)
 
     return max(range(1, longest + 2), key=rate)
 

@@ -24,10 +24,10 @@ costs under 3 % (a trial at half the best rate loses half its seconds, once per 
 a kind that could not beat the best even if every drafted token were accepted is never tried, and
 a longer batched draft waits until the shorter one has run near the best rate.
 
-A step's tokens count as its rows times what the rows furthest from their end kept (their mean):
-a batch ends when its last row does, and a step that moves some rows far ahead and the last by one
-leaves the batch's end almost where it was (the rows ahead finish early, and steps with fewer rows
-cost nearly as much on a CPU).
+A step's tokens count as its rows times how far it moved the batch's end (the most tokens any row
+still has to make): a batch ends when its last row does, and a step that moves some rows far ahead
+and the last by one leaves the batch's end almost where it was (the rows ahead finish early, and
+steps with fewer rows cost nearly as much on a CPU).
 
 A plain step is always on the menu, so a batch is not slower than plain batched decoding beyond
 that.

@@ -154,28 +154,31 @@ class ThreadTuner:
         return self.phases[key]
 
     @contextlib.contextmanager
-    def phase(self, name: str, rows: int = 1) -> Iterator[PhaseRun]:
+    def phase(self, name: str, rows: int = 1, learn: bool = True) -> Iterator[PhaseRun]:
         """Run one phase of a step over ``rows`` rows under its chosen count; its time per unit is
         recorded afterwards.
 
         The caller sets ``run.units`` (drafted tokens for a draft; 0 = do not learn from this run,
-        e.g. a prompt-lookup draft that ran no forward, or the prefill).
+        e.g. a prompt-lookup draft that ran no forward). ``learn=False`` (the prefill, work unlike
+        any step's and many steps long: sixteen prompts' prefill on one thread of two cost a
+        second): the best count known, nothing tried and nothing learnt.
         """
         run = PhaseRun()
         if not self.enabled:
             yield run
             return
-        draft = self.phase_threads("draft", rows)
+        draft, own = self.phase_threads("draft", rows), self.phase_threads(name, rows)
         follows_draft = name == "verify" and (self.last_draft_threads is not None or bool(draft.average))
-        if not follows_draft:
-            run.threads = self.phase_threads(name, rows).next()
-        elif self.last_draft_threads is not None:  # this step's draft: its count, used up here
+        if follows_draft and self.last_draft_threads is not None:  # this step's draft: its count, used up here
             run.threads, run.trial = self.last_draft_threads, self.last_draft_trial
             self.last_draft_threads = None
-        else:  # the prefill, a verify after a lookup draft or a step without one: the draft's best so far
+        elif follows_draft:  # the prefill, a verify after a lookup draft or a step without one
             run.threads = draft.best()
-        if not follows_draft:
-            run.trial = run.threads != self.phase_threads(name, rows).best()
+        elif learn:
+            run.threads = own.next()
+            run.trial = run.threads != own.best()
+        else:
+            run.threads = own.best()
         if torch.get_num_threads() != run.threads:
             torch.set_num_threads(run.threads)
         start = time.perf_counter()
@@ -187,8 +190,8 @@ class ThreadTuner:
             # only a draft that ran forwards sets the verify's count
             self.last_draft_threads = run.threads if run.units > 0 else None
             self.last_draft_trial = run.trial
-        if run.units > 0 and not follows_draft:
-            self.phase_threads(name, rows).record(run.threads, seconds / run.units)
+        if learn and run.units > 0 and not follows_draft:
+            own.record(run.threads, seconds / run.units)
 
 
 @dataclass
