@@ -146,3 +146,27 @@ def test_sampled_trees_in_a_batch_with_always_accept_fail(monkeypatch: pytest.Mo
     monkeypatch.setattr(verifiers, "verify_tree_sampled", chain_rule_as_tree(always_accept))
     law, exact, _ = _tree_law()
     assert tv(law, exact) > E2E_TV_BOUND
+
+
+def test_a_batch_pads_its_verify_only_by_whole_columns() -> None:
+    """A policy's verify padding counts a batch's products (rows x width) and pads them only as far
+    as whole columns reach the padded count: three rows' plain step (3 products) under a pad to 5
+    stays one column wide, where rounding up verified two."""
+    model = tiny_model("llama")
+    policy = SkipPolicy(skip_attention=(1,), draft=DraftSettings(max_draft_tokens=3, min_verify_block=5))
+    prompts = [random_prompt(length=7 + r, seed=r) for r in range(3)]
+    decoder = Decoder.for_policy(model, policy)
+    asked = []
+    original = decoder.draft.verify_block
+
+    def verify_block(positions: int, committed: int) -> int:
+        asked.append((positions, original(positions, committed)))
+        return asked[-1][1]
+
+    decoder.draft.verify_block = verify_block
+    results = decoder.decode_batch(prompts, DecodeSettings(max_new_tokens=12))
+    assert asked[0] == (3, 5)  # the first step is a plain one, its 3 products padded to 5 ...
+    for (tokens, stats), prompt in zip(results, prompts, strict=True):
+        reference, logits = hf_greedy(model, prompt, 12)
+        assert_same_tokens(tokens, reference, ref_logits=logits)
+        assert 1 in stats.block_histogram  # ... and it ran one column wide

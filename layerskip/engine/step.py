@@ -159,9 +159,13 @@ class Stepper:
         width = max(sizes)
         if self.prepared is not None:
             # The policy's verify padding is about the rows of the verify's products (some CPUs run
-            # a few-row product slower than a 4-row one): B rows of width w are B * w of them.
+            # a few-row product slower than a 4-row one): B rows of width w are B * w of them. A
+            # batch pads only as far as whole columns reach the padded count: rounding up turned a
+            # pad of sixteen rows' plain step by a few products (a one-row curve whose next length
+            # timed a few per cent cheaper) into a second column, a verify of 32, and ran the plain
+            # steps of batches of 8 and 16 at about 1.4 and 1.5 times their cost.
             rows = len(self.rows)
-            width = -(-self.prepared.verify_block(rows * width, max(committed)) // rows)
+            width = max(width, self.prepared.verify_block(rows * width, max(committed)) // rows)
         blocks, parents = [], []
         for row, proposal, size in zip(self.rows, proposals, sizes, strict=True):
             tree, fillers = proposal.tree, width - size
