@@ -160,10 +160,9 @@ class Stepper:
         if self.prepared is not None:
             # The policy's verify padding is about the rows of the verify's products (some CPUs run
             # a few-row product slower than a 4-row one): B rows of width w are B * w of them. A
-            # batch pads only as far as whole columns reach the padded count: rounding up turned a
-            # pad of sixteen rows' plain step by a few products (a one-row curve whose next length
-            # timed a few per cent cheaper) into a second column, a verify of 32, and ran the plain
-            # steps of batches of 8 and 16 at about 1.4 and 1.5 times their cost.
+            # batch pads only as far as whole columns reach the padded count: where SmolLM2's
+            # one-row curve timed 5 positions cheaper than 2 to 4, rounding up made two rows' plain
+            # step three columns wide (6 products) and four rows' two columns (8 products).
             rows = len(self.rows)
             width = max(width, self.prepared.verify_block(rows * width, max(committed)) // rows)
         blocks, parents = [], []
