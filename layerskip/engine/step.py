@@ -45,7 +45,7 @@ from layerskip.drafts.base import (
 )
 from layerskip.drafts.builder import LookupDrafter, LookupRunLength, PreparedDraft, SkipDrafter, StepPrices
 from layerskip.engine.output import TokenOutput
-from layerskip.engine.step_kinds import DRAFT, LOOKUP, StepKinds
+from layerskip.engine.step_kinds import DRAFT, LOOKUP, StepKinds, skip_length
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import Verifier, verify_rows
 from layerskip.hf.cache import RollbackCache
@@ -188,7 +188,7 @@ class Stepper:
         self.cache.keep_paths(committed, [TokenTree.block_rows(v.path) for v in verdicts])
         seconds = self.clock.now() - start
         own_forwards = sum(len(p) for p in proposals if p.source == base.SKIP) if kind == DRAFT else 0
-        batched = self._batched_forwards if kind.startswith("skip:") else 0
+        batched = self._batched_forwards if skip_length(kind) is not None else 0
         remaining = [row.output.remaining for row in self.rows]
         for row, proposal, verdict in zip(self.rows, proposals, verdicts, strict=True):
             kept = row.output.emit(verdict.tokens(proposal))  # the candidates kept, then the model's own token
@@ -234,9 +234,10 @@ class Stepper:
         return stack
 
     def _proposals(self, kind: str) -> Proposals:
-        if kind.startswith("skip:") and self.batch_draft is not None:
+        length = skip_length(kind)
+        if length is not None and self.batch_draft is not None:
             budgets = [row.output.remaining - 1 for row in self.rows]
-            steps = min(int(kind.split(":")[1]), max(budgets))
+            steps = min(length, max(budgets))
             self._batched_forwards = max(steps, 0)
             if steps > 0:
                 histories = [row.output.history for row in self.rows]
@@ -345,16 +346,17 @@ def paying_width(runs: list[tuple[list[int], list[float]]], left: list[int], pri
         """Chance that a row keeps at least ``needed`` tokens (its own next token always)."""
         return 1.0 if needed <= 1 else (chances[needed - 2] if needed - 2 < len(chances) else 0.0)
 
-    def rate(width: int) -> float:
-        moved = 1.0 + sum(
-            math.prod(
-                holds(chances, j - (furthest - row_left)) for (_, chances), row_left in zip(runs, left, strict=True)
-            )
-            for j in range(2, width + 1)
+    # The end's expected move at each width: 1, plus each further position's chance that every row
+    # keeps enough to reach it.
+    moved, best, best_rate = 1.0, 1, rows / prices.verify_rows(rows, 1)
+    for width in range(2, longest + 2):
+        moved += math.prod(
+            holds(chances, width - (furthest - row_left)) for (_, chances), row_left in zip(runs, left, strict=True)
         )
-        return rows * moved / prices.verify_rows(rows, width)
-
-    return max(range(1, longest + 2), key=rate)
+        rate = rows * moved / prices.verify_rows(rows, width)
+        if rate > best_rate:
+            best, best_rate = width, rate
+    return best
 
 
 def record_outcome(

@@ -86,13 +86,18 @@ DRAFT_MARGIN = 1.05
 LONGER_AFTER = 0.8
 
 
+def skip_length(kind: str) -> int | None:
+    """The tokens a batched skip draft of ``kind`` ("skip:N") drafts; None for any other kind."""
+    return int(kind.split(":")[1]) if kind.startswith("skip:") else None
+
+
 def price(prices: StepPrices, kind: str, rows: int, acceptance: float | None = None) -> Price | None:
     """Expected tokens and seconds of one step of ``kind`` for ``rows`` rows (None: a kind not priced),
     at the running acceptance or at ``acceptance``."""
     if kind in (PLAIN, LOOKUP):
         return prices.plain_step(rows)
-    if kind.startswith("skip:"):
-        return prices.batched_skip(rows, int(kind.split(":")[1]), acceptance)
+    if (length := skip_length(kind)) is not None:
+        return prices.batched_skip(rows, length, acceptance)
     if kind == DRAFT:
         return prices.own_drafts(rows, acceptance)
     return None
@@ -171,13 +176,13 @@ class StepKinds:
     def after_shorter(self, kind: str, best: str) -> bool:
         """Whether ``kind`` is a batched draft whose next shorter one has not yet run at
         ``LONGER_AFTER`` of the best kind's rate (a shorter one that is hopeless holds nothing back)."""
-        if not kind.startswith("skip:"):
+        length = skip_length(kind)
+        if length is None:
             return False
-        length = int(kind.split(":")[1])
-        shorter = [k for k in self.kinds if k.startswith("skip:") and int(k.split(":")[1]) < length]
+        shorter = [k for k in self.kinds if (n := skip_length(k)) is not None and n < length]
         if not shorter:
             return False
-        below = max(shorter, key=lambda k: int(k.split(":")[1]))
+        below = max(shorter, key=skip_length)
         if self.hopeless(below):
             return False
         return below not in self.recent or self.rate(below) < LONGER_AFTER * self.rate(best)
