@@ -159,10 +159,10 @@ def test_the_verify_follows_the_drafts_count_and_learns_alone_without_draft_forw
                 assert verify.threads == draft.threads
         assert tuner.phase_threads("verify").uses == {}  # learnt nothing: the draft decides
         with tuner.phase("draft") as lookup:
-            lookup.units = 0  # a lookup draft: no forwards, no signal; the verify takes the draft's best
-        with tuner.phase("verify") as verify:
-            assert verify.threads == tuner.phase_threads("draft").best()
-        assert tuner.phase_threads("verify").uses == {}
+            lookup.units = 0  # a lookup draft: no forwards, no signal; the verify tunes its own count
+        with tuner.phase("verify"):
+            pass
+        assert sum(tuner.phase_threads("verify").uses.values()) == 1
     lookup_only = ThreadTuner("auto", torch.device("cpu"))  # never a draft forward: the verify learns
     with lookup_only.session():
         for _ in range(3):
@@ -173,15 +173,20 @@ def test_the_verify_follows_the_drafts_count_and_learns_alone_without_draft_forw
     assert sum(lookup_only.phase_threads("verify").uses.values()) == 3
 
 
-def test_the_prefill_runs_on_the_drafts_best_count_once_it_is_known() -> None:
+def test_the_prefill_runs_on_the_best_count_known_and_learns_nothing() -> None:
     torch.set_num_threads(2)
     tuner = ThreadTuner("auto", torch.device("cpu"))
     tuner.phase_threads("draft").record(1, 1.0)
     tuner.phase_threads("draft").record(2, 5.0)  # busy machine: one thread is faster
     with tuner.session():
-        with tuner.phase("verify") as prefill:
-            prefill.units = 0
+        with tuner.phase("verify", learn=False) as prefill:  # no verify timed yet: the draft's best
+            pass
         assert prefill.threads == 1
+        tuner.phase_threads("verify").record(2, 1.0)
+        with tuner.phase("verify", learn=False) as prefill:  # the verify's own best, once known
+            pass
+        assert prefill.threads == 2
+    assert tuner.phase_threads("verify").uses == {2: 1}
 
 
 def test_a_batch_tunes_its_threads_by_size_class() -> None:
@@ -205,20 +210,26 @@ def test_a_batch_tunes_its_threads_by_size_class() -> None:
     assert tuner.phase_threads("draft", 1).uses == {}  # one row's class learnt nothing from the batch
 
 
-def test_a_step_without_a_draft_verifies_on_the_drafts_best_count_not_the_last_trial() -> None:
-    """A batch's plain and lookup steps run no draft phase: their verify takes the draft's best
-    count, not the count the last draft happened to try (on a 2-core machine, one thread tried
-    once would otherwise slow every plain step until the next draft)."""
+def test_a_step_without_a_draft_tunes_the_verifys_own_count() -> None:
+    """A batch's plain and lookup steps run no draft forward: their verify neither keeps the count
+    the last draft tried nor the draft's best (learnt from a few one-token forwards, and never
+    re-tried while the batch takes plain steps: a 16-row batch kept one thread of two), but
+    learns its own."""
     torch.set_num_threads(2)
     tuner = ThreadTuner("auto", torch.device("cpu"))
-    draft = tuner.phase_threads("draft", 8)
-    draft.record(2, 1e-12)  # two threads measured fastest (an empty phase below takes longer)
-    draft.record(2, 1e-12)
+    draft, verify_threads = tuner.phase_threads("draft", 16), tuner.phase_threads("verify", 16)
+    for _ in range(2):
+        draft.record(1, 1e-12)  # one thread measured fastest for the draft
+        draft.record(2, 1.0)
+        verify_threads.record(1, 1.0)  # two for the verify
+        verify_threads.record(2, 1e-12)
     with tuner.session():
-        with tuner.phase("draft", 8) as trial:  # warm-up of the other count
-            trial.units = 3
-        with tuner.phase("verify", 8) as verify:
-            assert verify.threads == trial.threads == 1 and verify.trial
+        with tuner.phase("draft", 16) as drafted:
+            drafted.units = 3
+        with tuner.phase("verify", 16) as verify:  # this step's draft: its count
+            assert verify.threads == drafted.threads == 1
+        before = sum(verify_threads.uses.values())
         for _ in range(3):  # plain steps
-            with tuner.phase("verify", 8) as verify:
-                assert verify.threads == draft.best() == 2 and not verify.trial
+            with tuner.phase("verify", 16) as verify:
+                assert verify.threads == 2 and not verify.trial
+        assert sum(verify_threads.uses.values()) == before + 3

@@ -116,8 +116,11 @@ class ThreadTuner:
     the same work every time (one token), so its time per token is a clean signal, while a
     verify's time depends on its block length (1 to k+1 tokens), which moves it as much as the
     thread count does. Busy or idle, the two phases measured the same way (one thread wins both
-    under contention, all threads win both when idle), so the verify follows the draft's choice.
-    Plain decoding and lookup-only drafts (no draft forwards) learn from the verify instead.
+    under contention, all threads win both when idle), so a verify after draft forwards follows the
+    draft's count. A step without draft forwards (plain, lookup) tunes the verify's own count: the
+    draft's best, learnt from a few one-token forwards, can be wrong for a sixteen-row verify, and
+    a batch that takes mostly plain steps would keep it, never re-tried (a 16-row SmolLM2 batch on
+    one thread of two ran ~1.45x slower).
     """
 
     def __init__(self, threads: int | str, device: torch.device) -> None:
@@ -167,18 +170,18 @@ class ThreadTuner:
         if not self.enabled:
             yield run
             return
-        draft, own = self.phase_threads("draft", rows), self.phase_threads(name, rows)
-        follows_draft = name == "verify" and (self.last_draft_threads is not None or bool(draft.average))
-        if follows_draft and self.last_draft_threads is not None:  # this step's draft: its count, used up here
+        own = self.phase_threads(name, rows)
+        follows_draft = name == "verify" and self.last_draft_threads is not None
+        if follows_draft:  # this step's draft ran forwards: its count, used up here
             run.threads, run.trial = self.last_draft_threads, self.last_draft_trial
             self.last_draft_threads = None
-        elif follows_draft:  # the prefill, a verify after a lookup draft or a step without one
-            run.threads = draft.best()
-        elif learn:
+        elif learn:  # a step without draft forwards (plain, lookup) tunes the verify's own count
             run.threads = own.next()
             run.trial = run.threads != own.best()
-        else:
+        elif own.average:
             run.threads = own.best()
+        else:  # the prefill before any verify was timed: the draft's best, else the most threads
+            run.threads = self.phase_threads("draft", rows).best()
         if torch.get_num_threads() != run.threads:
             torch.set_num_threads(run.threads)
         start = time.perf_counter()
