@@ -146,6 +146,11 @@ class RollbackCache(DynamicCache):
             layer.grow(self.capacity)
         self.growth_seconds += perf_counter() - start
 
+    def reserve_ahead(self, positions: int) -> None:
+        """Room the caller expects to fill (prompt and budget) in one allocation, sparing later
+        doublings and their copies; only an optimisation (tests turn it off to cross growths)."""
+        self.reserve(positions)
+
     def write_index(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row indices ``[B, 1]`` and buffer positions ``[B, q]`` a block of ``q`` is written at
         (made once per forward: every layer writes at the same places)."""
