@@ -170,3 +170,14 @@ def test_a_longer_batched_draft_is_tried_only_after_the_shorter_one_ran_near_the
     for _ in range(300):
         kinds.observe(kind := kinds.choose(), *step[kind])
     assert "skip:6" in kinds.steps
+
+
+def test_a_verify_counts_for_the_thread_tuner_as_its_width_in_plain_steps() -> None:
+    """A lookup step's wider verify is more work, not a slower thread count: the tuner's unit is
+    the verify's price over the plain step's (1 per step without a pricer)."""
+    prices = replace(_prices(), wide={1: 0.025, 4: 0.070})
+    kinds = StepKinds(("plain", "lookup"))
+    assert kinds.verify_units(4) == 1.0
+    kinds.pricer, kinds.rows = prices, 4
+    assert kinds.verify_units(1) == pytest.approx(1.0)
+    assert kinds.verify_units(4) == pytest.approx(0.070 / 0.040)

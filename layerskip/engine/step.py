@@ -180,7 +180,7 @@ class Stepper:
         own = kind == DRAFT  # the rows' own drafters proposed: they watch the verify (their length by cost)
         shaped = self._around_verify(committed, ids, own, width, tuple(proposals))
         with self.threads.phase("verify", len(self.rows)) as run, shaped:
-            run.units = 1
+            run.units = self.kinds.verify_units(width)
             hidden = block_hidden(self.model, ids, self.cache, parents)  # [B, width, H]
             verdicts = verify_rows(
                 [row.verifier for row in self.rows],

@@ -135,6 +135,13 @@ class StepKinds:
             return wall
         return self.pricer.step_seconds(self.rows, width, batched_forwards, own_forwards)
 
+    def verify_units(self, width: int) -> float:
+        """A verify of ``width`` positions per row in plain steps (priced; 1 without a pricer): the
+        thread tuner's unit, so a lookup step's wider verify does not read as a slower count."""
+        if self.pricer is None or self.rows < 1:
+            return 1.0
+        return self.pricer.verify_rows(self.rows, width) / max(self.pricer.verify_rows(self.rows, 1), 1e-12)
+
     def rate(self, kind: str) -> float:
         recent = self.recent.get(kind)
         if not recent:

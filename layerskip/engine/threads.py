@@ -161,10 +161,11 @@ class ThreadTuner:
         """Run one phase of a step over ``rows`` rows under its chosen count; its time per unit is
         recorded afterwards.
 
-        The caller sets ``run.units`` (drafted tokens for a draft; 0 = do not learn from this run,
-        e.g. a prompt-lookup draft that ran no forward). ``learn=False`` (the prefill, work unlike
-        any step's and many steps long: sixteen prompts' prefill on one thread of two cost a
-        second): the best count known, nothing tried and nothing learnt.
+        The caller sets ``run.units`` (drafted tokens for a draft, a verify's width in plain steps;
+        0 = do not learn from this run, e.g. a prompt-lookup draft that ran no forward).
+        ``learn=False`` (the prefill, work unlike any step's and many steps long: sixteen prompts'
+        prefill on one thread of two cost a second): the best count known, nothing tried and
+        nothing learnt.
         """
         run = PhaseRun()
         if not self.enabled:
@@ -202,5 +203,5 @@ class PhaseRun:
     """One run of a phase: the thread count it got, and how many units of work it did."""
 
     threads: int = 0
-    units: int = 1
+    units: float = 1.0
     trial: bool = False  # a count tried (warm-up or re-try), not the best one known
