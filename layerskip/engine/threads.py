@@ -117,7 +117,7 @@ class ThreadTuner:
     verify's time depends on its block length (1 to k+1 tokens), which moves it as much as the
     thread count does. Busy or idle, the two phases measured the same way (one thread wins both
     under contention, all threads win both when idle), so a verify after draft forwards follows the
-    draft's count. A step without draft forwards (plain, lookup) tunes the verify's own count: the
+    draft's count (where the draft's count was on trial, the best one known). A step without draft forwards (plain, lookup) tunes the verify's own count: the
     draft's best, learnt from a few one-token forwards, can be wrong for a sixteen-row verify, and
     a batch that takes mostly plain steps would keep it, never re-tried (a 16-row SmolLM2 batch on
     one thread of two ran ~1.45x slower).
@@ -174,7 +174,12 @@ class ThreadTuner:
         own = self.phase_threads(name, rows)
         follows_draft = name == "verify" and self.last_draft_threads is not None
         if follows_draft:  # this step's draft ran forwards: its count, used up here
+            # A draft on trial tried its count for itself: the verify (most of a many-row step's
+            # seconds) runs on the best count known. The step still counts as on trial.
             run.threads, run.trial = self.last_draft_threads, self.last_draft_trial
+            if run.trial:
+                known = own if own.average else self.phase_threads("draft", rows)
+                run.threads = known.best()
             self.last_draft_threads = None
         elif learn:  # a step without draft forwards (plain, lookup) tunes the verify's own count
             run.threads = own.next()
