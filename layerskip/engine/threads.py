@@ -116,8 +116,9 @@ class ThreadTuner:
     the same work every time (one token), so its time per token is a clean signal, while a
     verify's time depends on its block length (1 to k+1 tokens), which moves it as much as the
     thread count does. Busy or idle, the two phases measured the same way (one thread wins both
-    under contention, all threads win both when idle), so a verify after draft forwards follows the
-    draft's count (where the draft's count was on trial, the best one known). A step without draft forwards (plain, lookup) tunes the verify's own count: the
+    under contention, all threads win both when idle), so a verify after draft forwards follows
+    the draft's count (the best one known where the draft's was on trial). A step without draft
+    forwards (plain, lookup) tunes the verify's own count, its width in plain steps the unit: the
     draft's best, learnt from a few one-token forwards, can be wrong for a sixteen-row verify, and
     a batch that takes mostly plain steps would keep it, never re-tried (a 16-row SmolLM2 batch on
     one thread of two ran ~1.45x slower).
