@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from layerskip.drafts.builder import MAX_ACCEPTANCE
 from layerskip.drafts.drafters.auto import StepPrices
 from layerskip.drafts.rules.costs import expected_tokens
 from layerskip.engine.step_kinds import EXPLORE_AFTER, EXPLORE_FIRST, StepKinds, price, priced
@@ -181,3 +182,30 @@ def test_a_verify_counts_for_the_thread_tuner_as_its_width_in_plain_steps() -> N
     kinds.pricer, kinds.rows = prices, 4
     assert kinds.verify_units(1) == pytest.approx(1.0)
     assert kinds.verify_units(4) == pytest.approx(0.070 / 0.040)
+
+
+def test_a_batched_draft_not_yet_run_is_priced_as_dear_as_the_one_that_ran() -> None:
+    """The calibration's short context underprices many rows' draft forwards at a long one: once
+    skip:3 ran at twice its price beside the plain step, skip:6 is taken to run so too, and a
+    skip:6 that could not win even so is never tried (before, a hopeless skip:3 released it)."""
+    prices = _prices()
+    menu = ("plain", "skip:3", "skip:6")
+    kinds = StepKinds(menu, prices=priced(prices, menu, 4), pricer=prices, rows=4)
+    assert kinds.misprice("skip:6") == 1.0 and kinds.timed_like("skip:6") is None
+    kinds.observe("plain", 4, 0.04, wall=0.04)
+    kinds.observe("skip:3", 10, 0.05, wall=0.10)
+    assert kinds.timed_like("skip:6") == "skip:3" and kinds.timed_like("plain") == "plain"
+    assert kinds.misprice("skip:6") == pytest.approx(2.0)
+    best_case = price(prices, "skip:6", 4, acceptance=MAX_ACCEPTANCE)
+    # At its price skip:6 beats both kinds that ran; at twice its price, neither.
+    assert best_case[0] / best_case[1] > max(kinds.rate("plain"), kinds.rate("skip:3"))
+    assert best_case[0] / (2 * best_case[1]) < max(kinds.rate("plain"), kinds.rate("skip:3"))
+    assert kinds.hopeless("skip:6")
+    # Ten times dearer than priced: neither draft could win, and skip:6 is never tried.
+    kinds = StepKinds(menu, prices=priced(prices, menu, 4), pricer=prices, rows=4)
+    kinds.observe("plain", 4, 0.04, wall=0.04)
+    kinds.observe("skip:3", 10, 0.05, wall=0.5)
+    assert kinds.hopeless("skip:3") and kinds.hopeless("skip:6")
+    for _ in range(300):
+        kinds.observe(kinds.choose(), 4, 0.04, wall=0.04)
+    assert "skip:6" not in kinds.steps

@@ -156,13 +156,27 @@ class StepKinds:
         row's verify curve, which some shapes outrun. A ratio of ratios: a busy spell or a longer
         context slows both alike and cancels (a plain step measured earlier, at shorter contexts,
         makes the drafting kinds look dearer, the safe side)."""
-        if self.pricer is None or kind == PLAIN or not self.wall.get(kind) or not self.wall.get(PLAIN):
+        like = self.timed_like(kind)
+        if self.pricer is None or kind == PLAIN or like is None or not self.wall.get(PLAIN):
             return 1.0
 
         def ratio(name: str) -> float:
             return sum(wall for wall, _ in self.wall[name]) / max(sum(seconds for _, seconds in self.wall[name]), 1e-9)
 
-        return ratio(kind) / max(ratio(PLAIN), 1e-9)
+        return ratio(like) / max(ratio(PLAIN), 1e-9)
+
+    def timed_like(self, kind: str) -> str | None:
+        """The kind whose clock times stand for ``kind``'s: its own, else, for a batched draft not
+        yet run, the nearest length that ran (the same forwards, more or fewer of them: where the
+        calibration's short context underprices sixteen rows' draft forwards, skip:3's trials show
+        it, and skip:6 was tried anyway, priced as if they did not)."""
+        if self.wall.get(kind):
+            return kind
+        length = skip_length(kind)
+        timed = [k for k in self.kinds if skip_length(k) is not None and self.wall.get(k)]
+        if length is None or not timed:
+            return None
+        return min(timed, key=lambda k: abs(skip_length(k) - length))
 
     def choose(self) -> str:
         for kind in self.kinds:  # each kind without a price once, the plain step first
