@@ -9,6 +9,7 @@ the window is applied to prefix keys and to ancestors, by position.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -279,3 +280,42 @@ def test_rows_of_other_lengths_and_trees_in_one_block(arch: str, impl: str) -> N
             alone_cache.keep_paths([starts[b]], [paths[b]])
             next_alone = block_hidden(model, torch.tensor([[5 + b]]), alone_cache)[0]
             torch.testing.assert_close(after[b], next_alone, atol=ATOL, rtol=ATOL, msg=f"{arch} row {b} after")
+
+
+GROUPED = [arch for arch in ARCHS if arch not in ("gemma2", "gpt_neox", "gpt_neox_serial", "gpt2")]
+
+
+@pytest.mark.parametrize("arch", GROUPED)
+def test_wide_verify_reads_grouped_heads_in_place(arch, monkeypatch):
+    """A verify of several positions over rows of different lengths (a mask) reads each K/V head
+    in place for its query group, not copied once per group (HF's ``repeat_kv``, which dominated
+    sixteen rows' verify at long contexts), to the bit what HF's own sdpa path gives; the model
+    names ``sdpa`` again afterwards."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    model = _model(arch, "sdpa")
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    prompts = [random_prompt(length=PROMPT_LENGTH), random_prompt(length=6, seed=1), random_prompt(length=13, seed=2)]
+    blocks = torch.tensor([[p[-1], *TOKENS[:4]] for p in prompts])  # [3, 5]
+
+    def verify() -> torch.Tensor:
+        cache = RollbackCache(adapters.sliding_windows(model), rows=3)
+        block_hidden(model, torch.tensor([[p[0]] for p in prompts]), cache)
+        cache.reserve(32)
+        for b, prompt in enumerate(prompts):
+            full_hidden(model, torch.tensor([prompt[1:-1]]), cache.row_view(b), 1)
+        cache.set_lengths([len(p) - 1 for p in prompts])
+        return block_hidden(model, blocks, cache)
+
+    with torch.inference_mode():
+        with monkeypatch.context() as patch:
+            patch.setattr(adapters, "grouped_attention", lambda model: contextlib.nullcontext())
+            hf_own = verify()
+
+        def no_copies(*args, **kwargs):
+            raise AssertionError("K/V heads copied per query group")
+
+        monkeypatch.setattr(hf_sdpa, "repeat_kv", no_copies)
+        in_place = verify()
+    assert torch.equal(in_place, hf_own)
+    assert model.config._attn_implementation == "sdpa"

@@ -58,8 +58,10 @@ from layerskip.result_cache import ResultCache, cache_env, model_key
 # 7: the precision priced at the head it drafts with, on texts from the model's own start tokens;
 # 8: fewer rounds, no warm-up rounds, a wide batched verify timed up to 8 rows: a cold calibration
 # of the embedded models in 13-17 s on 2 cores (was 19-28 s); 9: the int4 copy's fit weighs each
-# input by what the model feeds it (its agreement and price changed).
-FORMAT = 9
+# input by what the model feeds it (its agreement and price changed); 10: a verify of several
+# positions reads grouped K/V heads in place (``hf.adapters.grouped_attention``): cheaper, most of
+# all a batch's wide verify.
+FORMAT = 10
 # The search's default draft lengths + 1 (2 to 9) each timed, none interpolated (on CPU a 2-3-row
 # matmul can cost more than a 4-row one); past them auto interpolates up to 17, a lookup run of 16
 # and the pending token. A longer search extends the curve once (machine_latency).

@@ -46,7 +46,8 @@ def stack_forward(
         kwargs["attention_mask"] = attention_mask
     if cache is not None:
         kwargs[_cache_argument(type(stack))] = cache
-    hidden = stack(**kwargs).last_hidden_state
+    with adapters.grouped_attention(model):
+        hidden = stack(**kwargs).last_hidden_state
     if cache is not None:
         cache.advance(input_ids.shape[1])
     return hidden
