@@ -209,3 +209,22 @@ def test_a_batched_draft_not_yet_run_is_priced_as_dear_as_the_one_that_ran() -> 
     for _ in range(300):
         kinds.observe(kinds.choose(), 4, 0.04, wall=0.04)
     assert "skip:6" not in kinds.steps
+
+
+def test_a_draft_run_before_any_plain_step_is_judged_by_its_own_clock() -> None:
+    """A fresh batch starts with the kind priced best; where that draft runs far dearer than its
+    price, it is found hopeless at once (the plain step taken to run at its price until it has
+    run), not after a run of losing steps."""
+    prices = _prices()
+    menu = ("plain", "skip:3", "skip:6")
+    kinds = StepKinds(menu, prices=priced(prices, menu, 4), pricer=prices, rows=4)
+    first = kinds.choose()
+    assert first != "plain"  # priced best
+    tokens, seconds = price(prices, first, 4)
+    kinds.observe(first, tokens, seconds, wall=3 * seconds)
+    assert kinds.misprice(first) == pytest.approx(3.0)
+    assert kinds.hopeless("skip:3") and kinds.hopeless("skip:6")
+    assert kinds.choose() == "plain"
+    # The plain step measured at twice its price: the draft is dearer by 1.5 only.
+    kinds.observe("plain", 4, 0.04, wall=0.08)
+    assert kinds.misprice(first) == pytest.approx(1.5)
