@@ -131,8 +131,8 @@ def recorded_forwards(model: nn.Module) -> Iterator[list[tuple[int, int]]]:
 # HF's "sdpa" attention copies each layer's K/V once per query group (``repeat_kv``) wherever a
 # mask is given and more than one position is queried: every verify of a draft, and every forward
 # of left-padded rows. On CPU, torch's SDPA reads the groups in place (``enable_gqa``), the same
-# to the bit; sixteen rows of SmolLM2 at 770 tokens spent 3/4 of a 4-wide verify in the copy
-# (556 ms, 151 ms without). Other devices keep HF's own path: a GPU's fused kernels may not take
+# to the bit; sixteen rows of SmolLM2 at 768 tokens spent 3/4 of a 4-wide verify in the copy
+# (580 ms, 154 ms without). Other devices keep HF's own path: a GPU's fused kernels may not take
 # grouped heads with a mask, and fall back to a slower one.
 GROUPED_SDPA = "layerskip_grouped_sdpa"
 # Arguments that only HF's own attention handles (logit soft-capping, position biases, sinks).
