@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -171,6 +172,17 @@ def _grouped_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
+def _register_grouped_sdpa() -> None:
+    """``_grouped_sdpa`` under ``GROUPED_SDPA`` in HF's attention and mask interfaces, once per
+    process (every forward of the stack enters ``grouped_attention``)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+
+
 @contextlib.contextmanager
 def grouped_attention(model: nn.Module) -> Iterator[None]:
     """Inside, a model loaded with ``sdpa`` attention runs ``_grouped_sdpa`` (registered with HF's
@@ -180,11 +192,7 @@ def grouped_attention(model: nn.Module) -> Iterator[None]:
     if getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    _register_grouped_sdpa()
     config._attn_implementation = GROUPED_SDPA
     try:
         yield
