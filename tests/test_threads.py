@@ -235,3 +235,33 @@ def test_a_step_without_a_draft_tunes_the_verifys_own_count() -> None:
             with tuner.phase("verify", 16) as verify:
                 assert verify.threads == 2 and not verify.trial
         assert sum(verify_threads.uses.values()) == before + 3
+
+
+def test_a_rare_draft_follows_the_verifys_count_and_tries_none() -> None:
+    """Where a size class's verify has tuned itself more often than its draft ran (a batch taking
+    mostly plain steps), the draft runs on the verify's best count, never a count on trial: a
+    trial's slow count would fall on the rare drafting step. Where the draft runs as often, it
+    tunes itself as before."""
+    torch.set_num_threads(2)
+    tuner = ThreadTuner("auto", torch.device("cpu"))
+    verify_threads = tuner.phase_threads("verify", 16)
+    for _ in range(3):
+        verify_threads.record(2, 1e-12)  # two threads measured fastest for the verify
+        verify_threads.record(1, 1.0)
+    with tuner.session():
+        for _ in range(4):  # a draft with no count of its own yet: the verify's best each time
+            with tuner.phase("draft", 16) as drafted:
+                drafted.units = 3
+            assert drafted.threads == 2 and not drafted.trial
+            with tuner.phase("verify", 16) as verify:
+                assert verify.threads == 2 and not verify.trial
+    one_row = ThreadTuner("auto", torch.device("cpu"))  # the draft the frequent phase: it warms up
+    with one_row.session():
+        counts = set()
+        for _ in range(4):
+            with one_row.phase("draft") as drafted:
+                drafted.units = 3
+            counts.add(drafted.threads)
+            with one_row.phase("verify"):
+                pass
+    assert counts == {1, 2}

@@ -121,7 +121,8 @@ class ThreadTuner:
     forwards (plain, lookup) tunes the verify's own count, its width in plain steps the unit: the
     draft's best, learnt from a few one-token forwards, can be wrong for a sixteen-row verify, and
     a batch that takes mostly plain steps would keep it, never re-tried (a 16-row SmolLM2 batch on
-    one thread of two ran ~1.45x slower).
+    one thread of two ran ~1.45x slower). In a size class whose verify tunes itself more often than
+    its draft runs, the draft follows the verify's best and tries no count of its own.
     """
 
     def __init__(self, threads: int | str, device: torch.device) -> None:
@@ -182,6 +183,12 @@ class ThreadTuner:
                 known = own if own.average else self.phase_threads("draft", rows)
                 run.threads = known.best()
             self.last_draft_threads = None
+        elif learn and name == "draft" and (verify := self.phase_threads("verify", rows)).runs > own.runs:
+            # Where the verify tunes itself more often than the draft runs (a batch taking mostly
+            # plain steps), the draft takes the verify's best and tries nothing: a trial's slow count
+            # would land on a drafting step that is itself rare (sixteen SmolLM2 rows' 6-token draft on
+            # one thread of two made a step of 2.1 s, some twenty plain steps).
+            run.threads = verify.best()
         elif learn:  # a step without draft forwards (plain, lookup) tunes the verify's own count
             run.threads = own.next()
             run.trial = run.threads != own.best()
