@@ -291,6 +291,28 @@ def test_the_time_spent_growing_the_ragged_cache_is_counted_apart(monkeypatch: p
     assert cache.capacity >= capacity + 1 and cache.growth_seconds > before
 
 
+def test_the_cache_holds_the_widest_step_to_the_end_of_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill reserves room for every row's budget and the widest block a step verifies past
+    it: a 6-token batched draft near the end (every row writes the step's width, fillers included)
+    never grows the buffers, which would copy all of them."""
+    monkeypatch.setattr(cache_module, "_MIN_CAPACITY", 4)
+    monkeypatch.setattr(
+        kinds_module.StepKinds, "choose", lambda self: "skip:6" if "skip:6" in self.kinds else self.kinds[0]
+    )
+    capacities: list[int] = []
+    decoder = Decoder.for_policy(_model("llama"), POLICIES["auto"])
+    results = decoder.decode_batch(
+        _prompts(),
+        DecodeSettings(max_new_tokens=NEW_TOKENS, eos_token_ids=()),
+        step_observer=lambda cache, lengths: capacities.append(cache.capacity),
+    )
+    for (tokens, _), (ref, logits) in zip(results, _references("llama"), strict=True):
+        assert_same_tokens(tokens, ref, ref_logits=logits, label="widest step")
+    assert len(capacities) > 2 and len(set(capacities)) == 1
+    # Room for the longest prompt, its budget, and a 6-token draft's repeat (12) with its pending token.
+    assert capacities[0] >= max(len(p) for p in _prompts()) + NEW_TOKENS + 13
+
+
 def test_the_batch_bench_runs_hf_our_plain_step_and_ours_on_the_same_batches() -> None:
     """``scripts/bench.py --batch-size``'s measure: three methods per batch, every row identical,
     ours priced against HF's and against the engine's own plain decoding."""

@@ -228,3 +228,36 @@ def test_a_draft_run_before_any_plain_step_is_judged_by_its_own_clock() -> None:
     # The plain step measured at twice its price: the draft is dearer by 1.5 only.
     kinds.observe("plain", 4, 0.04, wall=0.08)
     assert kinds.misprice(first) == pytest.approx(1.5)
+
+
+def test_a_menu_of_fewer_rows_starts_from_what_the_batch_measured() -> None:
+    """Rows leave and the batch takes the menu of the rows left: where that menu has run no kind
+    yet, it starts from the batch's measurements (scaled by its own prices), not from prices alone,
+    which would open with the draft priced best that the batch had measured losing."""
+    prices = _prices(0.9)
+    kinds = ("plain", "skip:3")
+
+    def menu(rows: int) -> StepKinds:
+        return StepKinds(kinds, prices=priced(prices, kinds, rows), pricer=prices, rows=rows)
+
+    four = menu(4)
+    assert four.choose() == "skip:3"  # priced best
+    four.observe("skip:3", 4.0, 4 * prices.plain_step(4)[1], wall=0.2)  # ran at a quarter of its price's rate
+    four.observe("plain", 4.0, prices.plain_step(4)[1], wall=0.04)
+    three = menu(3)
+    assert three.choose() == "skip:3"  # alone, its prices say draft
+    three.carry(four)
+    assert three.choose() == "plain"
+    scale = (
+        three.prices["skip:3"][0] / four.prices["skip:3"][0] / (three.prices["skip:3"][1] / four.prices["skip:3"][1])
+    )
+    assert three.rate("skip:3") == pytest.approx(four.rate("skip:3") * scale)
+    assert three.wall["skip:3"] == four.wall["skip:3"]
+    measured = menu(3)  # a menu that ran a kind keeps its own figures
+    measured.observe("skip:3", 9.0, 0.01)
+    measured.carry(four)
+    assert measured.recent["skip:3"] == [(9.0, 0.01)]
+    two, eight = menu(2), menu(8)  # many more rows drafted for another batch end: nothing carried
+    eight.observe("skip:3", 1.0, 1.0)
+    two.carry(eight)
+    assert "skip:3" not in two.recent

@@ -97,6 +97,28 @@ def test_rows_write_at_their_own_lengths() -> None:
     torch.testing.assert_close(cache.layers[0].key_buffer[0, :, 3:5], block[1])
 
 
+def test_dropped_rows_are_filled_by_the_last_rows_kept_without_copying_the_others() -> None:
+    """Finished rows leave by moving the last rows kept into their places: the kept rows' former
+    indices come back in their new order, each with its K/V and length, and the buffers stay where
+    they were (views of their first rows: no row that stays in place is copied)."""
+    cache = RollbackCache([None, 2], rows=5)
+    block = _kv(rows=5, length=4)
+    _write(cache, block, block)
+    cache.set_lengths([4, 1, 2, 3, 4])
+    pointers = [layer.key_buffer.data_ptr() for layer in cache.layers]
+    order = cache.drop_rows([1, 2])
+    assert order == [0, 3, 4]  # rows 3 and 4 moved into the places of 1 and 2
+    assert cache.rows == 3 and cache.lengths == [4, 3, 4]
+    for layer, pointer in zip(cache.layers, pointers, strict=True):
+        assert layer.key_buffer.data_ptr() == pointer and layer.key_buffer.shape[0] == 3
+        for new, old in enumerate(order):
+            torch.testing.assert_close(layer.key_buffer[new, :, :4], block[old])
+            torch.testing.assert_close(layer.value_buffer[new, :, :4], block[old])
+    assert cache.drop_rows([2]) == [0, 1]  # the last row: nothing moves
+    assert cache.lengths == [4, 3]
+    torch.testing.assert_close(cache.layers[0].key_buffer[1, :, :4], block[3])
+
+
 def test_growth_keeps_contents_and_the_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cache_module, "_MIN_CAPACITY", 8)
     cache = RollbackCache([None, None], rows=2, dtype=torch.float32)

@@ -45,7 +45,7 @@ from layerskip.drafts.base import (
 )
 from layerskip.drafts.builder import LookupDrafter, LookupRunLength, PreparedDraft, SkipDrafter, StepPrices
 from layerskip.engine.output import TokenOutput
-from layerskip.engine.step_kinds import DRAFT, LOOKUP, StepKinds, skip_length
+from layerskip.engine.step_kinds import DRAFT, LOOKUP, SKIP_LENGTHS, StepKinds, skip_length
 from layerskip.engine.threads import ThreadTuner
 from layerskip.engine.verifiers import Verifier, verify_rows
 from layerskip.hf.cache import RollbackCache
@@ -114,10 +114,12 @@ class Stepper:
         longest = max(len(p) for p in prompts)
         block = torch.tensor([[*p, *[p[-1]] * (longest - len(p))] for p in prompts], device=self.device)
         committed = list(self.cache.lengths)
-        # Room for the whole budget at once, as a row's own drafter reserves it: growing later
-        # doubles the buffers and copies them (sixteen SmolLM2 rows of ~770 positions spent 1.4 s
-        # of a 20 s batch allocating and copying 1.1 GB).
-        self.cache.reserve_ahead(longest + max(row.output.remaining for row in self.rows) + 2)
+        # Room for the whole budget at once, and for the widest block a step verifies past it (every
+        # row writes the step's width, fillers included, however few tokens it has left): growing
+        # later doubles the buffers and copies them (sixteen SmolLM2 rows of ~770 positions spent
+        # 1.4 s of a 20 s batch allocating and copying 1.1 GB; a 6-token draft near the budget's end,
+        # with room for 2 positions past it, spent 1.9 s).
+        self.cache.reserve_ahead(longest + max(row.output.remaining for row in self.rows) + self.widest_block())
         with self.threads.phase("verify", len(self.rows), learn=False), self._around_verify(committed, block):
             # (A layer exit adapter fills its own K/V from the one forward's layer-L outputs.)
             alone = self.prepared is None or not self.prepared.fills_adapter_cache
@@ -136,6 +138,14 @@ class Stepper:
             row.output.emit([verdict.next_token])
         self._observe()
         self._leave()
+
+    def widest_block(self) -> int:
+        """The most positions a step's verify writes per row: the pending token and the longest
+        proposal of any kind (the policy's token tree or padded block; a batched draft, or the repeat
+        that may replace it, up to twice the longest batched draft)."""
+        draft = None if self.prepared is None else self.prepared.policy.draft
+        own = 0 if draft is None else max(draft.node_budget, draft.min_verify_block)
+        return 1 + max(own, 2 * max(SKIP_LENGTHS))
 
     def _prefill_rows(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Each prompt alone through its row's view of the cache; the last hidden state of each."""
@@ -324,10 +334,14 @@ class Stepper:
         staying = [b for b, row in enumerate(self.rows) if not row.output.done]
         self.finished.extend(row for row in self.rows if row.output.done)
         if staying:
-            self.cache.keep_rows(staying)
+            # The rows kept may change places (the cache moves the last ones into freed rows).
+            staying = self.cache.drop_rows([b for b, row in enumerate(self.rows) if row.output.done])
             # The menu of the rows left, priced for that many (one row: its own drafter), with
-            # the rates the last batch of that size measured.
-            self.kinds = self.menu_for(len(staying))
+            # the rates the last batch of that size measured, and this batch's where it has none
+            # (``StepKinds.carry``).
+            menu = self.menu_for(len(staying))
+            menu.carry(self.kinds)
+            self.kinds = menu
         self.rows = [self.rows[b] for b in staying]
 
 

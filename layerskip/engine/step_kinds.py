@@ -235,6 +235,25 @@ class StepKinds:
         others = [self.rate(other) for other in self.kinds if other != kind]
         return bool(others) and best_case[0] / (best_case[1] * self.misprice(kind)) < max(others)
 
+    def carry(self, other: StepKinds) -> None:
+        """What ``other`` (a menu of a few more rows, the batch before some rows left) measured of
+        each kind this menu has not run: its recent steps, their tokens and seconds scaled by how
+        this menu's price of the kind differs from ``other``'s, and their clock times. Priced
+        menus only. A fresh menu would else start from prices alone: sixteen SmolLM2 rows became
+        fifteen near the end and opened with the 6-token draft priced best, while the sixteen had
+        measured drafting at a quarter of the plain step's rate."""
+        if self.pricer is None or other.pricer is None or other.rows > 2 * self.rows:
+            return  # (many more rows drafted for a different batch end: their rates say little)
+        for kind in self.kinds:
+            if kind in self.recent or not other.recent.get(kind) or kind not in self.prices or kind not in other.prices:
+                continue
+            (tokens, seconds), (their_tokens, their_seconds) = self.prices[kind], other.prices[kind]
+            scale_tokens, scale_seconds = tokens / max(their_tokens, 1e-9), seconds / max(their_seconds, 1e-9)
+            self.recent[kind] = [(t * scale_tokens, s * scale_seconds) for t, s in other.recent[kind]]
+            self.last_seconds[kind] = other.last_seconds[kind] * scale_seconds
+            if other.wall.get(kind) and not self.wall.get(kind):
+                self.wall[kind] = list(other.wall[kind])
+
     def observe(self, kind: str, tokens: float, seconds: float, wall: float | None = None) -> None:
         """One step of ``kind``: the tokens it counts for and its seconds (priced, under a pricer,
         then ``wall`` is the clock's)."""

@@ -98,6 +98,15 @@ class CacheLayer(DynamicLayer):
             self.key_buffer = self.key_buffer.index_select(0, rows)
             self.value_buffer = self.value_buffer.index_select(0, rows)
 
+    def move_rows(self, into: torch.Tensor, source: torch.Tensor, rows: int) -> None:
+        """Rows ``source`` copied into rows ``into``, then the first ``rows`` rows kept (a view)."""
+        if self.is_initialized:
+            for name in ("key_buffer", "value_buffer"):
+                buffer = getattr(self, name)
+                if len(into):
+                    buffer.index_copy_(0, into, buffer.index_select(0, source))
+                setattr(self, name, buffer[:rows])
+
     # transformers' Cache asks its layers (the first one) for these: every layer answers with the
     # cache's longest row.
     def get_seq_length(self) -> int:
@@ -203,6 +212,26 @@ class RollbackCache(DynamicCache):
             layer.keep(index)
         self.lengths = [self.lengths[r] for r in rows]
         self._lengths_changed()
+
+    def drop_rows(self, gone: Sequence[int]) -> list[int]:
+        """Drop rows ``gone`` (finished rows leave the batch) by moving the last rows kept into the
+        places they free, not by copying every row kept; returns the kept rows' former indices in
+        their new order. A copy of every row, as ``keep_rows`` makes, cost a batch ~0.5 s each time
+        a row left near its end (sixteen rows of Gemma-3 at ~900 positions: 0.5 GB)."""
+        dropped = set(gone)
+        count = self.rows - len(dropped)
+        holes = [r for r in range(count) if r in dropped]
+        movers = [r for r in range(count, self.rows) if r not in dropped]
+        order = list(range(count))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        into = torch.tensor(holes, dtype=torch.long, device=self.device)
+        source = torch.tensor(movers, dtype=torch.long, device=self.device)
+        for layer in self.layers:
+            layer.move_rows(into, source, count)
+        self.lengths = [self.lengths[r] for r in order]
+        self._lengths_changed()
+        return order
 
     def keep_paths(self, starts: Sequence[int], paths: Sequence[Sequence[int]]) -> None:
         """After a verify wrote row ``b``'s block at ``starts[b]..``, keep its accepted path: block
