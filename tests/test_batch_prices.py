@@ -82,13 +82,13 @@ def test_priced_kinds_start_from_the_best_price_and_are_explored_by_their_priced
     while "plain" not in kinds.recent:
         kinds.observe(kind := kinds.choose(), *step[kind])
     assert kinds.steps["skip:3"] == math.floor(EXPLORE_FIRST * 0.041 / 0.05) + 1
-    # Measured, it waits EXPLORE_AFTER times its last trial's seconds, times the square of how far it
-    # is behind: skip:3 rates 200 tokens/s, the plain step 4 / 0.041.
+    # Measured, it waits EXPLORE_AFTER times its last trial's seconds, times how far it is behind:
+    # skip:3 rates 200 tokens/s, the plain step 4 / 0.041.
     before = kinds.steps["skip:3"]
     while kinds.steps["plain"] == 1:
         kinds.observe(kind := kinds.choose(), *step[kind])
     behind = 200.0 / (4.0 / 0.041)
-    assert kinds.steps["skip:3"] - before == math.floor(EXPLORE_AFTER * 0.041 * behind**2 / 0.05) + 1
+    assert kinds.steps["skip:3"] - before == math.floor(EXPLORE_AFTER * 0.041 * behind / 0.05) + 1
 
 
 def test_without_prices_every_kind_is_tried_once_the_plain_step_first() -> None:
@@ -112,7 +112,7 @@ def test_under_a_pricer_steps_cost_their_shape_and_a_hopeless_draft_is_never_exp
     assert set(kinds.steps) == {"plain"}
     # Without the pricer the same kinds are tried now and then.
     timed = StepKinds(("plain", "skip:6"), prices=priced(prices, ("plain", "skip:6"), 4))
-    for _ in range(1000):  # once 25 times its priced 0.328 s, times how far it is behind squared, have passed
+    for _ in range(1000):  # once 25 times its priced 0.328 s, times how far it is behind, have passed
         timed.observe(timed.choose(), 4, 0.040)
     assert "skip:6" in timed.steps
 
