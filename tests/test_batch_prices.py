@@ -261,3 +261,19 @@ def test_a_menu_of_fewer_rows_starts_from_what_the_batch_measured() -> None:
     eight.observe("skip:3", 1.0, 1.0)
     two.carry(eight)
     assert "skip:3" not in two.recent
+
+
+def test_a_batched_draft_not_yet_run_is_rated_as_its_sibling_delivered() -> None:
+    """Until it runs, a batched draft's price counts for what the nearest length that ran delivered
+    of its own price: sixteen rows' 3-token draft at a quarter of its price does not leave the
+    6-token one rated best by its price alone."""
+    prices = _prices(0.9)
+    kinds = ("plain", "skip:3", "skip:6")
+    menu = StepKinds(kinds, prices=priced(prices, kinds, 4), pricer=prices, rows=4)
+    priced_six = menu.rate("skip:6")
+    assert priced_six == pytest.approx(menu.prices["skip:6"][0] / menu.prices["skip:6"][1])
+    tokens, seconds = menu.prices["skip:3"]
+    menu.observe("skip:3", tokens / 4, seconds)  # a quarter of what its price said
+    assert menu.rate("skip:6") == pytest.approx(priced_six / 4)
+    assert menu.choose() == "plain"
+    assert menu.rate("plain") == pytest.approx(menu.prices["plain"][0] / menu.prices["plain"][1])

@@ -15,7 +15,8 @@ swing by a fifth between identical runs, and a kind measured early in a batch (s
 looked faster than one measured late. Only the tokens are measured. Without a calibration (a
 policy file) the rates are wall-clock ones.
 
-Before a kind has run, its price stands for it (the first batch starts with the kind priced best).
+Before a kind has run, its price stands for it (the first batch starts with the kind priced best),
+a batched draft's scaled by what the nearest length that ran delivered of its own price.
 A kind known only by its price is tried once early, a few times its priced seconds into the batch:
 prices take drafted tokens as accepted independently, which underrates long drafts on text that
 comes in runs. Each kind measured is tried again once the time since its last trial is ten times
@@ -147,10 +148,25 @@ class StepKinds:
     def rate(self, kind: str) -> float:
         recent = self.recent.get(kind)
         if not recent:
-            tokens, seconds = self.prices[kind]
-            return tokens / max(seconds, 1e-9)
+            return self.price_rate(kind) * self.sibling_share(kind)
         seconds = sum(seconds for _, seconds in recent) * self.misprice(kind)
         return sum(tokens for tokens, _ in recent) / max(seconds, 1e-9)
+
+    def price_rate(self, kind: str) -> float:
+        tokens, seconds = self.prices[kind]
+        return tokens / max(seconds, 1e-9)
+
+    def sibling_share(self, kind: str) -> float:
+        """For a batched draft not yet run: the share of its price's rate that the nearest length
+        that ran delivered (1 for any other kind, or before any ran). The two ride the same text and
+        the same forwards: a fresh menu of sixteen rows ran its 3-token draft at a quarter of its
+        price, then took the 6-token one, priced best, at ~5 plain steps a step."""
+        length = skip_length(kind)
+        ran = [k for k in self.kinds if skip_length(k) is not None and self.recent.get(k) and k in self.prices]
+        if length is None or not ran:
+            return 1.0
+        nearest = min(ran, key=lambda k: abs(skip_length(k) - length))
+        return self.rate(nearest) / max(self.price_rate(nearest), 1e-12)
 
     def misprice(self, kind: str) -> float:
         """How much dearer ``kind``'s recent steps ran than priced, relative to the plain step's (1
