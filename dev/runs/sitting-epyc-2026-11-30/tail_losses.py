@@ -1,6 +1,11 @@
 """Per auto batch of 4+ rows in the step traces: seconds that steps after which rows left took beyond
 the batch's median plain step, and seconds of steps over 1 s. Usage: python tail_losses.py round1 round2"""
-import glob, gzip, json, statistics, sys
+
+import glob
+import gzip
+import json
+import statistics
+import sys
 
 for folder in sys.argv[1:]:
     for path in sorted(glob.glob(f"{folder}/steps-*.jsonl.gz")):
