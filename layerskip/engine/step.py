@@ -56,6 +56,10 @@ from layerskip.stats import DeviceClock, GenerationStats
 # of their real tokens; then each is prefilled alone at its own length.
 PREFILL_PADDING = 1.25
 
+# A row whose text repeats its last n-gram proposes the repeat instead of its batched draft where
+# longer, up to this many times the draft (``Stepper._longer_lookup``).
+REPEAT_PER_DRAFT = 2
+
 # After every step: the cache and each row's committed length (tests check them).
 StepObserver = Callable[[RollbackCache, list[int]], None]
 
@@ -145,7 +149,7 @@ class Stepper:
         that may replace it, up to twice the longest batched draft)."""
         draft = None if self.prepared is None else self.prepared.policy.draft
         own = 0 if draft is None else max(draft.node_budget, draft.min_verify_block)
-        return 1 + max(own, 2 * max(SKIP_LENGTHS))
+        return 1 + max(own, REPEAT_PER_DRAFT * max(SKIP_LENGTHS))
 
     def _prefill_rows(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Each prompt alone through its row's view of the cache; the last hidden state of each."""
@@ -291,7 +295,7 @@ class Stepper:
         row's long match does not widen every row's verify far."""
         if self.lookup is None:
             return draft
-        cap = min(row.output.remaining - 1, 2 * steps)
+        cap = min(row.output.remaining - 1, REPEAT_PER_DRAFT * steps)
         repeat = Proposal.chain(self.lookup.match(row.output.history, cap, longest_only=True).tokens, base.LOOKUP)
         return repeat if len(repeat) > len(draft) else draft
 

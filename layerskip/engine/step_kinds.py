@@ -161,12 +161,19 @@ class StepKinds:
         that ran delivered (1 for any other kind, or before any ran). The two ride the same text and
         the same forwards: a fresh menu of sixteen rows ran its 3-token draft at a quarter of its
         price, then took the 6-token one, priced best, at ~5 plain steps a step."""
-        length = skip_length(kind)
-        ran = [k for k in self.kinds if skip_length(k) is not None and self.recent.get(k) and k in self.prices]
-        if length is None or not ran:
+        nearest = self.nearest_draft(kind, {k: v for k, v in self.recent.items() if k in self.prices})
+        if nearest is None:
             return 1.0
-        nearest = min(ran, key=lambda k: abs(skip_length(k) - length))
         return self.rate(nearest) / max(self.price_rate(nearest), 1e-12)
+
+    def nearest_draft(self, kind: str, measured: dict[str, list[tuple[float, float]]]) -> str | None:
+        """For a batched draft (``kind``), the batched draft of the nearest length with entries in
+        ``measured``; None for any other kind, or where none has."""
+        length = skip_length(kind)
+        ran = [k for k in self.kinds if skip_length(k) is not None and measured.get(k)]
+        if length is None or not ran:
+            return None
+        return min(ran, key=lambda k: abs(skip_length(k) - length))
 
     def misprice(self, kind: str) -> float:
         """How much dearer ``kind``'s recent steps ran than priced, relative to the plain step's (1
@@ -194,11 +201,7 @@ class StepKinds:
         it, and skip:6 was tried anyway, priced as if they did not)."""
         if self.wall.get(kind):
             return kind
-        length = skip_length(kind)
-        timed = [k for k in self.kinds if skip_length(k) is not None and self.wall.get(k)]
-        if length is None or not timed:
-            return None
-        return min(timed, key=lambda k: abs(skip_length(k) - length))
+        return self.nearest_draft(kind, self.wall)
 
     def choose(self) -> str:
         for kind in self.kinds:  # each kind without a price once, the plain step first
