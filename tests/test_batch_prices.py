@@ -9,7 +9,7 @@ import pytest
 
 from layerskip.drafts.builder import MAX_ACCEPTANCE
 from layerskip.drafts.drafters.auto import StepPrices
-from layerskip.drafts.rules.costs import expected_tokens
+from layerskip.drafts.rules.costs import end_move, expected_tokens
 from layerskip.engine.step_kinds import EXPLORE_AFTER, EXPLORE_FIRST, StepKinds, price, priced
 
 
@@ -35,12 +35,16 @@ def test_a_batch_step_is_priced_from_the_calibrated_curves() -> None:
     assert prices.verify_rows(4, 4) == pytest.approx(0.040 * 0.026 / 0.014)
     assert prices.draft_rows_step(4) == pytest.approx(0.004 * 2)  # the rows curve doubles from 1 to 4 rows
     assert prices.verify_rows(2, 1) == pytest.approx(0.020 + (0.040 - 0.020) / 3)  # interpolated rows
+    # Four level rows: the batch's end moves by a position only where all four keep it.
     tokens, seconds = price(prices, "skip:3", 4)
-    assert tokens == pytest.approx(4 * expected_tokens(0.8, 3))
+    assert tokens == pytest.approx(4 * expected_tokens(0.8**4, 3))
     assert seconds == pytest.approx(3 * 0.008 + prices.verify_rows(4, 4))
+    # One row three tokens behind the others: only its own draft moves the end.
+    tokens, _ = price(prices, "skip:3", 4, gaps=(0, 3, 3, 3))
+    assert tokens == pytest.approx(4 * expected_tokens(0.8, 3))
     # Rows' own drafters, one after another, at their best length.
     tokens, seconds = price(prices, "draft", 2)
-    best = max((2 * expected_tokens(0.8, g)) / (2 * g * 0.004 + prices.verify_rows(2, g + 1)) for g in range(1, 7))
+    best = max((2 * expected_tokens(0.8**2, g)) / (2 * g * 0.004 + prices.verify_rows(2, g + 1)) for g in range(1, 7))
     assert tokens / seconds == pytest.approx(best)
     assert price(prices, "something else", 4) is None
     assert set(priced(prices, ("plain", "skip:3", "unknown"), 4)) == {"plain", "skip:3"}
@@ -63,8 +67,33 @@ def test_a_timed_wide_verify_prices_every_width_on_one_line() -> None:
 def test_a_draft_that_is_rarely_right_is_priced_below_a_plain_step() -> None:
     rate = {kind: tokens / seconds for kind, (tokens, seconds) in priced(_prices(0.05), ("plain", "skip:6"), 4).items()}
     assert rate["plain"] > rate["skip:6"]
-    rate = {kind: tokens / seconds for kind, (tokens, seconds) in priced(_prices(0.9), ("plain", "skip:6"), 4).items()}
+    rate = {kind: tokens / seconds for kind, (tokens, seconds) in priced(_prices(0.97), ("plain", "skip:6"), 4).items()}
     assert rate["skip:6"] > rate["plain"]
+
+
+def test_a_draft_moves_the_batch_end_as_far_as_the_rows_furthest_behind_keep_it() -> None:
+    assert end_move(0.7, 3, (0,)) == pytest.approx(expected_tokens(0.7, 3))  # one row
+    assert end_move(0.7, 3, (0, 0, 0)) == pytest.approx(expected_tokens(0.7**3, 3))  # level rows
+    assert end_move(0.7, 3, (0, 4, 9)) == pytest.approx(expected_tokens(0.7, 3))  # the others far ahead
+    # A row one token ahead needs one token fewer: 1 + 0.7 * 1 + 0.7**2 * 0.7 + 0.7**3 * 0.7**2.
+    assert end_move(0.7, 3, (0, 1)) == pytest.approx(1 + 0.7 + 0.7**3 + 0.7**5)
+    assert end_move(1.0, 6, (0,) * 16) == pytest.approx(7.0)
+
+
+def test_sixteen_level_rows_drafts_are_priced_at_the_batch_end_they_move() -> None:
+    """Sixteen level rows move the batch's end by a drafted token only where all sixteen keep it:
+    where a verify of four positions costs over two plain steps, no draft could pay even with every
+    token accepted, and none is tried; a row left far behind makes its draft worth a trial."""
+    prices = replace(_prices(0.9), plain={1: 0.020, 16: 0.100}, wide={1: 0.025, 16: 0.220})
+    menu = ("plain", "skip:3", "skip:6")
+    kinds = StepKinds(menu, prices=priced(prices, menu, 16), pricer=prices, rows=16)
+    assert kinds.hopeless("skip:3") and kinds.hopeless("skip:6")
+    for _ in range(300):
+        kinds.observe(kinds.choose(), 16, 0.100, wall=0.100)
+    assert set(kinds.steps) == {"plain"}
+    kinds.gaps = (0, *[6] * 15)  # one row six tokens behind the rest
+    assert not kinds.hopeless("skip:3")
+    assert kinds.price_rate("skip:3") > kinds.price_rate("plain")
 
 
 def test_priced_kinds_start_from_the_best_price_and_are_explored_by_their_priced_seconds() -> None:
@@ -215,7 +244,7 @@ def test_a_draft_run_before_any_plain_step_is_judged_by_its_own_clock() -> None:
     """A fresh batch starts with the kind priced best; where that draft runs far dearer than its
     price, it is found hopeless at once (the plain step taken to run at its price until it has
     run), not after a run of losing steps."""
-    prices = _prices()
+    prices = _prices(0.97)
     menu = ("plain", "skip:3", "skip:6")
     kinds = StepKinds(menu, prices=priced(prices, menu, 4), pricer=prices, rows=4)
     first = kinds.choose()
@@ -234,7 +263,7 @@ def test_a_menu_of_fewer_rows_starts_from_what_the_batch_measured() -> None:
     """Rows leave and the batch takes the menu of the rows left: where that menu has run no kind
     yet, it starts from the batch's measurements (scaled by its own prices), not from prices alone,
     which would open with the draft priced best that the batch had measured losing."""
-    prices = _prices(0.9)
+    prices = _prices(0.97)
     kinds = ("plain", "skip:3")
 
     def menu(rows: int) -> StepKinds:

@@ -166,6 +166,8 @@ class Stepper:
         return lasts
 
     def step(self) -> None:
+        left = [row.output.remaining for row in self.rows]
+        self.kinds.gaps = tuple(max(left) - row_left for row_left in left)
         kind = self.kinds.choose()
         grown = self.cache.growth_seconds
         start = self.clock.now()

@@ -38,13 +38,21 @@ itself (``auto``: lookup, the skip draft or nothing, its length by cost), which 
 measured over several steps, only approximate; with more rows, the rows share one verify and the
 batch's choice is what decides.
 
-Prices, with ``R`` rows, per-token acceptance ``a`` of the skip draft and ``E(a, g)`` the tokens a
-draft of ``g`` yields (``drafts.rules.costs.expected_tokens``):
+Prices count tokens the same way. With ``R`` rows, per-token acceptance ``a`` of the skip draft
+and ``M(a, g)`` how far a draft of ``g`` moves the batch's end (``drafts.rules.costs.end_move``:
+the end moves by ``j`` only where every row furthest behind keeps ``j - 1`` drafted tokens; ``R``
+rows level, ``E(a ** R, g)``, where one row's draft yields ``E(a, g)``):
 
     plain, lookup  R tokens in V(R, 1) (lookup at its narrowest: no match kept)
-    skip:N         R * E(a, N) tokens in N * D(R) + V(R, N + 1)
+    skip:N         R * M(a, N) tokens in N * D(R) + V(R, N + 1)
     draft          rows' own drafters, one row after another, at their best length g:
-                   R * E(a, g) tokens in R * g * c + V(R, g + 1)
+                   R * M(a, g) tokens in R * g * c + V(R, g + 1)
+
+Priced per row (``R * E(a, g)``), sixteen level rows' drafts looked worth a trial however often
+they lost: on SmolLM2 a 3-token draft cost about four plain steps and moved the end by one or two,
+and the 6-token one (eight plain steps) was tried after it. Priced by the end's move, a draft that
+could not pay even with every token accepted (``MAX_ACCEPTANCE``) is not tried (``hopeless``);
+rows that drifted apart (one row far behind the rest) make a draft worth its price again.
 
 ``V(R, 1)`` and ``V(R, 4)`` are the calibrated plain and wide batched verifies of ``R`` rows; other
 widths lie on the line through them (one row's verify curve, scaled from ``R`` positions to
@@ -94,15 +102,18 @@ def skip_length(kind: str) -> int | None:
     return int(kind.split(":")[1]) if kind.startswith("skip:") else None
 
 
-def price(prices: StepPrices, kind: str, rows: int, acceptance: float | None = None) -> Price | None:
+def price(
+    prices: StepPrices, kind: str, rows: int, acceptance: float | None = None, gaps: Sequence[int] = ()
+) -> Price | None:
     """Expected tokens and seconds of one step of ``kind`` for ``rows`` rows (None: a kind not priced),
-    at the running acceptance or at ``acceptance``."""
+    at the running acceptance or at ``acceptance``, the rows ``gaps`` ahead of the furthest behind
+    (level where empty)."""
     if kind in (PLAIN, LOOKUP):
         return prices.plain_step(rows)
     if (length := skip_length(kind)) is not None:
-        return prices.batched_skip(rows, length, acceptance)
+        return prices.batched_skip(rows, length, acceptance, gaps)
     if kind == DRAFT:
-        return prices.own_drafts(rows, acceptance)
+        return prices.own_drafts(rows, acceptance, gaps)
     return None
 
 
@@ -131,6 +142,9 @@ class StepKinds:
     # (the clock's seconds, the priced seconds) of the recent steps, but those run at a thread count
     # on trial (``engine.threads``)
     wall: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    # How far each row is ahead of the row furthest behind, as of the next step (the stepper's;
+    # empty: level). A draft moves the batch's end only as far as the rows furthest behind keep it.
+    gaps: tuple[int, ...] = ()
 
     def step_seconds(self, wall: float, width: int, batched_forwards: int, own_forwards: int) -> float:
         """A step's seconds as the rates count them: priced from its shape under a pricer, else ``wall``."""
@@ -153,7 +167,9 @@ class StepKinds:
         return sum(tokens for tokens, _ in recent) / max(seconds, 1e-9)
 
     def price_rate(self, kind: str) -> float:
-        tokens, seconds = self.prices[kind]
+        """The rate ``kind``'s price says, at the rows' present gaps where priced by a pricer."""
+        offer = price(self.pricer, kind, self.rows, gaps=self.gaps) if self.pricer is not None and self.gaps else None
+        tokens, seconds = offer or self.prices[kind]
         return tokens / max(seconds, 1e-9)
 
     def sibling_share(self, kind: str) -> float:
@@ -246,7 +262,7 @@ class StepKinds:
         wide verify dear)."""
         if self.pricer is None or kind in (PLAIN, LOOKUP):
             return False
-        best_case = price(self.pricer, kind, self.rows, acceptance=MAX_ACCEPTANCE)
+        best_case = price(self.pricer, kind, self.rows, acceptance=MAX_ACCEPTANCE, gaps=self.gaps)
         if best_case is None:
             return False
         others = [self.rate(other) for other in self.kinds if other != kind]

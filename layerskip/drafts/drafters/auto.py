@@ -49,7 +49,7 @@ from layerskip.drafts.drafters.branching import sibling_paths
 from layerskip.drafts.drafters.lookup import LookupDrafter, RankedRunLengths, RunCounts
 from layerskip.drafts.drafters.skip import ChainDraft, ChainDrafter
 from layerskip.drafts.policy.skip_policy import DraftSettings
-from layerskip.drafts.rules.costs import WIDE_BLOCK, DraftCosts, block_cost, expected_tokens
+from layerskip.drafts.rules.costs import WIDE_BLOCK, DraftCosts, block_cost, end_move, expected_tokens
 from layerskip.drafts.rules.draft_length import DraftLengthByCost, LengthPrior
 from layerskip.drafts.rules.tree_shape import Paths, Shape, merged_paths, shape_tree
 from layerskip.sampling import ROOT
@@ -326,18 +326,23 @@ class StepPrices:
         """Every row verifies its pending token (and a lookup step's rows without a match)."""
         return float(rows), self.verify_rows(rows, 1)
 
-    def batched_skip(self, rows: int, steps: int, acceptance: float | None = None) -> Price:
-        """All rows draft ``steps`` tokens in one product per token, then verify together."""
+    def batched_skip(self, rows: int, steps: int, acceptance: float | None = None, gaps: Sequence[int] = ()) -> Price:
+        """All rows draft ``steps`` tokens in one product per token, then verify together: the
+        tokens are the rows times how far the batch's end moves (``end_move``; ``gaps``: how far
+        each row is ahead of the furthest behind, level where empty), as the batch rates a step."""
         a = self.acceptance if acceptance is None else acceptance
-        return rows * expected_tokens(a, steps), self.step_seconds(rows, steps + 1, steps, 0)
+        moved = end_move(a, steps, gaps or (0,) * rows)
+        return rows * moved, self.step_seconds(rows, steps + 1, steps, 0)
 
-    def own_drafts(self, rows: int, acceptance: float | None = None) -> Price:
-        """Each row's own skip draft, one row after another, at the length that pays best."""
+    def own_drafts(self, rows: int, acceptance: float | None = None, gaps: Sequence[int] = ()) -> Price:
+        """Each row's own skip draft, one row after another, at the length that pays best (the
+        tokens as ``batched_skip`` counts them)."""
         a = self.acceptance if acceptance is None else acceptance
-        tokens, seconds = best_skip_offer(
-            a, rows * self.draft_step, lambda width: self.verify_rows(rows, width), self.max_draft
-        )
-        return rows * tokens, seconds
+        offers = [
+            (rows * end_move(a, g, gaps or (0,) * rows), rows * g * self.draft_step + self.verify_rows(rows, g + 1))
+            for g in range(1, self.max_draft + 1)
+        ]
+        return max(offers, key=lambda offer: offer[0] / offer[1])
 
 
 def best_head_rate(

@@ -40,6 +40,17 @@ def expected_tokens(acceptance: float, drafted: int) -> float:
     return (1.0 - acceptance ** (drafted + 1)) / (1.0 - acceptance)
 
 
+def end_move(acceptance: float, drafted: int, gaps: Sequence[int]) -> float:
+    """Mean tokens a batch's end moves by in a step where each row drafts ``drafted`` tokens, each
+    kept with ``acceptance`` while the ones before it were (``gaps``: how far each row is ahead of
+    the row furthest behind). The end is the most tokens any row still has to make: it moves by
+    ``j`` or more only where every row keeps ``j - gap`` tokens, its own next one included. One
+    row, or rows far apart: ``expected_tokens``; ``R`` rows level: ``expected_tokens(a ** R, g)``."""
+    return sum(
+        math.prod(acceptance ** (j - gap - 1) if j - gap > 1 else 1.0 for gap in gaps) for j in range(1, drafted + 2)
+    )
+
+
 # The verify width a batch's wide step is timed at (``DraftCosts.batch_wide``): a skip draft of 3
 # and its pending token. How a batched verify grows with its width depends on the row count (a few
 # rows' wide block can cost no more than their plain step; sixteen rows' can cost several), so it
