@@ -17,7 +17,9 @@ for round_name in ("round3", "round4", "round5"):
             by_size = {row["batch_size"]: row for row in data["batches"]}
             identical = "all" if all(row["identical_rows"] == row["rows"] for row in data["batches"]) else "NOT all"
             vs_hf = [by_size[size]["speedup"] for size in (2, 4, 8, 16) if size in by_size]
-            cells = " | ".join(f"{by_size[size]['vs_plain']:.2f}" if size in by_size else "-" for size in (1, 2, 4, 8, 16))
+            cells = " | ".join(
+                f"{by_size[size]['vs_plain']:.2f}" if size in by_size else "-" for size in (1, 2, 4, 8, 16)
+            )
             run = tag.replace("2", " again")
             commit = data["environment"]["commit"][:7]
             hf = f"{min(vs_hf):.2f}-{max(vs_hf):.2f}"
