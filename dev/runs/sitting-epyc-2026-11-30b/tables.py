@@ -7,7 +7,7 @@ import sys
 root = sys.argv[1]
 print("| round | model | run | commit | 1 row | 2 rows | 4 rows | 8 rows | 16 rows | ÷ HF | identical |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
-for round_name in ("round3", "round4", "round5"):
+for round_name in ("round3", "round4", "round5", "round6"):
     for model in ("smollm2-135m", "gemma3-270m"):
         for tag in ("old", "new", "old2"):
             path = f"{root}/{round_name}/batch-{model}-{tag}/batches.json"
